@@ -1,0 +1,290 @@
+"""The ``s2s`` command line: parse, build a config, call the library, print.
+
+Results go to stdout, progress and logs to stderr, so every command works in
+a pipe.  A bad input is one line ``s2s: error: ...`` and a non-zero exit
+(``--debug`` shows the traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from s2s.config import load_config, replace
+from s2s.errors import ConfigError, S2SError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
+                  help="Train and run encoder-decoder transformers for translation and summarization.")
+tokenizer_app = typer.Typer(no_args_is_help=True, help="SentencePiece tokenizers.")
+app.add_typer(tokenizer_app, name="tokenizer")
+
+log = logging.getLogger("s2s")
+_DEBUG = {"on": False}
+
+SetOption = typer.Option(None, "--set", metavar="KEY=VALUE",
+                         help="Override a config key, e.g. --set model.d_model=512 (repeatable).")
+
+
+@app.callback()
+def main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
+         quiet: bool = typer.Option(False, "--quiet", "-q", help="Only warnings and errors on stderr.")):
+    _DEBUG["on"] = debug
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, stream=sys.stderr,
+                        format="s2s: %(message)s")
+    for noisy in ("sacrebleu",):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+def _load(config: Path, overrides: Optional[List[str]]):
+    return load_config(config, overrides or [])
+
+
+# --------------------------------------------------------------------------- #
+@tokenizer_app.command("train")
+def tokenizer_train(
+    config: Path = typer.Argument(..., help="Experiment YAML."),
+    vocab_size: Optional[int] = typer.Option(None, help="Vocabulary size (tokenizer.vocab_size)."),
+    type: Optional[str] = typer.Option(None, "--type", help="unigram or bpe (tokenizer.type)."),
+    joint: Optional[bool] = typer.Option(None, "--joint/--separate",
+                                         help="One vocabulary for both sides, or one each."),
+    character_coverage: Optional[float] = typer.Option(None, help="tokenizer.character_coverage"),
+    sentinels: Optional[int] = typer.Option(None, help="Reserved <extra_id_N> symbols."),
+    set_: Optional[List[str]] = SetOption,
+):
+    """Train SentencePiece on the config's training corpus; writes spm*.model into data.dir.
+
+    Example: `s2s tokenizer train recipes/quickstart.yaml --vocab-size 8000 --type bpe`
+    """
+    from s2s.tokenizer import train_tokenizer
+
+    overrides = list(set_ or [])
+    for key, value in (("vocab_size", vocab_size), ("type", type), ("joint", joint),
+                       ("character_coverage", character_coverage), ("sentinels", sentinels)):
+        if value is not None:
+            overrides.append(f"tokenizer.{key}={json.dumps(value)}")
+    cfg = _load(config, overrides)
+    for path in train_tokenizer(cfg.tokenizer, cfg.data, seed=cfg.seed):
+        typer.echo(str(path))
+
+
+@app.command()
+def prepare(config: Path = typer.Argument(..., help="Experiment YAML."),
+            set_: Optional[List[str]] = SetOption):
+    """Clean, encode and binarize the corpora; prints pairs read, kept and dropped per reason.
+
+    Example: `s2s prepare recipes/quickstart.yaml`
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from s2s.data import DROP_REASONS, prepare as run_prepare
+
+    cfg = _load(config, set_)
+    stats = run_prepare(cfg)
+    table = Table(title=f"prepared into {cfg.data.dir}")
+    for col in ("split", "read", "kept", *(f"dropped: {r}" for r in DROP_REASONS)):
+        table.add_column(col, justify="right")
+    for split, st in stats.items():
+        table.add_row(split, str(st.read), str(st.kept), *(str(st.dropped[r]) for r in DROP_REASONS))
+    Console().print(table)
+
+
+@app.command()
+def train(config: Path = typer.Argument(..., help="Experiment YAML."),
+          output: Optional[Path] = typer.Option(None, "-o", "--output",
+                                                help="Run directory (default: output_dir of the config)."),
+          resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint."),
+          set_: Optional[List[str]] = SetOption):
+    """Train with teacher forcing; the run directory becomes a model directory.
+
+    Example: `s2s train recipes/quickstart.yaml -o exp --set train.max_time=10m`
+    """
+    from s2s.train import train as run_train
+
+    cfg = _load(config, set_)
+    run_dir = run_train(cfg, output, resume=resume)
+    typer.echo(str(run_dir))
+
+
+@app.command()
+def translate(
+    model: Path = typer.Option(..., "-m", "--model", help="Model directory (a training run)."),
+    input: str = typer.Option("-", "--input", "-i", help="Input file; - reads stdin."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o",
+                                          help="Write here (complete files only) instead of stdout."),
+    beam: Optional[int] = typer.Option(None, "--beam", "-b", help="Beam size; 1 = greedy."),
+    alpha: Optional[float] = typer.Option(None, help="Length penalty exponent of lp(m)."),
+    length_penalty: Optional[str] = typer.Option(None, help="gnmt: ((5+m)/6)^alpha, power: m^alpha, none."),
+    nbest: Optional[int] = typer.Option(None, help="Print the K best as `LINE ||| TEXT ||| SCORE`."),
+    max_len_a: Optional[float] = typer.Option(None, help="Max output length a*|x|+b: a."),
+    max_len_b: Optional[int] = typer.Option(None, help="Max output length a*|x|+b: b."),
+    min_len: Optional[int] = typer.Option(None, help="Minimum output tokens before </s>."),
+    batch_tokens: Optional[int] = typer.Option(None, help="Source tokens per batch."),
+    threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
+    unbuffered: bool = typer.Option(False, "--unbuffered", help="Translate and flush line by line."),
+    errors: str = typer.Option("strict", help="Invalid UTF-8 input: strict (error) or replace."),
+):
+    """Translate stdin (or --input) line by line to stdout: exactly one output line per input line.
+
+    Example: `s2s translate -m exp --beam 5 < test.en | s2s score - test.de`
+    """
+    import torch
+
+    from s2s.textio import atomic_write, read_lines
+    from s2s.translate import Translator
+
+    if errors not in ("strict", "replace"):
+        raise S2SError(f"--errors: {errors!r} is not strict or replace")
+    if threads:
+        torch.set_num_threads(threads)
+    overrides = {k: v for k, v in dict(beam=beam, alpha=alpha, length_penalty=length_penalty,
+                                       nbest=nbest, max_len_a=max_len_a, max_len_b=max_len_b,
+                                       min_len=min_len, batch_tokens=batch_tokens).items()
+                 if v is not None}
+    translator = Translator.from_dir(model)
+    try:
+        translator.decode = replace(translator.decode, **overrides)
+    except ConfigError as e:
+        raise S2SError(f"translate options: {e}") from None
+    if input != "-" and not Path(input).exists():
+        raise S2SError(f"{input}: no such file")
+    interactive = unbuffered or (input == "-" and sys.stdin.isatty())
+    lines = read_lines(input, errors)
+    chunk = 1 if interactive else 1000
+    show_nbest = translator.decode.nbest > 1 or nbest is not None
+
+    def write_all(out) -> None:
+        for t in translator.translate_lines(lines, chunk_lines=chunk):
+            if show_nbest:
+                for text, h in zip(t.texts, t.hypotheses):
+                    out.write(f"{t.line_no - 1} ||| {text} ||| {h.score:.4f}\n")
+                if not t.hypotheses:
+                    out.write(f"{t.line_no - 1} |||  ||| 0.0000\n")
+            else:
+                out.write(t.text + "\n")
+            if interactive or t.line_no % chunk == 0:
+                out.flush()
+
+    if output is not None:
+        with atomic_write(output) as f:
+            write_all(f)
+    else:
+        write_all(sys.stdout)
+        sys.stdout.flush()
+
+
+@app.command()
+def score(hyp: str = typer.Argument(..., help="Hypotheses file; - reads stdin."),
+          refs: List[str] = typer.Argument(..., help="One or more reference files."),
+          metrics: str = typer.Option("bleu,chrf,ter", help="Comma-separated: bleu, chrf, ter."),
+          as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout.")):
+    """Score hypotheses against references with sacrebleu (BLEU, chrF, TER, with signatures).
+
+    Example: `s2s translate -m exp < test.en | s2s score - test.de --json`
+    """
+    from s2s.metrics import METRICS, corpus_scores
+    from s2s.textio import read_lines
+
+    names = [m.strip().lower() for m in metrics.split(",") if m.strip()]
+    for name in names:
+        if name not in METRICS:
+            raise S2SError(f"--metrics: {name!r} is not one of {', '.join(METRICS)}")
+    if sum(1 for f in [hyp, *refs] if f == "-") > 1:
+        raise S2SError("only one of HYP and REF can be - (stdin)")
+    hyps = list(read_lines(hyp))
+    ref_lists = [list(read_lines(r)) for r in refs]
+    for r, lines in zip(refs, ref_lists):
+        if len(lines) != len(hyps):
+            raise S2SError(f"{hyp} has {len(hyps)} lines but {r} has {len(lines)}")
+    results = corpus_scores(hyps, ref_lists, names)
+    if as_json:
+        typer.echo(json.dumps({s.name: s.to_dict() for s in results}))
+    else:
+        for s in results:
+            typer.echo(f"{s.name.upper():5s} {s.score:6.2f}   {s.details}   [{s.signature}]")
+
+
+@app.command()
+def info(path: Path = typer.Argument(..., help="A model directory or an experiment YAML.")):
+    """The architecture and its parameter count beside the budget 12*N_enc*d^2 + 16*N_dec*d^2 + V*d.
+
+    Example: `s2s info exp` or `s2s info recipes/ddtp-en-de.yaml`
+    """
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from s2s.model import Seq2SeqTransformer, count_parameters, parameter_budget
+
+    if path.is_dir():
+        from s2s.modeldir import CONFIG, read_meta
+
+        meta = read_meta(path)
+        cfg = load_config(path / CONFIG)
+        from s2s.tokenizer import Tokenizer
+
+        tok = Tokenizer.load(path, cfg.data, cfg.tokenizer.joint)
+        src_v, tgt_v = tok.src_vocab_size, tok.tgt_vocab_size
+    else:
+        cfg = load_config(path)
+        meta = None
+        src_v = tgt_v = cfg.tokenizer.vocab_size
+    with torch.device("meta"):
+        model = Seq2SeqTransformer(cfg.model, src_v, tgt_v)
+    m = cfg.model
+    n = count_parameters(model)
+    budget = parameter_budget(m, tgt_v)
+    table = Table(title=f"{path}", show_header=False)
+    rows = [
+        ("architecture", f"{m.arch}, {m.norm}-norm, {m.activation} FFN, {m.positions} positions"),
+        ("layers", f"{m.enc_layers} encoder + {m.dec_layers} decoder"),
+        ("d_model / heads / d_head / d_ff", f"{m.d_model} / {m.heads} / {m.d_head} / {m.d_ff}"),
+        ("vocabulary (src / tgt)", f"{src_v} / {tgt_v}{' (shared embeddings)' if m.share_embeddings else ''}"
+                                   f"{', tied output' if m.tie_output else ''}"),
+        ("parameters", f"{n:,}"),
+        ("budget 12·N_enc·d² + 16·N_dec·d² + V·d", f"{budget:,}  (actual/budget = {n / budget:.3f})"),
+    ]
+    if meta:
+        rows.append(("trained", ", ".join(f"{k} {v}" for k, v in meta.items()
+                                          if k in ("step", "dev_bleu", "dev_loss"))))
+    for k, v in rows:
+        table.add_row(k, v)
+    Console().print(table)
+
+
+# --------------------------------------------------------------------------- #
+def run() -> None:
+    """Entry point: run the app, turning S2SError into one line and an exit code."""
+    try:
+        app(standalone_mode=False)
+    except S2SError as e:
+        if _DEBUG["on"]:
+            raise
+        print(f"s2s: error: {e}", file=sys.stderr)
+        sys.exit(getattr(e, "exit_code", 1))
+    except KeyboardInterrupt:
+        print("s2s: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except BrokenPipeError:
+        # the reader went away (e.g. `| head`): not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        sys.exit(141)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except Exception as e:  # click usage errors come through here in non-standalone mode
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if isinstance(e, click.exceptions.Abort):
+            print("s2s: aborted", file=sys.stderr)
+            sys.exit(130)
+        raise

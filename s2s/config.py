@@ -1,0 +1,367 @@
+"""Typed experiment configuration: frozen dataclasses loaded from one YAML file.
+
+An experiment YAML has the top-level keys ``name``, ``seed``, ``output_dir``
+and one section per stage: ``tokenizer``, ``data``, ``model``, ``train``,
+``decode``.  Every key has exactly one name, used both in YAML and in
+``--set section.key=value`` overrides.  Loading checks, with an error that
+names the file and the key:
+
+* unknown keys (the message lists the valid ones),
+* types (``int``, ``float``, ``bool``, ``str``, ``Literal`` choices),
+* values and cross-field constraints (``__post_init__`` of each section).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from s2s.errors import ConfigError
+
+# --------------------------------------------------------------------------- #
+# Sections
+# --------------------------------------------------------------------------- #
+
+
+def _check(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """SentencePiece settings (``s2s tokenizer train``)."""
+
+    type: Literal["unigram", "bpe"] = "unigram"
+    joint: bool = True  # one vocabulary for source and target
+    vocab_size: int = 8000  # per vocabulary; includes the special symbols
+    character_coverage: float = 1.0
+    byte_fallback: bool = False
+    sentinels: int = 0  # <extra_id_0> .. <extra_id_{n-1}> reserved for denoising
+    max_sentences: int = 2_000_000  # sentences sampled for training the model
+
+    def __post_init__(self) -> None:
+        _check(self.vocab_size >= 16, "tokenizer.vocab_size", "must be >= 16")
+        _check(0.9 <= self.character_coverage <= 1.0, "tokenizer.character_coverage",
+               "must be in [0.9, 1.0]")
+        _check(self.sentinels >= 0, "tokenizer.sentinels", "must be >= 0")
+        _check(self.max_sentences > 0, "tokenizer.max_sentences", "must be > 0")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Parallel corpora and the cleaning rules of ``s2s prepare``.
+
+    ``train``/``dev``/``test`` are path prefixes: the files are
+    ``{prefix}.{src_lang}`` and ``{prefix}.{tgt_lang}``, optionally gzipped
+    (``.gz`` is tried when the plain file does not exist).
+    """
+
+    src_lang: str = "src"
+    tgt_lang: str = "tgt"
+    train: str = ""
+    dev: str = ""
+    test: str = ""
+    dir: str = "prepared"  # tokenizer models and binarized splits go here
+    max_tokens_per_sentence: int = 256  # longer pairs are dropped from train
+    max_length_ratio: float = 3.0  # drop train pairs with len ratio above this
+    dedupe: bool = True
+
+    def __post_init__(self) -> None:
+        _check(bool(self.src_lang) and bool(self.tgt_lang), "data.src_lang",
+               "src_lang and tgt_lang must be non-empty")
+        _check(self.src_lang != self.tgt_lang, "data.tgt_lang",
+               "must differ from data.src_lang (file suffixes would collide)")
+        _check(self.max_tokens_per_sentence >= 1, "data.max_tokens_per_sentence", "must be >= 1")
+        _check(self.max_length_ratio >= 1.0, "data.max_length_ratio", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The encoder-decoder transformer (formula sheet, Lessons 2-5)."""
+
+    arch: Literal["encoder_decoder"] = "encoder_decoder"
+    d_model: int = 256
+    heads: int = 4
+    enc_layers: int = 3
+    dec_layers: int = 3
+    d_ff: int = 1024
+    activation: Literal["relu", "gelu"] = "relu"
+    norm: Literal["pre", "post"] = "pre"  # pre: formula sheet; post: decoder.txt
+    positions: Literal["sinusoidal", "learned", "t5_bias"] = "sinusoidal"
+    max_positions: int = 1024  # learned positions table size
+    rel_buckets: int = 32  # t5_bias: number of buckets
+    rel_max_distance: int = 128  # t5_bias: distance mapped to the last bucket
+    scale_embeddings: bool = True  # multiply embeddings by sqrt(d_model)
+    tie_output: bool = True  # W_U = E^T
+    share_embeddings: bool = True  # one embedding for source and target
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        for key in ("d_model", "heads", "d_ff", "max_positions", "rel_buckets", "rel_max_distance"):
+            _check(getattr(self, key) >= 1, f"model.{key}", "must be >= 1")
+        _check(self.enc_layers >= 1, "model.enc_layers", "must be >= 1")
+        _check(self.dec_layers >= 1, "model.dec_layers", "must be >= 1")
+        _check(self.d_model % self.heads == 0, "model.d_model",
+               f"d_model={self.d_model} is not divisible by heads={self.heads}")
+        _check(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+        _check(0.0 <= self.attention_dropout < 1.0, "model.attention_dropout", "must be in [0, 1)")
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.heads
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Teacher-forced training (formula sheet, Lesson 8)."""
+
+    max_tokens: int = 4096  # padded source+target tokens per batch (upper bound)
+    update_freq: int = 1  # batches accumulated per update
+    lr: float = 1e-3  # peak learning rate
+    warmup_steps: int = 4000  # inverse-sqrt schedule warmup
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip_norm: float = 1.0  # 0 disables
+    label_smoothing: float = 0.1
+    max_steps: int = 100_000  # 0: no limit
+    max_epochs: int = 0  # 0: no limit
+    max_time: str = ""  # wall-clock budget: "900", "15m", "1h"; "" no limit
+    precision: Literal["fp32", "bf16"] = "fp32"
+    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    log_every: int = 50
+    validate_every: int = 1000  # steps between dev loss/BLEU (and checkpoints)
+    dev_bleu_sentences: int = 300  # dev sentences translated for BLEU; 0 skips BLEU
+    dev_beam: int = 1  # beam used for dev BLEU (1 = greedy)
+    best_metric: Literal["bleu", "loss"] = "bleu"
+    keep_checkpoints: int = 3  # last N checkpoints kept
+    init_from: str = ""  # model directory whose weights start training
+
+    def __post_init__(self) -> None:
+        for key in ("max_tokens", "update_freq", "log_every", "validate_every", "keep_checkpoints",
+                    "dev_beam"):
+            _check(getattr(self, key) >= 1, f"train.{key}", "must be >= 1")
+        for key in ("max_steps", "max_epochs", "warmup_steps", "threads", "dev_bleu_sentences"):
+            _check(getattr(self, key) >= 0, f"train.{key}", "must be >= 0")
+        _check(self.lr > 0, "train.lr", "must be > 0")
+        _check(0.0 <= self.label_smoothing < 1.0, "train.label_smoothing", "must be in [0, 1)")
+        _check(0.0 <= self.adam_beta1 < 1.0 and 0.0 <= self.adam_beta2 < 1.0, "train.adam_beta1",
+               "Adam betas must be in [0, 1)")
+        _check(self.clip_norm >= 0, "train.clip_norm", "must be >= 0")
+        parse_duration(self.max_time, "train.max_time")
+        _check(bool(self.max_steps or self.max_epochs or self.max_time), "train.max_steps",
+               "set at least one of train.max_steps, train.max_epochs, train.max_time")
+        _check(self.best_metric == "loss" or self.dev_bleu_sentences > 0, "train.best_metric",
+               "bleu needs train.dev_bleu_sentences > 0")
+
+    @property
+    def max_seconds(self) -> float:
+        return parse_duration(self.max_time, "train.max_time")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Search settings for ``s2s translate`` (formula sheet, Lesson 9)."""
+
+    beam: int = 5  # 1 = greedy
+    alpha: float = 0.6  # length-penalty exponent
+    length_penalty: Literal["gnmt", "power", "none"] = "gnmt"
+    max_len_a: float = 1.5  # max output length = a * |x| + b
+    max_len_b: int = 10
+    min_len: int = 0
+    nbest: int = 1
+    batch_tokens: int = 4096  # source tokens per decoding batch
+    max_input_tokens: int = 1024  # longer inputs are truncated with a warning
+
+    def __post_init__(self) -> None:
+        _check(self.beam >= 1, "decode.beam", "must be >= 1")
+        _check(1 <= self.nbest <= self.beam, "decode.nbest", "must be in [1, beam]")
+        _check(self.alpha >= 0, "decode.alpha", "must be >= 0")
+        _check(self.max_len_a >= 0 and self.max_len_b >= 1, "decode.max_len_b",
+               "max_len_a must be >= 0 and max_len_b >= 1")
+        _check(self.min_len >= 0, "decode.min_len", "must be >= 0")
+        _check(self.batch_tokens >= 1, "decode.batch_tokens", "must be >= 1")
+        _check(self.max_input_tokens >= 1, "decode.max_input_tokens", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    name: str = "experiment"
+    seed: int = 1
+    output_dir: str = ""  # run directory of `s2s train` (overridden by -o)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    def __post_init__(self) -> None:
+        if self.model.share_embeddings and not self.tokenizer.joint:
+            raise ConfigError("model.share_embeddings: needs a joint vocabulary "
+                              "(tokenizer.joint: true) or share_embeddings: false")
+
+
+# --------------------------------------------------------------------------- #
+# Loading, validation, overrides
+# --------------------------------------------------------------------------- #
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+
+
+def parse_duration(text: str, key: str = "duration") -> float:
+    """'' -> inf; '90' or '90s' -> 90; '15m' -> 900; '2h' -> 7200."""
+    if text == "" or text is None:
+        return float("inf")
+    m = _DURATION.match(str(text))
+    if not m:
+        raise ConfigError(f"{key}: {text!r} is not a duration like 900, 15m or 2h")
+    unit = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+    return float(m.group(1)) * unit
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted as floats."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, choices))}")
+        return value
+    if origin is typing.Union:  # Optional[X]
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if isinstance(value, bool) or value is None or isinstance(value, (dict, list)):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    raise TypeError(f"unsupported config annotation {tp!r} for {key}")
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix[:-1] or 'config'}: expected a mapping of keys, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        full = f"{prefix}{key}"
+        if key not in fields:
+            raise ConfigError(f"{full}: unknown key (valid keys{' in ' + prefix[:-1] if prefix else ''}: "
+                              f"{', '.join(fields)})")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value, f"{full}.")
+        else:
+            kwargs[key] = _coerce(value, tp, full)
+    return cls(**kwargs)
+
+
+def config_from_dict(raw: dict, source: str = "<config>") -> ExperimentConfig:
+    """Validate a plain dict into an :class:`ExperimentConfig`; errors name ``source``."""
+    try:
+        return _build(ExperimentConfig, raw, "")
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'model.d_model=512' -> ('model.d_model', 512); the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text}: expected key=value, e.g. --set model.d_model=512")
+    key, _, value = text.partition("=")
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"--set {text}: empty key")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value
+    if isinstance(parsed, (dict, list)):
+        parsed = value  # keep flow-looking strings as they are
+    return key, parsed
+
+
+def read_yaml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{p}: no such file")
+    if p.is_dir():
+        raise ConfigError(f"{p}: is a directory, expected a YAML file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not valid UTF-8 (byte {e.start})") from None
+    if "\x00" in text:
+        raise ConfigError(f"{p}: contains NUL bytes, not a YAML file")
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{p}:{where}: YAML does not parse: {problem}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: expected a mapping of sections at the top level")
+    return raw
+
+
+def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> ExperimentConfig:
+    """Read ``path`` (YAML), apply ``--set`` overrides, validate."""
+    raw = read_yaml(path)
+    for item in overrides or []:
+        key, value = parse_override(item)
+        _set_dotted(raw, key, value)
+    return config_from_dict(raw, str(path))
+
+
+def to_dict(cfg: ExperimentConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: ExperimentConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True)
+
+
+def replace(cfg: Any, **changes: Any) -> Any:
+    """``dataclasses.replace`` that re-runs validation (frozen configs)."""
+    return dataclasses.replace(cfg, **changes)

@@ -1,0 +1,13 @@
+"""One exception type for every user-facing error.
+
+The CLI prints ``S2SError`` as a single line (``s2s: error: ...``) and exits
+non-zero; any other exception is a bug and keeps its traceback.
+"""
+
+
+class S2SError(Exception):
+    """A bad input: its message names the file, line or key at fault."""
+
+
+class ConfigError(S2SError):
+    """An invalid experiment configuration (unknown key, wrong type, bad value)."""

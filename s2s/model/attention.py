@@ -1,0 +1,129 @@
+"""Attention: masks, the reference scaled dot-product, multi-head attention.
+
+Glossary (used in every shape comment of s2s.model):
+    B        batch size (sentences, or sentences x beams while searching)
+    S        source length (encoder positions, keys of cross-attention)
+    T        target length (decoder positions)
+    d_model  model width d;  heads h;  d_head = d_model / heads (d_k = d_v)
+    V        vocabulary size
+
+Masks are *additive* float tensors: 0 where attention is allowed, -inf where
+it is blocked, broadcast against the scores (B, heads, T_q, T_k).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+NEG_INF = float("-inf")
+
+
+# --------------------------------------------------------------------------- #
+# Masks (formula sheet, Lessons 2, 3, 4)
+# --------------------------------------------------------------------------- #
+
+def causal_mask(T: int, device: Optional[torch.device] = None) -> Tensor:
+    """M^causal_ij = 0 if j <= i else -inf.   Shape (T, T)."""
+    blocked = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
+    return torch.zeros(T, T, device=device).masked_fill(blocked, NEG_INF)
+
+
+def padding_mask(tokens: Tensor, pad_id: int) -> Tensor:
+    """M^pad_j = -inf where key j is padding, else 0.
+
+    tokens (B, S) -> mask (B, 1, 1, S), broadcast over heads and query rows.
+    """
+    return torch.zeros(tokens.shape, device=tokens.device).masked_fill(
+        tokens == pad_id, NEG_INF)[:, None, None, :]
+
+
+# --------------------------------------------------------------------------- #
+# Scaled dot-product attention
+# --------------------------------------------------------------------------- #
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None,
+              scale: bool = True, dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+    """The reference path: A = softmax(Q K^T / sqrt(d_k) + M),  out = A V.
+
+    q (..., T_q, d_k), k (..., T_k, d_k), v (..., T_k, d_v), mask broadcastable
+    to (..., T_q, T_k).  Returns (out (..., T_q, d_v), A (..., T_q, T_k)).
+    ``scale=False`` drops the 1/sqrt(d_k) (worked example 5's "unscaled").
+    Each row of A sums to 1 over the unmasked keys (before any dropout,
+    which is applied to A only for the product with V).
+    """
+    scores = q @ k.transpose(-2, -1)  # (..., T_q, T_k)
+    if scale:
+        scores = scores / math.sqrt(q.size(-1))
+    if mask is not None:
+        scores = scores + mask
+    A = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    return F.dropout(A, dropout_p) @ v if dropout_p else A @ v, A
+
+
+class MultiHeadAttention(nn.Module):
+    """MHA(X, Y) = concat_h(attention(X W_Q^h, Y W_K^h, Y W_V^h)) W_O.
+
+    Self-attention (``cross=False``) projects Q, K, V with one fused (d, 3d)
+    matmul; cross-attention projects Q from the decoder and K, V with one
+    fused (d, 2d) matmul over H_enc, so the K/V cache can be built once.
+    """
+
+    def __init__(self, d_model: int, heads: int, dropout: float = 0.0, cross: bool = False):
+        super().__init__()
+        self.heads = heads
+        self.d_head = d_model // heads
+        self.cross = cross
+        self.dropout = dropout
+        if cross:
+            self.q_proj = nn.Linear(d_model, d_model)
+            self.kv_proj = nn.Linear(d_model, 2 * d_model)
+        else:
+            self.qkv_proj = nn.Linear(d_model, 3 * d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    # ---- shape helpers --------------------------------------------------- #
+    def split_heads(self, x: Tensor) -> Tensor:
+        B, L, _ = x.shape
+        return x.view(B, L, self.heads, self.d_head).transpose(1, 2)  # (B, heads, L, d_head)
+
+    def merge_heads(self, x: Tensor) -> Tensor:
+        B, _, L, _ = x.shape
+        return x.transpose(1, 2).reshape(B, L, self.heads * self.d_head)  # (B, L, d_model)
+
+    # ---- projections ----------------------------------------------------- #
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Self-attention Q, K, V, each (B, heads, L, d_head)."""
+        q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # 3 x (B, L, d_model)
+        return self.split_heads(q), self.split_heads(k), self.split_heads(v)
+
+    def project_kv(self, h_enc: Tensor) -> tuple[Tensor, Tensor]:
+        """Cross-attention K = H_enc W_K^c, V = H_enc W_V^c, each (B, heads, S, d_head)."""
+        k, v = self.kv_proj(h_enc).chunk(2, dim=-1)  # 2 x (B, S, d_model)
+        return self.split_heads(k), self.split_heads(v)
+
+    def project_q(self, x: Tensor) -> Tensor:
+        return self.split_heads(self.q_proj(x))  # (B, heads, T, d_head)
+
+    # ---- attention ------------------------------------------------------- #
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
+               need_weights: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+        """Heads attend and are merged and projected: (B, T_q, d_model).
+
+        The fast path is torch's ``scaled_dot_product_attention``; with
+        ``need_weights`` the reference :func:`attention` runs instead and the
+        weights A (B, heads, T_q, T_k) are returned too.
+        """
+        p = self.dropout if self.training else 0.0
+        if need_weights:
+            out, A = attention(q, k, v, mask, dropout_p=p)
+        else:
+            if mask is not None:
+                mask = mask.to(q.dtype)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+            A = None
+        return self.out_proj(self.merge_heads(out)), A

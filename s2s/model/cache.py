@@ -1,0 +1,57 @@
+"""The incremental-decoding state: one explicit object, owned by the search.
+
+Per decoder layer it holds
+  * the self-attention K/V of every position decoded so far, which grow by
+    one position per step (the prefix is never recomputed), and
+  * the cross-attention K/V, computed once from H_enc and fixed for all steps
+    (formula sheet, Lesson 9),
+plus the source padding mask.  ``select(index)`` reorders (or shrinks) every
+tensor along the batch dimension at once: beams that survive a step, or
+sentences that are still being decoded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class LayerCache:
+    cross_k: Tensor  # (B, heads, S, d_head)
+    cross_v: Tensor  # (B, heads, S, d_head)
+    self_k: Optional[Tensor] = None  # (B, heads, t, d_head)
+    self_v: Optional[Tensor] = None  # (B, heads, t, d_head)
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Add this step's self-attention K/V (B, heads, 1, d_head); return all of them."""
+        if self.self_k is None:
+            self.self_k, self.self_v = k, v
+        else:
+            self.self_k = torch.cat([self.self_k, k], dim=2)  # (B, heads, t+1, d_head)
+            self.self_v = torch.cat([self.self_v, v], dim=2)
+        return self.self_k, self.self_v
+
+
+@dataclass
+class DecoderCache:
+    layers: list[LayerCache]
+    src_mask: Tensor  # (B, 1, 1, S) additive
+    step: int = 0  # number of target positions already decoded
+
+    @property
+    def batch_size(self) -> int:
+        return self.src_mask.size(0)
+
+    def select(self, index: Tensor) -> None:
+        """Keep rows ``index`` (1-D LongTensor) of every cached tensor, in that order."""
+        self.src_mask = self.src_mask.index_select(0, index)
+        for layer in self.layers:
+            layer.cross_k = layer.cross_k.index_select(0, index)
+            layer.cross_v = layer.cross_v.index_select(0, index)
+            if layer.self_k is not None:
+                layer.self_k = layer.self_k.index_select(0, index)
+                layer.self_v = layer.self_v.index_select(0, index)

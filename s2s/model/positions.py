@@ -1,0 +1,95 @@
+"""Position information: sinusoidal or learned input embeddings, or the T5
+relative-position bias added to the attention logits (formula sheet, Lesson 5).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+def sinusoidal_table(positions: Tensor, d_model: int) -> Tensor:
+    """PE(pos) = [sin(pos w_i)]_{i<d/2} ++ [cos(pos w_i)]_{i<d/2},  w_i = 10000^(-2i/d).
+
+    positions (L,) -> (L, d_model).  (Sines in the first half and cosines in
+    the second, the layout fairseq and Marian use.)
+    """
+    half = d_model // 2
+    i = torch.arange(half, dtype=torch.float32, device=positions.device)
+    w = torch.exp(-math.log(10000.0) * 2 * i / d_model)  # (d/2,)
+    angles = positions.float()[:, None] * w[None, :]  # (L, d/2)
+    table = torch.cat([angles.sin(), angles.cos()], dim=-1)
+    if d_model % 2:
+        table = torch.nn.functional.pad(table, (0, 1))
+    return table
+
+
+class SinusoidalPositions(nn.Module):
+    def __init__(self, d_model: int):
+        super().__init__()
+        self.d_model = d_model
+
+    def forward(self, L: int, start: int = 0, device=None) -> Tensor:
+        pos = torch.arange(start, start + L, device=device)
+        return sinusoidal_table(pos, self.d_model)  # (L, d_model)
+
+
+class LearnedPositions(nn.Module):
+    def __init__(self, max_positions: int, d_model: int):
+        super().__init__()
+        self.max_positions = max_positions
+        self.table = nn.Embedding(max_positions, d_model)
+        nn.init.normal_(self.table.weight, std=d_model ** -0.5)
+
+    def forward(self, L: int, start: int = 0, device=None) -> Tensor:
+        if start + L > self.max_positions:
+            raise ValueError(f"position {start + L - 1} exceeds model.max_positions={self.max_positions}")
+        return self.table(torch.arange(start, start + L, device=device))  # (L, d_model)
+
+
+def relative_position_bucket(distance: Tensor, bidirectional: bool, num_buckets: int,
+                             max_distance: int) -> Tensor:
+    """bucket(i - j) of T5 for query i and key j (``distance = i - j``).
+
+    Bidirectional: half the buckets for keys after the query (j > i), half for
+    keys at or before it.  Unidirectional: keys after the query share bucket 0.
+    Within each half, distances below ``max_exact = n/2`` get their own
+    bucket; larger ones are log-spaced up to ``max_distance``:
+        bucket(n) = max_exact + log(n / max_exact) / log(max_distance / max_exact)
+                    * (n_buckets - max_exact),   capped at n_buckets - 1.
+    """
+    bucket = torch.zeros_like(distance)
+    if bidirectional:
+        num_buckets //= 2
+        bucket = bucket + (distance < 0).long() * num_buckets  # key to the right
+        n = distance.abs()
+    else:
+        n = distance.clamp(min=0)
+    max_exact = num_buckets // 2
+    is_small = n < max_exact
+    large = max_exact + (
+        torch.log(n.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact)
+        * (num_buckets - max_exact)
+    ).long()
+    large = large.clamp(max=num_buckets - 1)
+    return bucket + torch.where(is_small, n, large)
+
+
+class RelativePositionBias(nn.Module):
+    """s_ij += b_{bucket(i-j)}: one learned scalar per (bucket, head)."""
+
+    def __init__(self, heads: int, num_buckets: int, max_distance: int, bidirectional: bool):
+        super().__init__()
+        self.num_buckets = num_buckets
+        self.max_distance = max_distance
+        self.bidirectional = bidirectional
+        self.bias = nn.Embedding(num_buckets, heads)
+
+    def forward(self, T_q: int, T_k: int, q_start: int = 0, device=None) -> Tensor:
+        i = torch.arange(q_start, q_start + T_q, device=device)[:, None]  # query positions
+        j = torch.arange(T_k, device=device)[None, :]  # key positions
+        buckets = relative_position_bucket(i - j, self.bidirectional, self.num_buckets,
+                                           self.max_distance)  # (T_q, T_k)
+        return self.bias(buckets).permute(2, 0, 1)[None]  # (1, heads, T_q, T_k)

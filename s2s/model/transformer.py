@@ -1,0 +1,188 @@
+"""The encoder-decoder transformer (formula sheet, Lessons 1-5).
+
+    Enc: x -> H_enc (B, S, d_model)                      runs once per input
+    Dec: (y_<t, H_enc) -> p_t = softmax(h_t W_U)        runs per output token
+
+Three entry points, no hidden state:
+    encode(src)                      -> h_enc, src_mask
+    forward(src, tgt_in)             -> logits (B, T, V)    teacher forcing
+    start_decoding(h_enc, src_mask)  -> DecoderCache        cross-attn K/V, once
+    decode_step(y_prev, cache)       -> logits (B, V)       one step, cache grows
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from s2s.config import ModelConfig
+from s2s.model.attention import causal_mask, padding_mask
+from s2s.model.cache import DecoderCache, LayerCache
+from s2s.model.layers import DecoderLayer, EncoderLayer
+from s2s.model.positions import LearnedPositions, RelativePositionBias, SinusoidalPositions
+
+
+class Seq2SeqTransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, src_vocab: int, tgt_vocab: int, pad_id: int = 0):
+        super().__init__()
+        if cfg.share_embeddings and src_vocab != tgt_vocab:
+            raise ValueError("share_embeddings needs equal source and target vocabularies")
+        self.cfg = cfg
+        self.pad_id = pad_id
+        d = cfg.d_model
+        self.src_embed = nn.Embedding(src_vocab, d, padding_idx=pad_id)
+        self.tgt_embed = self.src_embed if cfg.share_embeddings else nn.Embedding(
+            tgt_vocab, d, padding_idx=pad_id)
+        self.embed_scale = math.sqrt(d) if cfg.scale_embeddings else 1.0
+
+        self.enc_positions: Optional[nn.Module] = None
+        self.dec_positions: Optional[nn.Module] = None
+        self.enc_rel_bias: Optional[RelativePositionBias] = None
+        self.dec_rel_bias: Optional[RelativePositionBias] = None
+        if cfg.positions == "sinusoidal":
+            self.enc_positions = self.dec_positions = SinusoidalPositions(d)
+        elif cfg.positions == "learned":
+            self.enc_positions = LearnedPositions(cfg.max_positions, d)
+            self.dec_positions = LearnedPositions(cfg.max_positions, d)
+        elif cfg.positions == "t5_bias":
+            self.enc_rel_bias = RelativePositionBias(cfg.heads, cfg.rel_buckets,
+                                                     cfg.rel_max_distance, bidirectional=True)
+            self.dec_rel_bias = RelativePositionBias(cfg.heads, cfg.rel_buckets,
+                                                     cfg.rel_max_distance, bidirectional=False)
+        else:
+            raise ValueError(f"unknown positions {cfg.positions!r}")
+
+        pre_norm = cfg.norm == "pre"
+        block = dict(d_model=d, heads=cfg.heads, d_ff=cfg.d_ff, activation=cfg.activation,
+                     dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
+                     pre_norm=pre_norm)
+        self.encoder_layers = nn.ModuleList(EncoderLayer(**block) for _ in range(cfg.enc_layers))
+        self.decoder_layers = nn.ModuleList(DecoderLayer(**block) for _ in range(cfg.dec_layers))
+        # pre-norm stacks end with a norm (their residual stream is never normalized otherwise)
+        self.enc_final_norm = nn.LayerNorm(d) if pre_norm else nn.Identity()
+        self.dec_final_norm = nn.LayerNorm(d) if pre_norm else nn.Identity()
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.output_proj = None if cfg.tie_output else nn.Linear(d, tgt_vocab, bias=False)
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ #
+    def reset_parameters(self) -> None:
+        for name, p in self.named_parameters():
+            if p.dim() == 2 and "embed" not in name and "positions" not in name and "rel_bias" not in name:
+                nn.init.xavier_uniform_(p)
+            elif name.endswith("bias") and p.dim() == 1:
+                nn.init.zeros_(p)
+        for emb in {id(self.src_embed): self.src_embed, id(self.tgt_embed): self.tgt_embed}.values():
+            nn.init.normal_(emb.weight, std=self.cfg.d_model ** -0.5)
+            with torch.no_grad():
+                emb.weight[self.pad_id].zero_()
+
+    @property
+    def device(self) -> torch.device:
+        return self.src_embed.weight.device
+
+    # ------------------------------------------------------------------ #
+    def _embed(self, tokens: Tensor, table: nn.Embedding, positions: Optional[nn.Module],
+               start: int = 0) -> Tensor:
+        x = table(tokens) * self.embed_scale  # (B, L, d_model)
+        if positions is not None:
+            x = x + positions(tokens.size(1), start, device=tokens.device).to(x.dtype)
+        return self.dropout(x)
+
+    def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
+        """src (B, S) token ids -> (h_enc (B, S, d_model), src_mask (B, 1, 1, S))."""
+        src_mask = padding_mask(src, self.pad_id)  # (B, 1, 1, S)
+        mask = src_mask
+        if self.enc_rel_bias is not None:
+            S = src.size(1)
+            mask = src_mask + self.enc_rel_bias(S, S, device=src.device)  # (B, heads, S, S)
+        x = self._embed(src, self.src_embed, self.enc_positions)
+        for layer in self.encoder_layers:
+            x = layer(x, mask)
+        return self.enc_final_norm(x), src_mask
+
+    def _self_mask(self, T_q: int, T_k: int, start: int, device) -> Optional[Tensor]:
+        """Causal mask for queries start..start+T_q-1 over keys 0..T_k-1 (+ T5 bias)."""
+        if start == 0 and T_q == T_k:
+            mask = causal_mask(T_q, device)  # (T, T)
+        elif T_q == 1:
+            mask = None  # one new query sees every cached key: nothing to block
+        else:
+            i = torch.arange(start, start + T_q, device=device)[:, None]
+            j = torch.arange(T_k, device=device)[None, :]
+            mask = torch.zeros(T_q, T_k, device=device).masked_fill(j > i, float("-inf"))
+        if self.dec_rel_bias is not None:
+            bias = self.dec_rel_bias(T_q, T_k, start, device=device)  # (1, heads, T_q, T_k)
+            mask = bias if mask is None else bias + mask
+        return mask
+
+    def logits(self, h: Tensor) -> Tensor:
+        """z_t = h_t W_U, with W_U = E^T when tied.   (B, T, d) -> (B, T, V)."""
+        if self.output_proj is None:
+            return h @ self.tgt_embed.weight.t()
+        return self.output_proj(h)
+
+    def decode(self, tgt_in: Tensor, h_enc: Tensor, src_mask: Tensor,
+               need_weights: bool = False) -> tuple[Tensor, list]:
+        """Teacher-forced decoder over the whole shifted target at once.
+
+        tgt_in (B, T) -> logits (B, T, V) and, with ``need_weights``, the
+        cross-attention weights of every layer [(B, heads, T, S)].
+        """
+        T = tgt_in.size(1)
+        self_mask = self._self_mask(T, T, 0, tgt_in.device)
+        x = self._embed(tgt_in, self.tgt_embed, self.dec_positions)
+        weights = []
+        for layer in self.decoder_layers:
+            cross_k, cross_v = layer.cross_attn.project_kv(h_enc)  # (B, heads, S, d_head)
+            x, A = layer(x, cross_k, cross_v, self_mask, src_mask, need_weights=need_weights)
+            weights.append(A)
+        return self.logits(self.dec_final_norm(x)), weights
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """Teacher forcing: logits (B, T, V) of P(y_t | y_<t, x) for every t at once."""
+        h_enc, src_mask = self.encode(src)
+        return self.decode(tgt_in, h_enc, src_mask)[0]
+
+    # ------------------------------------------------------------------ #
+    def start_decoding(self, h_enc: Tensor, src_mask: Tensor) -> DecoderCache:
+        """Cross-attention K/V of every layer, computed once from H_enc."""
+        layers = []
+        for layer in self.decoder_layers:
+            k, v = layer.cross_attn.project_kv(h_enc)  # (B, heads, S, d_head)
+            layers.append(LayerCache(cross_k=k, cross_v=v))
+        return DecoderCache(layers=layers, src_mask=src_mask)
+
+    def decode_step(self, y_prev: Tensor, cache: DecoderCache,
+                    need_weights: bool = False) -> tuple[Tensor, list]:
+        """One incremental step.
+
+        y_prev (B, 1): the token at position t = cache.step (bos at t = 0).
+        Returns logits (B, V) for position t+1 and, with ``need_weights``, the
+        cross-attention weights of every layer [(B, heads, 1, S)].  The cache's
+        self-attention K/V grow by one position; the cross K/V are reused.
+        """
+        t = cache.step
+        self_mask = self._self_mask(1, t + 1, t, y_prev.device)
+        x = self._embed(y_prev, self.tgt_embed, self.dec_positions, start=t)  # (B, 1, d_model)
+        weights = []
+        for layer, lc in zip(self.decoder_layers, cache.layers):
+            x, A = layer(x, lc.cross_k, lc.cross_v, self_mask, cache.src_mask, cache=lc,
+                         need_weights=need_weights)
+            weights.append(A)
+        cache.step += 1
+        return self.logits(self.dec_final_norm(x))[:, -1], weights
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (a tied/shared matrix counts once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def parameter_budget(cfg: ModelConfig, vocab: int) -> int:
+    """P ~= 12 N_enc d^2 + 16 N_dec d^2 + V d  (formula sheet, Lesson 5; FFN width 4d)."""
+    d = cfg.d_model
+    return 12 * cfg.enc_layers * d * d + 16 * cfg.dec_layers * d * d + vocab * d

@@ -1,0 +1,138 @@
+"""A model directory: everything ``s2s translate -m DIR`` needs, nothing executable.
+
+    DIR/config.yaml         the resolved experiment config
+    DIR/spm*.model          the SentencePiece model(s)
+    DIR/model.safetensors   the weights of the uncompiled model
+    DIR/model.json          format version, s2s version, sha256 of the weights, step, metrics
+
+A training run directory is itself a model directory (holding its best
+weights); the run's training checkpoints live in DIR/checkpoints/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_model as st_load_model
+from safetensors.torch import save_model as st_save_model
+
+from s2s import __version__
+from s2s.config import ExperimentConfig, load_config, to_yaml
+from s2s.data import file_sha256
+from s2s.errors import S2SError
+from s2s.model import Seq2SeqTransformer
+from s2s.textio import atomic_write
+from s2s.tokenizer import PAD_ID, Tokenizer
+
+FORMAT_VERSION = 1
+WEIGHTS = "model.safetensors"
+META = "model.json"
+CONFIG = "config.yaml"
+
+
+def build_model(cfg: ExperimentConfig, tok: Tokenizer) -> Seq2SeqTransformer:
+    """The model a config describes, sized to the tokenizer's vocabularies."""
+    if cfg.model.arch == "encoder_decoder":
+        return Seq2SeqTransformer(cfg.model, tok.src_vocab_size, tok.tgt_vocab_size, PAD_ID)
+    raise S2SError(f"model.arch: {cfg.model.arch!r} is not supported")
+
+
+def write_config(directory: Path, cfg: ExperimentConfig) -> None:
+    with atomic_write(directory / CONFIG) as f:
+        f.write(to_yaml(cfg))
+
+
+def copy_tokenizer(cfg: ExperimentConfig, src_dir: Path, directory: Path) -> None:
+    for p in sorted(set(Tokenizer.files(src_dir, cfg.data, cfg.tokenizer.joint))):
+        target = directory / p.name
+        if p.resolve() != target.resolve():
+            with atomic_write(target, "wb") as f:
+                f.write(p.read_bytes())
+
+
+def save_weights(model: torch.nn.Module, path: Path) -> str:
+    """Write safetensors atomically; return the file's sha256."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        st_save_model(model, str(tmp))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        digest = file_sha256(tmp)
+        tmp.replace(path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise S2SError(f"{path}: write failed ({e.strerror})") from None
+    return digest
+
+
+def save_model_dir(directory: Path, model: torch.nn.Module, cfg: ExperimentConfig,
+                   tokenizer_dir: Path, info: Optional[dict] = None) -> None:
+    """Write (or refresh) a complete model directory; model.json is written last."""
+    directory.mkdir(parents=True, exist_ok=True)
+    write_config(directory, cfg)
+    copy_tokenizer(cfg, tokenizer_dir, directory)
+    digest = save_weights(model, directory / WEIGHTS)
+    meta = {"format": FORMAT_VERSION, "s2s_version": __version__, "sha256": digest, **(info or {})}
+    with atomic_write(directory / META) as f:
+        json.dump(meta, f, indent=2)
+
+
+@dataclass
+class LoadedModel:
+    model: Seq2SeqTransformer
+    tokenizer: Tokenizer
+    cfg: ExperimentConfig
+    meta: dict
+    directory: Path
+
+
+def read_meta(directory: Path) -> dict:
+    path = directory / META
+    if not directory.exists():
+        raise S2SError(f"{directory}: no such model directory")
+    if not directory.is_dir():
+        raise S2SError(f"{directory}: not a directory (expected a model directory)")
+    if not path.is_file():
+        raise S2SError(f"{path}: not found; {directory} is not a trained model directory "
+                       "(training writes it at the first validation)")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise S2SError(f"{path}: corrupted ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        raise S2SError(f"{path}: model format {meta.get('format') if isinstance(meta, dict) else '?'} "
+                       f"is not supported by s2s {__version__} (expects format {FORMAT_VERSION})")
+    return meta
+
+
+def load_weights(model: torch.nn.Module, path: Path, sha256: Optional[str] = None) -> None:
+    if not path.is_file():
+        raise S2SError(f"{path}: weights not found")
+    if sha256 is not None and file_sha256(path) != sha256:
+        raise S2SError(f"{path}: checksum mismatch (file corrupted or modified)")
+    try:
+        missing, unexpected = st_load_model(model, str(path), strict=False)
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise S2SError(f"{path}: cannot load weights ({str(e).splitlines()[0]})") from None
+    if missing or unexpected:
+        raise S2SError(f"{path}: weights do not match the config "
+                       f"(missing: {', '.join(missing[:3]) or '-'}; "
+                       f"unexpected: {', '.join(unexpected[:3]) or '-'})")
+
+
+def load_model_dir(directory: str | Path, device: str | torch.device = "cpu") -> LoadedModel:
+    """Load config, tokenizer and verified weights of a model directory (eval mode)."""
+    d = Path(directory)
+    meta = read_meta(d)
+    cfg = load_config(d / CONFIG)
+    tok = Tokenizer.load(d, cfg.data, cfg.tokenizer.joint)
+    model = build_model(cfg, tok)
+    load_weights(model, d / WEIGHTS, meta.get("sha256"))
+    model.to(device).eval()
+    return LoadedModel(model=model, tokenizer=tok, cfg=cfg, meta=meta, directory=d)

@@ -1,0 +1,233 @@
+"""Search: greedy and beam decoding with the length-normalized score.
+
+    score(y) = (1 / lp(m)) * sum_{t=1}^{m} log p(y_t | y_<t, x)       (formula sheet, Lesson 9)
+
+m counts every scored token of y, the final </s> included.  Both searches
+drive a :class:`StepDecoder` — anything with ``step`` (log-probabilities of
+the next token for each row) and ``select`` (keep/reorder rows) — so the
+same code runs a real model (:class:`ModelDecoder`, which owns the
+encoder output's K/V cache) or a scripted decoder in the tests.
+
+Beam search is vectorized over sentences and beams: the N active sentences
+hold K beams each as rows n*K + k; finished hypotheses stay in fixed-size
+tensors per sentence; a sentence stops when no live beam can still beat its
+n-best finished ones, and leaves the batch (its rows are dropped from the
+cache) so the remaining sentences run on a smaller batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from s2s.model.transformer import Seq2SeqTransformer
+
+NEG_INF = float("-inf")
+
+
+def length_penalty(m, alpha: float, kind: str = "gnmt"):
+    """lp(m) = ((5 + m) / 6)^alpha   (gnmt, the formula sheet's; Wu et al. 2016)
+    lp(m) = m^alpha                 (power: fairseq, Hugging Face, CTranslate2)
+    lp(m) = 1                       (none)
+
+    ``m`` may be a number or a tensor.
+    """
+    if kind == "gnmt":
+        return ((5.0 + m) / 6.0) ** alpha
+    if kind == "power":
+        return m ** alpha
+    if kind == "none":
+        return m * 0 + 1.0 if isinstance(m, Tensor) else 1.0
+    raise ValueError(f"unknown length penalty {kind!r}")
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]  # y_1..y_{m-1}, without the final </s>
+    score: float  # length-normalized: log_prob / lp(m)
+    log_prob: float  # sum of log p over the m tokens, </s> included
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    beam: int = 5
+    nbest: int = 1
+    alpha: float = 0.6
+    length_penalty: str = "gnmt"
+    min_len: int = 0  # </s> is blocked before this many tokens
+    bos_id: int = 2
+    eos_id: int = 3
+    pad_id: int = 0
+
+
+class StepDecoder(Protocol):
+    def step(self, y_prev: Tensor) -> Tensor:
+        """y_prev (N, 1) -> log-probabilities (N, V) of the next token."""
+
+    def select(self, index: Tensor) -> None:
+        """Keep rows ``index`` of the decoding state, in that order."""
+
+
+class ModelDecoder:
+    """A :class:`StepDecoder` over a model: encodes once, then one step at a time."""
+
+    def __init__(self, model: Seq2SeqTransformer, src: Tensor):
+        self.model = model
+        h_enc, src_mask = model.encode(src)  # (B, S, d_model), (B, 1, 1, S)
+        self.cache = model.start_decoding(h_enc, src_mask)  # cross-attention K/V, once
+
+    def step(self, y_prev: Tensor) -> Tensor:
+        logits, _ = self.model.decode_step(y_prev, self.cache)  # (N, V)
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def select(self, index: Tensor) -> None:
+        self.cache.select(index)
+
+
+def constrain(logp: Tensor, t: int, max_len: Tensor, s: SearchSettings) -> Tensor:
+    """Apply the length rules to step t's log-probs (N, V), in place.
+
+    pad and <s> are never generated; </s> is blocked while t < min_len and is
+    the only choice at t = max_len - 1, so every hypothesis has m <= max_len.
+    """
+    logp[:, s.pad_id] = NEG_INF
+    logp[:, s.bos_id] = NEG_INF
+    if t < s.min_len:
+        logp[:, s.eos_id] = NEG_INF
+    at_max = max_len <= t + 1  # (N,)
+    if bool(at_max.any()):
+        eos_lp = logp[:, s.eos_id].clone()
+        logp[at_max] = NEG_INF
+        logp[at_max, s.eos_id] = torch.where(torch.isinf(eos_lp[at_max]), 0.0, eos_lp[at_max])
+    return logp
+
+
+@torch.no_grad()
+def greedy_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings) -> list[list[Hypothesis]]:
+    """y_t = argmax_v log p(v | y_<t, x) until </s>; one hypothesis per sentence."""
+    B = max_len.size(0)
+    device = max_len.device
+    results: list[list[Hypothesis]] = [[] for _ in range(B)]
+    active = torch.arange(B, device=device)  # original sentence of each row
+    y = torch.full((B, 1), s.bos_id, dtype=torch.long, device=device)
+    tokens = torch.empty((B, 0), dtype=torch.long, device=device)
+    log_prob = torch.zeros(B, device=device)
+    for t in range(int(max_len.max())):
+        logp = constrain(decoder.step(y), t, max_len[active], s)  # (N, V)
+        best_lp, y_t = logp.max(dim=-1)  # (N,)
+        log_prob = log_prob + best_lp
+        tokens = torch.cat([tokens, y_t[:, None]], dim=1)
+        done = y_t == s.eos_id
+        if bool(done.any()):
+            m = t + 1
+            norm = length_penalty(float(m), s.alpha, s.length_penalty)
+            for row in done.nonzero().flatten().tolist():
+                lp = float(log_prob[row])
+                results[int(active[row])] = [Hypothesis(tokens[row, :-1].tolist(), lp / norm, lp)]
+            keep = (~done).nonzero().flatten()
+            if keep.numel() == 0:
+                break
+            decoder.select(keep)
+            active, tokens, log_prob, y_t = active[keep], tokens[keep], log_prob[keep], y_t[keep]
+        y = y_t[:, None]
+    return results
+
+
+@torch.no_grad()
+def beam_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings) -> list[list[Hypothesis]]:
+    """Beam search of width K = s.beam; returns the s.nbest best per sentence, best first.
+
+    The decoder starts with one row per sentence; rows are expanded to K
+    beams (row n*K + k) by the first ``select``.
+    """
+    K, device = s.beam, max_len.device
+    B = max_len.size(0)
+    L = int(max_len.max())
+    results: list[list[Hypothesis]] = [[] for _ in range(B)]
+    active = torch.arange(B, device=device)  # original sentence of each active sentence
+    decoder.select(torch.arange(B, device=device).repeat_interleave(K))  # (B*K) rows
+    scores = torch.full((B, K), NEG_INF, device=device)  # cumulative log p of live beams
+    scores[:, 0] = 0.0  # all beams start identical: only the first is live
+    tokens = torch.empty((B * K, 0), dtype=torch.long, device=device)
+    fin_scores = torch.full((B, K), NEG_INF, device=device)  # normalized, best first
+    fin_logp = torch.zeros((B, K), device=device)
+    fin_len = torch.zeros((B, K), dtype=torch.long, device=device)
+    fin_tokens = torch.zeros((B, K, L), dtype=torch.long, device=device)
+    y = torch.full((B * K, 1), s.bos_id, dtype=torch.long, device=device)
+
+    for t in range(L):
+        N = active.size(0)
+        sent_max = max_len[active]  # (N,)
+        logp = constrain(decoder.step(y), t, sent_max.repeat_interleave(K), s)  # (N*K, V)
+        V = logp.size(-1)
+        cand = (scores.view(N * K, 1) + logp).view(N, K * V)
+        cand_scores, cand_idx = cand.topk(2 * K, dim=-1)  # (N, 2K), best first
+        cand_beam = torch.div(cand_idx, V, rounding_mode="floor")  # (N, 2K)
+        cand_tok = cand_idx % V
+        cand_row = cand_beam + (torch.arange(N, device=device) * K)[:, None]  # rows in N*K
+        m = t + 1  # length of a hypothesis ending at this step, </s> included
+
+        # 1. finish: </s> among the top-K candidates joins the sentence's finished set
+        is_eos = (cand_tok == s.eos_id) & torch.isfinite(cand_scores)
+        is_eos[:, K:] = False
+        if bool(is_eos.any()):
+            new_norm = torch.where(is_eos, cand_scores / length_penalty(float(m), s.alpha,
+                                                                          s.length_penalty), NEG_INF)
+            new_tokens = torch.zeros((N, 2 * K, L), dtype=torch.long, device=device)
+            new_tokens[:, :, :t] = tokens[cand_row.flatten()].view(N, 2 * K, t)
+            all_scores = torch.cat([fin_scores, new_norm], dim=1)  # (N, 3K)
+            fin_scores, pick = all_scores.topk(K, dim=-1)
+            fin_logp = torch.cat([fin_logp, cand_scores], 1).gather(1, pick)
+            fin_len = torch.cat([fin_len, torch.full_like(cand_scores, m, dtype=torch.long)],
+                                1).gather(1, pick)
+            fin_tokens = torch.cat([fin_tokens, new_tokens], 1).gather(
+                1, pick[:, :, None].expand(N, K, L))
+
+        # 2. continue: the K best candidates that did not end
+        live = torch.where(cand_tok == s.eos_id, NEG_INF, cand_scores)
+        scores, pick = live.topk(K, dim=-1)  # (N, K)
+        rows = cand_row.gather(1, pick).flatten()  # (N*K,) surviving beams' rows
+        y_t = cand_tok.gather(1, pick).flatten()
+        tokens = torch.cat([tokens[rows], y_t[:, None]], dim=1)  # (N*K, t+1)
+        decoder.select(rows)
+
+        # 3. stop a sentence when no live beam can beat its n-best finished ones:
+        #    for log p <= 0 the best a live beam can reach is max over m' of s/lp(m')
+        best_live = scores[:, 0]
+        lp_next = length_penalty(torch.full_like(best_live, m + 1), s.alpha, s.length_penalty)
+        lp_last = length_penalty(sent_max.float(), s.alpha, s.length_penalty)
+        bound = torch.maximum(best_live / lp_next, best_live / lp_last)
+        bound = torch.where(torch.isfinite(best_live), bound, NEG_INF)
+        done = (fin_scores[:, s.nbest - 1] >= bound) | (sent_max <= m)
+        if bool(done.any()):
+            for n in done.nonzero().flatten().tolist():
+                hyps = []
+                for k in range(s.nbest):
+                    score = float(fin_scores[n, k])
+                    if math.isfinite(score):
+                        length = int(fin_len[n, k])
+                        hyps.append(Hypothesis(fin_tokens[n, k, :length - 1].tolist(), score,
+                                               float(fin_logp[n, k])))
+                results[int(active[n])] = hyps
+            keep = (~done).nonzero().flatten()
+            if keep.numel() == 0:
+                break
+            keep_rows = (keep[:, None] * K + torch.arange(K, device=device)).flatten()
+            decoder.select(keep_rows)
+            active, scores = active[keep], scores[keep]
+            fin_scores, fin_logp, fin_len = fin_scores[keep], fin_logp[keep], fin_len[keep]
+            fin_tokens = fin_tokens[keep]
+            tokens, y_t = tokens[keep_rows], y_t[keep_rows]
+        y = y_t[:, None]
+    return results
+
+
+def search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings) -> list[list[Hypothesis]]:
+    """Greedy when beam = 1, else beam search."""
+    if s.beam == 1:
+        return greedy_search(decoder, max_len, s)
+    return beam_search(decoder, max_len, s)

@@ -1,0 +1,136 @@
+"""Reading text files and writing outputs so that nothing partial looks complete.
+
+* ``read_lines`` decodes UTF-8 line by line (gzip when the name ends in .gz)
+  and names the file and line of any invalid byte.
+* ``atomic_write`` / ``atomic_dir``: write to a temporary name next to the
+  target, fsync, then rename, so a crash leaves the previous version intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import IO, Iterator
+
+from s2s.errors import S2SError
+
+
+def resolve_corpus(prefix: str, lang: str) -> Path:
+    """``{prefix}.{lang}``, or ``{prefix}.{lang}.gz`` when only that exists."""
+    plain = Path(f"{prefix}.{lang}")
+    if plain.exists():
+        return plain
+    gz = Path(f"{prefix}.{lang}.gz")
+    if gz.exists():
+        return gz
+    raise S2SError(f"{plain}: no such file (nor {gz.name})")
+
+
+def _open_binary(path: Path) -> IO[bytes]:
+    if path.is_dir():
+        raise S2SError(f"{path}: is a directory, expected a text file")
+    try:
+        if path.suffix == ".gz":
+            return gzip.open(path, "rb")
+        return open(path, "rb")
+    except FileNotFoundError:
+        raise S2SError(f"{path}: no such file") from None
+    except PermissionError:
+        raise S2SError(f"{path}: permission denied") from None
+
+
+def decode_line(raw: bytes, where: str, lineno: int, errors: str = "strict") -> str:
+    """One line of bytes -> str without its newline; bad UTF-8 names file:line."""
+    try:
+        text = raw.decode("utf-8", errors=errors)
+    except UnicodeDecodeError as e:
+        raise S2SError(f"{where}:{lineno}: invalid UTF-8 (byte {e.start + 1} of the line)") from None
+    return text.rstrip("\n").rstrip("\r")
+
+
+def iter_binary_lines(stream: IO[bytes], where: str) -> Iterator[bytes]:
+    try:
+        yield from stream
+    except (OSError, EOFError, gzip.BadGzipFile) as e:
+        raise S2SError(f"{where}: read error: {e}") from None
+
+
+def read_lines(path: str | Path, errors: str = "strict") -> Iterator[str]:
+    """Yield the lines of a UTF-8 text file (or ``-`` for stdin), newline stripped."""
+    if str(path) == "-":
+        for n, raw in enumerate(iter_binary_lines(sys.stdin.buffer, "<stdin>"), 1):
+            yield decode_line(raw, "<stdin>", n, errors)
+        return
+    p = Path(path)
+    with _open_binary(p) as f:
+        for n, raw in enumerate(iter_binary_lines(f, str(p)), 1):
+            yield decode_line(raw, str(p), n, errors)
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | Path, mode: str = "w") -> Iterator[IO]:
+    """Open ``path.tmp-PID`` for writing; on success fsync and rename over ``path``."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        f = open(tmp, mode, encoding=None if "b" in mode else "utf-8")
+    except OSError as e:
+        raise S2SError(f"{target}: cannot write ({e.strerror})") from None
+    try:
+        with f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        _fsync_dir(target.parent)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise S2SError(f"{target}: write failed ({e.strerror})") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Fill a temporary directory; on success rename it to ``path`` (replacing it)."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise S2SError(f"{target}: cannot write ({e.strerror})") from None
+    try:
+        yield tmp
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if target.exists():
+            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+        _fsync_dir(target.parent)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise S2SError(f"{target}: write failed ({e.strerror})") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,151 @@
+"""SentencePiece tokenizers: train, load, encode, decode.
+
+Every vocabulary reserves the same ids: pad=0, unk=1, bos=2, eos=3, then the
+sentinels <extra_id_0>.. (for span-corruption pretraining), then the pieces.
+A joint vocabulary is one model ``spm.model``; separate ones are
+``spm.{src_lang}.model`` and ``spm.{tgt_lang}.model``.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import sentencepiece as spm
+
+from s2s.config import DataConfig, TokenizerConfig
+from s2s.errors import S2SError
+from s2s.textio import read_lines, resolve_corpus
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+
+def sentinel(i: int) -> str:
+    return f"<extra_id_{i}>"
+
+
+@dataclass
+class Tokenizer:
+    """A source and a target SentencePiece model (the same object when joint)."""
+
+    src: spm.SentencePieceProcessor
+    tgt: spm.SentencePieceProcessor
+    joint: bool
+
+    pad_id = PAD_ID
+    unk_id = UNK_ID
+    bos_id = BOS_ID
+    eos_id = EOS_ID
+
+    @property
+    def src_vocab_size(self) -> int:
+        return self.src.get_piece_size()
+
+    @property
+    def tgt_vocab_size(self) -> int:
+        return self.tgt.get_piece_size()
+
+    def encode_src(self, lines: Sequence[str]) -> list[list[int]]:
+        """Source ids end with </s> (the encoder sees where the input stops)."""
+        return [ids + [EOS_ID] for ids in self.src.encode(list(lines))]
+
+    def encode_tgt(self, lines: Sequence[str]) -> list[list[int]]:
+        """Target ids y_1..y_m, with y_m = </s>; <s> is added when a Batch shifts them."""
+        return [ids + [EOS_ID] for ids in self.tgt.encode(list(lines))]
+
+    def decode_tgt(self, ids: Iterable[int]) -> str:
+        return self.tgt.decode([i for i in ids if i > EOS_ID])
+
+    def src_pieces(self, line: str) -> list[str]:
+        return self.src.encode(line, out_type=str) + ["</s>"]
+
+    def tgt_pieces(self, ids: Iterable[int]) -> list[str]:
+        return [self.tgt.id_to_piece(int(i)) for i in ids]
+
+    # ------------------------------------------------------------------ #
+    @staticmethod
+    def files(directory: Path, data: DataConfig, joint: bool) -> tuple[Path, Path]:
+        if joint:
+            return directory / "spm.model", directory / "spm.model"
+        return directory / f"spm.{data.src_lang}.model", directory / f"spm.{data.tgt_lang}.model"
+
+    @classmethod
+    def load(cls, directory: str | Path, data: DataConfig, joint: bool) -> "Tokenizer":
+        src_path, tgt_path = cls.files(Path(directory), data, joint)
+        for p in {src_path, tgt_path}:
+            if not p.is_file():
+                raise S2SError(f"{p}: tokenizer model not found (run `s2s tokenizer train CONFIG`)")
+        src = _load_model(src_path)
+        tgt = src if joint else _load_model(tgt_path)
+        return cls(src=src, tgt=tgt, joint=joint)
+
+
+def _load_model(path: Path) -> spm.SentencePieceProcessor:
+    proc = spm.SentencePieceProcessor()
+    try:
+        proc.load(str(path))
+    except (OSError, RuntimeError) as e:
+        raise S2SError(f"{path}: not a valid SentencePiece model ({str(e).splitlines()[0]})") from None
+    if proc.pad_id() != PAD_ID or proc.eos_id() != EOS_ID or proc.bos_id() != BOS_ID:
+        raise S2SError(f"{path}: SentencePiece model does not use s2s's reserved ids "
+                       f"(pad=0, unk=1, bos=2, eos=3)")
+    return proc
+
+
+def _sample(lines: Iterable[str], limit: int, seed: int) -> list[str]:
+    """Reservoir sample of at most ``limit`` non-empty lines."""
+    rng = random.Random(seed)
+    sample: list[str] = []
+    for n, line in enumerate(x for x in lines if x.strip()):
+        if len(sample) < limit:
+            sample.append(line)
+        else:
+            j = rng.randint(0, n)
+            if j < limit:
+                sample[j] = line
+    return sample
+
+
+def _train_one(sentences: list[str], out: Path, cfg: TokenizerConfig) -> None:
+    if not sentences:
+        raise S2SError(f"{out}: no training text for the tokenizer (the training files are empty)")
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences), model_writer=model,
+            model_type=cfg.type, vocab_size=cfg.vocab_size,
+            character_coverage=cfg.character_coverage, byte_fallback=cfg.byte_fallback,
+            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+            pad_piece="<pad>", unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>",
+            user_defined_symbols=[sentinel(i) for i in range(cfg.sentinels)],
+            hard_vocab_limit=False, num_threads=2, minloglevel=2,
+            max_sentence_length=1 << 16, shuffle_input_sentence=True,
+        )
+    except RuntimeError as e:
+        raise S2SError(f"{out}: SentencePiece training failed: {str(e).splitlines()[0]}") from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_bytes(model.getvalue())
+    tmp.replace(out)
+
+
+def train_tokenizer(tok: TokenizerConfig, data: DataConfig, out_dir: Optional[str | Path] = None,
+                    seed: int = 1) -> list[Path]:
+    """Train SentencePiece on the training corpus; return the model files written."""
+    out = Path(out_dir or data.dir)
+    if not data.train:
+        raise S2SError("data.train: no training corpus configured")
+    src_file = resolve_corpus(data.train, data.src_lang)
+    tgt_file = resolve_corpus(data.train, data.tgt_lang)
+    src_lines = _sample(read_lines(src_file), tok.max_sentences, seed)
+    tgt_lines = _sample(read_lines(tgt_file), tok.max_sentences, seed + 1)
+    src_path, tgt_path = Tokenizer.files(out, data, tok.joint)
+    if tok.joint:
+        _train_one(src_lines + tgt_lines, src_path, tok)
+        return [src_path]
+    _train_one(src_lines, src_path, tok)
+    _train_one(tgt_lines, tgt_path, tok)
+    return [src_path, tgt_path]

@@ -1,0 +1,479 @@
+"""Teacher-forced training: loss, schedule, loop, validation, checkpoints.
+
+    decoder input = (<s>, y_1, ..., y_{m-1}),  targets = (y_1, ..., y_m)     (Lesson 8; the shift is in Batch)
+    L = (1/|y|) sum_t [(1-eps)(-log p_t(y_t)) + eps * mean_v(-log p_t(v))]  (label-smoothed mean token NLL)
+
+A run directory (``-o RUN_DIR``) holds
+    config.yaml, spm*.model, model.safetensors, model.json   the best model so far (a model directory)
+    checkpoints/step-NNNNNNNN/                               the last ``keep_checkpoints`` training states
+    metrics.jsonl, train.log, env.json                        what happened, and with which versions
+
+A checkpoint holds the weights, the optimizer (AdamW moments), the torch RNG
+state and the data position (epoch, batch), written into a temporary
+directory that is renamed when complete; ``--resume`` continues from the
+newest complete one exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import platform
+import re
+import shutil
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from s2s import __version__
+from s2s.config import DecodeConfig, ExperimentConfig, to_dict
+from s2s.data import BinDataset, Batch, token_batches, tokenizer_fingerprint
+from s2s.errors import S2SError
+from s2s.metrics import corpus_bleu
+from s2s.modeldir import (CONFIG, META, WEIGHTS, build_model, copy_tokenizer, load_weights, read_meta,
+                          save_model_dir, save_weights, write_config)
+from s2s.textio import atomic_dir, atomic_write, read_lines
+from s2s.tokenizer import PAD_ID, Tokenizer
+
+log = logging.getLogger("s2s")
+
+CHECKPOINTS = "checkpoints"
+_CKPT_RE = re.compile(r"^step-(\d+)$")
+
+
+class TrainingInterrupted(S2SError):
+    """SIGINT/SIGTERM: the step finished and a checkpoint was written."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# --------------------------------------------------------------------------- #
+# Formulas
+# --------------------------------------------------------------------------- #
+
+def inverse_sqrt_lr(step: int, peak: float, warmup: int) -> float:
+    """lr(s) = peak * min(s / warmup, sqrt(warmup / s))   for update s >= 1.
+
+    Linear warmup to ``peak`` at s = warmup, then decay proportional to
+    1/sqrt(s).  warmup = 0 keeps lr = peak.
+    """
+    if warmup == 0:
+        return peak
+    s = max(step, 1)
+    return peak * min(s / warmup, math.sqrt(warmup / s))
+
+
+def label_smoothed_nll(logits: Tensor, target: Tensor, epsilon: float, pad_id: int = PAD_ID) -> Tensor:
+    """sum over non-pad t of (1-eps)(-log p_t(y_t)) + eps * (1/V) sum_v (-log p_t(v)).
+
+    logits (B, T, V), target (B, T) -> scalar sum (divide by the token count
+    for the mean).  eps = 0 gives the plain NLL.
+    """
+    V = logits.size(-1)
+    return F.cross_entropy(logits.reshape(-1, V).float(), target.reshape(-1), ignore_index=pad_id,
+                           reduction="sum", label_smoothing=epsilon)
+
+
+# --------------------------------------------------------------------------- #
+# Checkpoints
+# --------------------------------------------------------------------------- #
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer updates done
+    epoch: int = 0  # current epoch (0-based)
+    batch: int = 0  # next batch index within the epoch's batch order
+    elapsed: float = 0.0  # wall-clock seconds over all segments of the run
+    best_value: Optional[float] = None
+    best_step: int = 0
+    validations: list = field(default_factory=list)
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (temporary directories are ignored)."""
+    d = run_dir / CHECKPOINTS
+    if not d.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _CKPT_RE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    state: TrainState, keep: int) -> Path:
+    target = run_dir / CHECKPOINTS / f"step-{state.step:08d}"
+    opt = optimizer.state_dict()
+    tensors = {"rng.torch": torch.get_rng_state()}
+    scalars = {}
+    for idx, st in opt["state"].items():
+        for key, value in st.items():
+            if isinstance(value, Tensor):
+                tensors[f"state.{idx}.{key}"] = value.contiguous()
+            else:
+                scalars[f"{idx}.{key}"] = value
+    with atomic_dir(target) as tmp:
+        save_weights(model, tmp / WEIGHTS)
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        (tmp / "state.json").write_text(json.dumps({
+            "train_state": asdict(state), "param_groups": opt["param_groups"],
+            "optimizer_scalars": scalars, "s2s_version": __version__}, indent=1))
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
+    try:
+        meta = json.loads((path / "state.json").read_text())
+        tensors = load_file(str(path / "optimizer.safetensors"))
+    except (OSError, ValueError) as e:
+        raise S2SError(f"{path}: corrupted checkpoint ({e}); delete it to resume from an older one") from None
+    load_weights(model, path / WEIGHTS)
+    state: dict = {}
+    for name, value in tensors.items():
+        if name.startswith("state."):
+            _, idx, key = name.split(".", 2)
+            state.setdefault(int(idx), {})[key] = value
+    for name, value in meta.get("optimizer_scalars", {}).items():
+        idx, key = name.split(".", 1)
+        state.setdefault(int(idx), {})[key] = value
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    torch.set_rng_state(tensors["rng.torch"])
+    return TrainState(**meta["train_state"])
+
+
+# --------------------------------------------------------------------------- #
+# Progress on stderr
+# --------------------------------------------------------------------------- #
+
+class Progress:
+    """A rich progress bar when stderr is a terminal, else a log line every ``log_every`` steps."""
+
+    def __init__(self, total_steps: Optional[int], max_seconds: float, enabled: bool):
+        self.enabled = enabled
+        self.total = total_steps
+        self.max_seconds = max_seconds
+        self._bar = None
+        if enabled:
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+
+            console = Console(stderr=True)
+            if console.is_terminal:
+                self._bar = RichProgress(TextColumn("[bold]train"), BarColumn(),
+                                         TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                                         console=console, transient=False)
+                self._task = self._bar.add_task("train", total=total_steps, info="")
+                self._bar.start()
+
+    def eta(self, step: int, elapsed: float, rate: float) -> str:
+        left = []
+        if self.total:
+            left.append((self.total - step) / max(rate, 1e-9))
+        if math.isfinite(self.max_seconds):
+            left.append(self.max_seconds - elapsed)
+        if not left:
+            return "?"
+        secs = max(0, int(min(left)))
+        return f"{secs // 3600}:{secs % 3600 // 60:02d}:{secs % 60:02d}"
+
+    def update(self, step: int, info: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, info=info)
+        elif self.enabled:
+            log.info("step %d | %s", step, info)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+# --------------------------------------------------------------------------- #
+# The trainer
+# --------------------------------------------------------------------------- #
+
+def package_versions() -> dict:
+    import sacrebleu
+    import sentencepiece
+
+    return {"s2s": __version__, "python": platform.python_version(), "torch": torch.__version__,
+            "numpy": np.__version__, "sentencepiece": sentencepiece.__version__,
+            "sacrebleu": sacrebleu.__version__, "platform": platform.platform()}
+
+
+def check_prepared(cfg: ExperimentConfig) -> None:
+    data_dir = Path(cfg.data.dir)
+    meta_path = data_dir / "meta.json"
+    if not meta_path.is_file():
+        raise S2SError(f"{meta_path}: prepared data not found (run `s2s prepare CONFIG` first)")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("tokenizer") != tokenizer_fingerprint(cfg, data_dir):
+        raise S2SError(f"{data_dir}: the data was prepared with another tokenizer; "
+                       "run `s2s prepare CONFIG` again")
+
+
+class Trainer:
+    def __init__(self, cfg: ExperimentConfig, run_dir: Path, show_progress: bool = True):
+        self.cfg = cfg
+        self.tc = cfg.train
+        self.run_dir = run_dir
+        self.show_progress = show_progress
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.tc.threads:
+            torch.set_num_threads(self.tc.threads)
+        torch.manual_seed(cfg.seed)
+        check_prepared(cfg)
+        self.data_dir = Path(cfg.data.dir)
+        self.tok = Tokenizer.load(self.data_dir, cfg.data, cfg.tokenizer.joint)
+        self.train_data = BinDataset(self.data_dir, "train")
+        self.dev_data = BinDataset(self.data_dir, "dev") if cfg.data.dev else None
+        self.model = build_model(cfg, self.tok).to(self.device)
+        if self.tc.init_from:
+            init = Path(self.tc.init_from)
+            load_weights(self.model, init / WEIGHTS, read_meta(init).get("sha256"))
+        fused = {"fused": True} if self.device.type == "cuda" else {"foreach": True}
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=self.tc.lr, betas=(self.tc.adam_beta1, self.tc.adam_beta2),
+            eps=self.tc.adam_eps, weight_decay=self.tc.weight_decay, **fused)
+        self.state = TrainState()
+        self._signal: Optional[int] = None
+
+    # ---- bookkeeping ------------------------------------------------- #
+    def write_metrics(self, record: dict) -> None:
+        with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
+        """The batch order of an epoch: a pure function of (seed, epoch)."""
+        rng = np.random.default_rng([self.cfg.seed, epoch])
+        return token_batches(self.train_data.src_lens, self.train_data.tgt_lens, self.tc.max_tokens, rng)
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16,
+                              enabled=self.tc.precision == "bf16")
+
+    # ---- one update -------------------------------------------------- #
+    def train_step(self, batches: list[Batch]) -> tuple[Tensor, bool]:
+        """Forward/backward over ``update_freq`` batches, one AdamW update.
+
+        Returns the summed label-smoothed loss and whether the update was applied
+        (a non-finite gradient skips it).
+        """
+        self.model.train()
+        n_tokens = sum(b.n_tgt_tokens for b in batches)
+        total = torch.zeros((), device=self.device)
+        for b in batches:
+            b = b.to(self.device)
+            with self.autocast():
+                logits = self.model(b.src, b.tgt_in)  # (B, T, V)
+            loss = label_smoothed_nll(logits, b.tgt_out, self.tc.label_smoothing)
+            (loss / n_tokens).backward()
+            total += loss.detach()
+        lr = inverse_sqrt_lr(self.state.step + 1, self.tc.lr, self.tc.warmup_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        max_norm = self.tc.clip_norm if self.tc.clip_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        ok = bool(torch.isfinite(grad_norm))
+        if ok:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total, ok
+
+    # ---- validation -------------------------------------------------- #
+    @torch.inference_mode()
+    def dev_loss(self) -> float:
+        """Mean token NLL (no smoothing) over the dev split."""
+        self.model.eval()
+        nll, n = 0.0, 0
+        for idx in token_batches(self.dev_data.src_lens, self.dev_data.tgt_lens, self.tc.max_tokens):
+            b = self.dev_data.batch(idx).to(self.device)
+            with self.autocast():
+                logits = self.model(b.src, b.tgt_in)
+            nll += float(label_smoothed_nll(logits, b.tgt_out, 0.0))
+            n += b.n_tgt_tokens
+        return nll / max(n, 1)
+
+    def dev_bleu(self) -> Optional[float]:
+        k = self.tc.dev_bleu_sentences
+        if not k:
+            return None
+        from s2s.translate import Translator
+
+        src = list(_head(read_lines(self.data_dir / "dev.src.txt"), k))
+        ref = list(_head(read_lines(self.data_dir / "dev.tgt.txt"), k))
+        decode = DecodeConfig(**{**asdict(self.cfg.decode), "beam": self.tc.dev_beam, "nbest": 1})
+        self.model.eval()
+        hyps = Translator(self.model, self.tok, decode, self.device).translate(src)
+        return corpus_bleu(hyps, ref)
+
+    def validate(self) -> dict:
+        t0 = time.time()
+        record: dict = {"step": self.state.step, "epoch": self.state.epoch}
+        if self.dev_data is not None:
+            record["dev_loss"] = round(self.dev_loss(), 4)
+            record["dev_ppl"] = round(math.exp(min(record["dev_loss"], 50)), 2)
+            bleu = self.dev_bleu()
+            if bleu is not None:
+                record["dev_bleu"] = round(bleu, 2)
+        record["seconds"] = round(time.time() - t0, 1)
+        key = "dev_bleu" if self.tc.best_metric == "bleu" else "dev_loss"
+        value = record.get(key)
+        better = value is not None and (
+            self.state.best_value is None
+            or (value > self.state.best_value if key == "dev_bleu" else value < self.state.best_value))
+        if better or self.dev_data is None:
+            self.state.best_value, self.state.best_step = value, self.state.step
+            info = {"step": self.state.step, **{k: v for k, v in record.items() if k.startswith("dev")}}
+            save_model_dir(self.run_dir, self.model, self.cfg, self.data_dir, info)
+        record["best"] = better
+        self.state.validations.append(record)
+        self.write_metrics(record)
+        log.info("validation | step %d | %s%s", self.state.step,
+                 " | ".join(f"{k} {v}" for k, v in record.items() if k.startswith("dev")),
+                 " | new best" if better else "")
+        return record
+
+    # ---- the loop ---------------------------------------------------- #
+    def _on_signal(self, signum, frame) -> None:
+        if self._signal is not None:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self._signal = signum
+        log.warning("%s received: finishing this step and writing a checkpoint",
+                    signal.Signals(signum).name)
+
+    def start(self, resume: bool) -> None:
+        ckpts = list_checkpoints(self.run_dir)
+        has_run = bool(ckpts) or (self.run_dir / META).exists()
+        if has_run and not resume:
+            raise S2SError(f"{self.run_dir}: already holds a training run; pass --resume to continue it "
+                           "or -o to choose another directory")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if resume and ckpts:
+            old = self.run_dir / CONFIG
+            if old.is_file():
+                from s2s.config import load_config
+
+                prev = load_config(old)
+                if prev.model != self.cfg.model:
+                    diff = [k for k in to_dict(self.cfg)["model"]
+                            if to_dict(prev)["model"][k] != to_dict(self.cfg)["model"][k]]
+                    raise S2SError(f"{old}: model.{diff[0]} differs from the run being resumed")
+            self.state = load_checkpoint(ckpts[-1], self.model, self.optimizer)
+            log.info("resumed from %s (step %d, epoch %d)", ckpts[-1], self.state.step, self.state.epoch)
+        elif resume:
+            log.info("%s: no checkpoint to resume from; starting a new run", self.run_dir)
+        write_config(self.run_dir, self.cfg)
+        copy_tokenizer(self.cfg, self.data_dir, self.run_dir)
+        with atomic_write(self.run_dir / "env.json") as f:
+            json.dump(package_versions(), f, indent=2)
+
+    def elapsed(self) -> float:
+        """Wall-clock seconds of the whole run, earlier (resumed) segments included."""
+        return self._base_elapsed + time.time() - self._started
+
+    def finished(self, last_val_seconds: float) -> bool:
+        tc, st = self.tc, self.state
+        elapsed = self.elapsed()
+        return ((tc.max_steps and st.step >= tc.max_steps)
+                or (tc.max_epochs and st.epoch >= tc.max_epochs)
+                or elapsed + last_val_seconds >= tc.max_seconds)
+
+    def run(self, resume: bool = False) -> Path:
+        self.start(resume)
+        tc, st = self.tc, self.state
+        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        progress = Progress(tc.max_steps or None, tc.max_seconds, self.show_progress)
+        self._base_elapsed, self._started = st.elapsed, time.time()
+        last_val = st.validations[-1]["seconds"] if st.validations else 0.0
+        window_loss, window_tokens, window_all, window_t0 = 0.0, 0, 0, time.time()
+        bad_steps = 0
+        validated_at = st.step if st.validations else -1
+        try:
+            while not self.finished(last_val):
+                batches = self.epoch_batches(st.epoch)
+                while st.batch < len(batches) and not self.finished(last_val):
+                    group = batches[st.batch:st.batch + tc.update_freq]
+                    st.batch += len(group)
+                    data = [self.train_data.batch(idx) for idx in group]
+                    loss, ok = self.train_step(data)
+                    if not ok:
+                        bad_steps += 1
+                        log.warning("step %d: non-finite gradient, update skipped", st.step + 1)
+                        if bad_steps >= 20:
+                            raise S2SError(f"{self.run_dir}: 20 non-finite updates in a row; "
+                                           "lower train.lr or check the data")
+                        continue
+                    bad_steps = 0
+                    st.step += 1
+                    window_loss += loss  # a tensor: no host sync until logging
+                    window_tokens += sum(b.n_tgt_tokens for b in data)
+                    window_all += sum(b.n_tgt_tokens + b.n_src_tokens for b in data)
+                    if st.step % tc.log_every == 0:
+                        now = time.time()
+                        rate = window_all / max(now - window_t0, 1e-9)
+                        mean = float(window_loss) / max(window_tokens, 1)
+                        lr = self.optimizer.param_groups[0]["lr"]
+                        elapsed = self.elapsed()
+                        self.write_metrics({"step": st.step, "epoch": st.epoch, "loss": round(mean, 4),
+                                            "lr": lr, "tok_s": round(rate), "elapsed": round(elapsed, 1)})
+                        progress.update(st.step, f"loss {mean:.3f} | lr {lr:.2e} | {rate:,.0f} tok/s | "
+                                                 f"ETA {progress.eta(st.step, elapsed, tc.log_every / max(now - window_t0, 1e-9))}")
+                        window_loss, window_tokens, window_all, window_t0 = 0.0, 0, 0, now
+                    if st.step % tc.validate_every == 0:
+                        last_val = self.validate()["seconds"]
+                        validated_at = st.step
+                        self.checkpoint()
+                    if self._signal is not None:
+                        break
+                if self._signal is not None:
+                    break
+                if st.batch >= len(batches):
+                    st.epoch, st.batch = st.epoch + 1, 0
+            if self._signal is None and validated_at != st.step:
+                self.validate()
+            self.checkpoint()
+        finally:
+            progress.close()
+            for s, h in handlers.items():
+                signal.signal(s, h)
+        if self._signal is not None:
+            name = signal.Signals(self._signal).name
+            raise TrainingInterrupted(
+                f"{self.run_dir}: stopped by {name} at step {st.step}; checkpoint written, "
+                f"continue with `s2s train CONFIG -o {self.run_dir} --resume`", 128 + self._signal)
+        st.elapsed = self.elapsed()
+        log.info("done: %d steps, %.1f min; best %s %s at step %d; model in %s", st.step,
+                 st.elapsed / 60, tc.best_metric, st.best_value, st.best_step, self.run_dir)
+        return self.run_dir
+
+    def checkpoint(self) -> None:
+        self.state.elapsed = self.elapsed()
+        save_checkpoint(self.run_dir, self.model, self.optimizer, self.state, self.tc.keep_checkpoints)
+
+
+def _head(it, k: int):
+    for i, x in enumerate(it):
+        if i >= k:
+            return
+        yield x
+
+
+def train(cfg: ExperimentConfig, run_dir: Optional[str | Path] = None, resume: bool = False,
+          show_progress: bool = True) -> Path:
+    """Train a model as ``cfg`` describes; return the run (= model) directory."""
+    target = run_dir or cfg.output_dir
+    if not target:
+        raise S2SError("output_dir: no run directory; set output_dir in the config or pass -o RUN_DIR")
+    return Trainer(cfg, Path(target), show_progress).run(resume)

@@ -1,0 +1,138 @@
+"""Translating text: batching by length, search, streaming in input order.
+
+``Translator.translate_lines`` reads its input lazily in chunks, sorts each
+chunk by length into batches of at most ``batch_tokens`` source tokens,
+searches, and yields one result per input line, in input order, chunk by
+chunk — so memory stays bounded and output starts before input ends.  An
+empty (or all-whitespace) line yields an empty translation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterable, Iterator, Optional, Sequence
+
+import torch
+
+from s2s.config import DecodeConfig
+from s2s.data import pad_sequences
+from s2s.model import Seq2SeqTransformer
+from s2s.search import Hypothesis, ModelDecoder, SearchSettings, search
+from s2s.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+
+log = logging.getLogger("s2s")
+
+
+@dataclass
+class Translation:
+    line_no: int  # 1-based line number in the input
+    hypotheses: list[Hypothesis]  # best first; empty for an empty input line
+    texts: list[str]  # detokenized hypotheses
+
+    @property
+    def text(self) -> str:
+        return self.texts[0] if self.texts else ""
+
+
+def max_output_lengths(src_lens: torch.Tensor, a: float, b: int, cap: Optional[int]) -> torch.Tensor:
+    """max_len(x) = floor(a * |x| + b), capped by the model's position limit."""
+    out = (a * src_lens.float() + b).floor().long().clamp(min=1)
+    return out.clamp(max=cap) if cap is not None else out
+
+
+class Translator:
+    def __init__(self, model: Seq2SeqTransformer, tokenizer: Tokenizer, decode: DecodeConfig,
+                 device: str | torch.device = "cpu"):
+        self.model = model.eval()
+        self.tok = tokenizer
+        self.decode = decode
+        self.device = torch.device(device)
+        learned = model.cfg.positions == "learned"
+        self.position_cap = model.cfg.max_positions - 1 if learned else None
+        self.max_input = decode.max_input_tokens
+        if learned:
+            self.max_input = min(self.max_input, model.cfg.max_positions)
+
+    @classmethod
+    def from_dir(cls, directory: str | Path, device: str = "cpu", **decode_overrides) -> "Translator":
+        """Load a model directory; ``decode_overrides`` replace its decode settings."""
+        from s2s.modeldir import load_model_dir
+
+        loaded = load_model_dir(directory, device)
+        decode = replace(loaded.cfg.decode, **decode_overrides)
+        return cls(loaded.model, loaded.tokenizer, decode, device)
+
+    @property
+    def settings(self) -> SearchSettings:
+        d = self.decode
+        return SearchSettings(beam=d.beam, nbest=d.nbest, alpha=d.alpha,
+                              length_penalty=d.length_penalty, min_len=d.min_len,
+                              bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID)
+
+    # ------------------------------------------------------------------ #
+    @torch.inference_mode()
+    def search_ids(self, src_ids: Sequence[Sequence[int]]) -> list[list[Hypothesis]]:
+        """Search one batch of encoded sources (each ending in </s>)."""
+        src = pad_sequences(src_ids).to(self.device)  # (B, S)
+        src_lens = torch.tensor([len(s) - 1 for s in src_ids], device=self.device)
+        max_len = max_output_lengths(src_lens, self.decode.max_len_a, self.decode.max_len_b,
+                                     self.position_cap)
+        return search(ModelDecoder(self.model, src), max_len, self.settings)
+
+    def search_sorted(self, src_ids: Sequence[Sequence[int]]) -> list[list[Hypothesis]]:
+        """Search many sources: sorted by length into token-bounded batches, order restored."""
+        order = sorted(range(len(src_ids)), key=lambda i: len(src_ids[i]), reverse=True)
+        results: list[list[Hypothesis]] = [[] for _ in src_ids]
+        start = 0
+        while start < len(order):
+            end = start + 1
+            width = len(src_ids[order[start]])  # longest first: the first sets the width
+            while end < len(order) and width * (end - start + 1) <= self.decode.batch_tokens:
+                end += 1
+            batch = [src_ids[i] for i in order[start:end]]
+            for i, hyps in zip(order[start:end], self.search_ids(batch)):
+                results[i] = hyps
+            start = end
+        return results
+
+    def encode_lines(self, lines: Sequence[str], first_line_no: int) -> list[Optional[list[int]]]:
+        """Source ids per line (None for an empty line), truncating over-long lines with a warning."""
+        stripped = [line.strip() for line in lines]
+        nonempty = [i for i, s in enumerate(stripped) if s]
+        encoded = self.tok.encode_src([stripped[i] for i in nonempty])
+        out: list[Optional[list[int]]] = [None] * len(lines)
+        for i, ids in zip(nonempty, encoded):
+            if len(ids) > self.max_input:
+                log.warning("line %d: %d tokens, truncated to the model's limit of %d",
+                            first_line_no + i, len(ids), self.max_input)
+                ids = ids[:self.max_input - 1] + [EOS_ID]
+            out[i] = ids
+        return out
+
+    def translate_chunk(self, lines: Sequence[str], first_line_no: int = 1) -> list[Translation]:
+        ids = self.encode_lines(lines, first_line_no)
+        todo = [i for i, x in enumerate(ids) if x is not None]
+        found = self.search_sorted([ids[i] for i in todo])
+        hyps: list[list[Hypothesis]] = [[] for _ in lines]
+        for i, h in zip(todo, found):
+            hyps[i] = h
+        return [Translation(first_line_no + i, h, [self.tok.decode_tgt(x.tokens) for x in h])
+                for i, h in enumerate(hyps)]
+
+    def translate_lines(self, lines: Iterable[str], chunk_lines: int = 1000) -> Iterator[Translation]:
+        """Translate a (possibly endless) stream of lines, yielding them in input order."""
+        it = iter(lines)
+        line_no = 1
+        while True:
+            chunk = list(itertools.islice(it, chunk_lines))
+            if not chunk:
+                return
+            yield from self.translate_chunk(chunk, line_no)
+            line_no += len(chunk)
+
+    def translate(self, lines: Sequence[str]) -> list[str]:
+        """Best translation of each line."""
+        return [t.text for t in self.translate_lines(lines)]

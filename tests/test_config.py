@@ -1,0 +1,84 @@
+"""Typed config: unknown keys, wrong types and impossible values name the key and the file."""
+
+import pytest
+
+from s2s.config import ExperimentConfig, load_config, parse_duration, to_yaml
+from s2s.errors import ConfigError
+
+
+def write(tmp_path, text):
+    p = tmp_path / "exp.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_load_and_round_trip(tmp_path):
+    cfg = load_config(write(tmp_path, "model: {d_model: 64, heads: 4}\n"))
+    assert cfg.model.d_model == 64 and cfg.model.d_head == 16
+    again = load_config(write(tmp_path, to_yaml(cfg)))
+    assert again == cfg
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("model: {d_modl: 64}\n", "model.d_modl: unknown key"),
+    ("modle: {}\n", "modle: unknown key"),
+    ("model: {d_model: big}\n", "model.d_model: expected an integer"),
+    ("model: {d_model: 100, heads: 3}\n", "model.d_model: d_model=100 is not divisible by heads=3"),
+    ("model: {norm: sandwich}\n", "model.norm: 'sandwich' is not one of pre, post"),
+    ("train: {precision: fp16}\n", "train.precision"),
+    ("train: {lr: -1}\n", "train.lr: must be > 0"),
+    ("train: {max_time: soon}\n", "train.max_time"),
+    ("model: {share_embeddings: true}\ntokenizer: {joint: false}\n", "model.share_embeddings"),
+    ("decode: {beam: 2, nbest: 3}\n", "decode.nbest"),
+    ("model: [1, 2]\n", "model: expected a mapping"),
+    ("tokenizer: {joint: 1}\n", "tokenizer.joint: expected true or false"),
+])
+def test_errors_name_file_and_key(tmp_path, text, needle):
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert str(e.value).startswith(str(p))
+    assert needle in str(e.value)
+
+
+def test_unknown_key_lists_valid_keys(tmp_path):
+    with pytest.raises(ConfigError, match="valid keys in model: arch, d_model, heads"):
+        load_config(write(tmp_path, "model: {dmodel: 1}\n"))
+
+
+def test_yaml_syntax_error_names_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"exp.yaml: line \d+: YAML does not parse"):
+        load_config(write(tmp_path, "model:\n  d_model: 1\n bad: [\n"))
+
+
+def test_missing_and_directory(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
+
+
+def test_set_overrides_any_key(tmp_path):
+    p = write(tmp_path, "model: {d_model: 64, heads: 4}\n")
+    cfg = load_config(p, ["model.d_model=512", "train.max_time=15m", "decode.alpha=1", "seed=7"])
+    assert cfg.model.d_model == 512
+    assert cfg.train.max_seconds == 900
+    assert cfg.decode.alpha == 1.0 and isinstance(cfg.decode.alpha, float)
+    assert cfg.seed == 7
+    with pytest.raises(ConfigError, match="model.dmodel: unknown key"):
+        load_config(p, ["model.dmodel=3"])
+    with pytest.raises(ConfigError, match="expected key=value"):
+        load_config(p, ["model.d_model"])
+
+
+def test_durations():
+    assert parse_duration("") == float("inf")
+    assert parse_duration("90") == 90
+    assert parse_duration("15m") == 900
+    assert parse_duration("1.5h") == 5400
+
+
+def test_frozen():
+    cfg = ExperimentConfig()
+    with pytest.raises(Exception):
+        cfg.model.d_model = 3

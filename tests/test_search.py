@@ -1,0 +1,185 @@
+"""Search tested against a scripted decoder that replays fixed probabilities."""
+
+import math
+
+import pytest
+import torch
+
+from s2s.config import ModelConfig
+from s2s.model import Seq2SeqTransformer
+from s2s.search import (ModelDecoder, SearchSettings, beam_search, greedy_search, length_penalty,
+                        search)
+
+PAD, UNK, BOS, EOS, A, B = 0, 1, 2, 3, 4, 5
+V = 6
+
+
+class ScriptedDecoder:
+    """Next-token probabilities looked up by the prefix generated so far.
+
+    Unscripted prefixes end the sentence (</s> with probability 1).
+    """
+
+    def __init__(self, script: dict, batch: int = 1):
+        self.script = script
+        self.prefixes = [() for _ in range(batch)]
+        self.started = False
+        self.steps = 0
+
+    def step(self, y_prev):
+        self.steps += 1
+        if self.started:
+            self.prefixes = [p + (int(y),) for p, y in zip(self.prefixes, y_prev[:, 0])]
+        self.started = True
+        out = torch.full((len(self.prefixes), V), float("-inf"))
+        for row, prefix in enumerate(self.prefixes):
+            for tok, p in self.script.get(prefix, {EOS: 1.0}).items():
+                out[row, tok] = math.log(p)
+        return out
+
+    def select(self, index):
+        self.prefixes = [self.prefixes[i] for i in index.tolist()]
+
+
+SCRIPT = {
+    (): {A: 0.6, B: 0.4},
+    (A,): {EOS: 0.1, A: 0.4, B: 0.5},
+    (B,): {EOS: 0.85, A: 0.1, B: 0.05},
+}
+
+
+def settings(**kw):
+    base = dict(beam=2, nbest=2, alpha=0.0, length_penalty="gnmt", bos_id=BOS, eos_id=EOS, pad_id=PAD)
+    base.update(kw)
+    return SearchSettings(**base)
+
+
+def test_length_penalty_formula():
+    # lp(m) = ((5+m)/6)^alpha, the formula sheet's (Sockeye checks 7**0.2 / 6**0.2 the same way)
+    assert length_penalty(2, 0.2) == pytest.approx(7 ** 0.2 / 6 ** 0.2)
+    assert length_penalty(1, 0.6) == pytest.approx(1.0)
+    assert length_penalty(10, 1.0) == pytest.approx(15 / 6)
+    assert length_penalty(3, 0.0) == 1.0
+    assert length_penalty(4, 0.5, "power") == pytest.approx(2.0)
+    assert length_penalty(7, 0.9, "none") == 1.0
+    m = torch.tensor([1.0, 2.0])
+    assert torch.allclose(length_penalty(m, 1.0), (5 + m) / 6)
+
+
+def test_beam_exact_hypotheses_without_length_penalty():
+    hyps = beam_search(ScriptedDecoder(SCRIPT), torch.tensor([10]), settings())[0]
+    # "b </s>" = 0.4 * 0.85 = 0.34 beats "a b </s>" = 0.6 * 0.5 * 1.0 = 0.30
+    assert [h.tokens for h in hyps] == [[B], [A, B]]
+    assert hyps[0].log_prob == pytest.approx(math.log(0.34), abs=1e-6)
+    assert hyps[1].log_prob == pytest.approx(math.log(0.30), abs=1e-6)
+    assert hyps[0].score == pytest.approx(math.log(0.34), abs=1e-6)
+
+
+def test_beam_length_penalty_changes_the_winner():
+    alpha = 2.0
+    hyps = beam_search(ScriptedDecoder(SCRIPT), torch.tensor([10]), settings(alpha=alpha))[0]
+    # score(y) = log P(y) / lp(m), m counts </s>: "a b </s>" has m = 3, "b </s>" has m = 2
+    s_ab = math.log(0.30) / ((5 + 3) / 6) ** alpha
+    s_b = math.log(0.34) / ((5 + 2) / 6) ** alpha
+    assert s_ab > s_b
+    assert [h.tokens for h in hyps] == [[A, B], [B]]
+    assert hyps[0].score == pytest.approx(s_ab, abs=1e-6)
+    assert hyps[1].score == pytest.approx(s_b, abs=1e-6)
+
+
+def test_nbest_sorted_by_score():
+    script = {(): {A: 0.5, B: 0.3, UNK: 0.2}, (A,): {EOS: 0.5, B: 0.5}, (B,): {EOS: 0.9, A: 0.1},
+              (UNK,): {EOS: 1.0}}
+    hyps = beam_search(ScriptedDecoder(script), torch.tensor([6]), settings(beam=3, nbest=3, alpha=0.6))[0]
+    scores = [h.score for h in hyps]
+    assert len(hyps) == 3 and scores == sorted(scores, reverse=True)
+
+
+def test_greedy_follows_argmax():
+    hyps = greedy_search(ScriptedDecoder(SCRIPT), torch.tensor([10]), settings(beam=1, nbest=1))[0]
+    assert hyps[0].tokens == [A, B]
+    assert hyps[0].log_prob == pytest.approx(math.log(0.3), abs=1e-6)
+
+
+def test_max_len_forces_eos():
+    never_ends = {}
+    for n in range(12):
+        for prefix in [(A,) * n]:
+            never_ends[prefix] = {A: 0.99, EOS: 0.01}
+    for fn, s in ((beam_search, settings()), (greedy_search, settings(beam=1, nbest=1))):
+        hyps = fn(ScriptedDecoder(never_ends), torch.tensor([5]), s)[0]
+        assert len(hyps[0].tokens) <= 4  # m <= max_len = 5, </s> included
+        assert hyps[0].tokens == [A] * 4 or fn is beam_search
+
+
+def test_min_len_blocks_eos():
+    script = {(): {EOS: 0.9, A: 0.1}, (A,): {EOS: 0.9, A: 0.1}, (A, A): {EOS: 0.9, A: 0.1}}
+    hyps = greedy_search(ScriptedDecoder(script), torch.tensor([10]), settings(beam=1, nbest=1, min_len=2))[0]
+    assert hyps[0].tokens == [A, A]
+    hyps = beam_search(ScriptedDecoder(script), torch.tensor([10]), settings(min_len=2))[0]
+    assert len(hyps[0].tokens) >= 2
+
+
+def test_beam_batch_equals_one_by_one():
+    """Sentences leave the batch at different steps; results must not depend on batching."""
+    scripts = [SCRIPT, {(): {EOS: 1.0}}, {(): {A: 1.0}, (A,): {A: 0.7, EOS: 0.3}}]
+
+    class Multi(ScriptedDecoder):
+        def __init__(self):
+            super().__init__({}, batch=3)
+            self.which = [0, 1, 2]
+
+        def step(self, y_prev):
+            if self.started:
+                self.prefixes = [p + (int(y),) for p, y in zip(self.prefixes, y_prev[:, 0])]
+            self.started = True
+            out = torch.full((len(self.prefixes), V), float("-inf"))
+            for row, (w, prefix) in enumerate(zip(self.which, self.prefixes)):
+                for tok, p in scripts[w].get(prefix, {EOS: 1.0}).items():
+                    out[row, tok] = math.log(p)
+            return out
+
+        def select(self, index):
+            super().select(index)
+            self.which = [self.which[i] for i in index.tolist()]
+
+    together = beam_search(Multi(), torch.tensor([8, 8, 8]), settings(alpha=0.6))
+    for i, script in enumerate(scripts):
+        alone = beam_search(ScriptedDecoder(script), torch.tensor([8]), settings(alpha=0.6))[0]
+        assert [(h.tokens, round(h.score, 6)) for h in together[i]] == \
+               [(h.tokens, round(h.score, 6)) for h in alone]
+
+
+def _tiny_model(seed=0):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(d_model=32, heads=4, enc_layers=2, dec_layers=2, d_ff=64, dropout=0.0)
+    return Seq2SeqTransformer(cfg, 40, 40).double().eval()
+
+
+def test_beam_one_equals_greedy_on_a_model():
+    model = _tiny_model()
+    src = torch.randint(4, 40, (5, 9))
+    src[1, 6:] = PAD
+    src[:, -1] = EOS
+    max_len = torch.full((5,), 12)
+    s = settings(beam=1, nbest=1, alpha=0.0)
+    with torch.no_grad():
+        greedy = greedy_search(ModelDecoder(model, src), max_len, s)
+        beam = beam_search(ModelDecoder(model, src), max_len, s)
+    for g, b in zip(greedy, beam):
+        assert g[0].tokens == b[0].tokens
+        assert g[0].score == pytest.approx(b[0].score, abs=1e-5)
+
+
+def test_search_on_model_batch_invariance():
+    model = _tiny_model(1)
+    src = torch.randint(4, 40, (4, 7))
+    src[:, -1] = EOS
+    max_len = torch.full((4,), 10)
+    s = settings(beam=3, nbest=1, alpha=0.6)
+    with torch.no_grad():
+        batch = search(ModelDecoder(model, src), max_len, s)
+        for i in range(4):
+            alone = search(ModelDecoder(model, src[i:i + 1]), max_len[:1], s)
+            assert alone[0][0].tokens == batch[i][0].tokens
+            assert alone[0][0].score == pytest.approx(batch[i][0].score, abs=1e-5)
