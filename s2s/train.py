@@ -23,7 +23,6 @@ import platform
 import re
 import shutil
 import signal
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,7 +36,7 @@ from torch import Tensor
 
 from s2s import __version__
 from s2s.config import DecodeConfig, ExperimentConfig, to_dict
-from s2s.data import BinDataset, Batch, token_batches, tokenizer_fingerprint
+from s2s.data import BinDataset, Batch, file_sha256, token_batches, tokenizer_fingerprint
 from s2s.errors import S2SError
 from s2s.metrics import corpus_bleu
 from s2s.modeldir import (CONFIG, META, WEIGHTS, build_model, copy_tokenizer, load_weights, read_meta,
@@ -232,6 +231,10 @@ class Trainer:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.tc.threads:
             torch.set_num_threads(self.tc.threads)
+        if (self.tc.precision == "bf16" and self.device.type == "cpu"
+                and not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            log.warning("train.precision: this CPU has no native bf16 matmul (AVX-512 BF16 or AMX); "
+                        "bf16 will run much slower than fp32")
         torch.manual_seed(cfg.seed)
         check_prepared(cfg)
         self.data_dir = Path(cfg.data.dir)
@@ -370,6 +373,11 @@ class Trainer:
                     diff = [k for k in to_dict(self.cfg)["model"]
                             if to_dict(prev)["model"][k] != to_dict(self.cfg)["model"][k]]
                     raise S2SError(f"{old}: model.{diff[0]} differs from the run being resumed")
+            for p in set(Tokenizer.files(self.data_dir, self.cfg.data, self.cfg.tokenizer.joint)):
+                mine = self.run_dir / p.name
+                if mine.is_file() and file_sha256(mine) != file_sha256(p):
+                    raise S2SError(f"{p}: the tokenizer changed since {self.run_dir} started; "
+                                   "resume with the original tokenizer or start a new run")
             self.state = load_checkpoint(ckpts[-1], self.model, self.optimizer)
             log.info("resumed from %s (step %d, epoch %d)", ckpts[-1], self.state.step, self.state.epoch)
         elif resume:

@@ -28,16 +28,6 @@ both = pytest.mark.parametrize("norm", NORMS)
 every_position = pytest.mark.parametrize("positions", POSITIONS)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core
-    machine the thread hand-offs make each forward ~100x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make_model(positions: str = "sinusoidal", norm: str = "pre", seed: int = 0,
                **overrides) -> Seq2SeqTransformer:
     torch.manual_seed(seed)

@@ -14,7 +14,6 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 from s2s.model.attention import MultiHeadAttention, attention, causal_mask, padding_mask
 from s2s.search import SearchSettings, greedy_search
@@ -22,15 +21,6 @@ from s2s.train import label_smoothed_nll
 
 ABS = 1e-5
 DT = torch.float64
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add hand-off overhead on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def t(x) -> torch.Tensor:

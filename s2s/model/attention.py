@@ -61,7 +61,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None,
         scores = scores / math.sqrt(q.size(-1))
     if mask is not None:
         scores = scores + mask
-    A = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    low_precision = scores.dtype in (torch.float16, torch.bfloat16)
+    A = torch.softmax(scores.float() if low_precision else scores, dim=-1).to(v.dtype)
     return F.dropout(A, dropout_p) @ v if dropout_p else A @ v, A
 
 

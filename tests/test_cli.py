@@ -1,0 +1,137 @@
+"""End to end through the command line on a tiny slice of the real corpus."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from s2s.cli import app
+
+runner = CliRunner()
+
+
+def s2s(*args, input=None):
+    """Run the real entry point in a subprocess: exit codes and stderr as a user sees them."""
+    return subprocess.run([sys.executable, "-m", "s2s", *map(str, args)], input=input,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model_dir(corpus, tmp_path_factory) -> Path:
+    """tokenizer train -> prepare -> train, all through the CLI."""
+    from tests.conftest import TINY_YAML
+
+    work = tmp_path_factory.mktemp("cli")
+    cfg = work / "tiny.yaml"
+    cfg.write_text(TINY_YAML.format(d=corpus).replace(f"{corpus}/prep", f"{work}/prep"))
+    r = runner.invoke(app, ["tokenizer", "train", str(cfg), "--vocab-size", "280", "--type", "bpe"])
+    assert r.exit_code == 0, r.output
+    assert (work / "prep" / "spm.model").is_file()
+    r = runner.invoke(app, ["prepare", str(cfg)])
+    assert r.exit_code == 0, r.output
+    assert "train" in r.stdout and "400" in r.stdout
+    r = runner.invoke(app, ["train", str(cfg), "-o", str(work / "run"), "--set", "train.max_steps=4"])
+    assert r.exit_code == 0, r.output
+    return work / "run"
+
+
+def test_translate_one_line_per_input_line_in_order(model_dir):
+    lines = ["Clipboard management", "", "   ", "port scanner for discovering services", "x" * 3000,
+             "émoji 🙂 and עברית", "Clipboard management"]
+    r = s2s("translate", "-m", model_dir, "--beam", "2", input="\n".join(lines) + "\n")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.split("\n")
+    assert out[-1] == "" and len(out) - 1 == len(lines)
+    assert out[1] == "" and out[2] == ""
+    assert out[0] == out[6]  # same input, same output, wherever it sits
+
+
+def test_translate_beam_and_nbest(model_dir, corpus):
+    src = (corpus / "dev.en").read_text().splitlines()[:5]
+    r = s2s("translate", "-m", model_dir, "--beam", "3", "--nbest", "3", input="\n".join(src) + "\n")
+    assert r.returncode == 0, r.stderr
+    rows = [line.split(" ||| ") for line in r.stdout.splitlines()]
+    for i in range(5):
+        scores = [float(row[2]) for row in rows if row[0] == str(i)]
+        assert 1 <= len(scores) <= 3 and scores == sorted(scores, reverse=True)
+
+
+def test_pipeline_translate_then_score(model_dir, corpus, tmp_path):
+    hyp = s2s("translate", "-m", model_dir, "--input", corpus / "dev.en", "--beam", "1")
+    assert hyp.returncode == 0, hyp.stderr
+    assert len(hyp.stdout.splitlines()) == 20
+    r = s2s("score", "-", corpus / "dev.de", "--json", input=hyp.stdout)
+    assert r.returncode == 0, r.stderr
+    scores = json.loads(r.stdout)
+    assert set(scores) == {"bleu", "chrf", "ter"}
+    assert scores["bleu"]["signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
+    # --output writes a complete file
+    r = s2s("translate", "-m", model_dir, "--input", corpus / "dev.en", "-o", tmp_path / "out.txt")
+    assert r.returncode == 0 and len((tmp_path / "out.txt").read_text().splitlines()) == 20
+
+
+def test_score_identical_is_perfect(tmp_path):
+    ref = tmp_path / "ref"
+    ref.write_text("the cat sat on the mat\nhello world again\n")
+    r = runner.invoke(app, ["score", str(ref), str(ref), "--json"])
+    assert r.exit_code == 0
+    assert json.loads(r.stdout)["bleu"]["score"] == 100.0
+
+
+def test_info_reports_budget(model_dir):
+    r = runner.invoke(app, ["info", str(model_dir)])
+    assert r.exit_code == 0, r.output
+    assert "budget" in r.stdout and "parameters" in r.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["translate", "-m", "/nonexistent"], "/nonexistent: no such model directory"),
+    (["score", "/nonexistent/hyp", "/nonexistent/ref"], "/nonexistent/hyp: no such file"),
+    (["train", "/nonexistent.yaml"], "/nonexistent.yaml: no such file"),
+])
+def test_errors_are_one_line(args, needle):
+    r = s2s(*args)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == f"s2s: error: {needle}" or needle in r.stderr
+
+
+def test_bad_inputs(model_dir, tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"fine\n\xff\xfe\n")
+    r = s2s("translate", "-m", model_dir, "--input", bad)
+    assert r.returncode == 1 and f"{bad}:2: invalid UTF-8" in r.stderr
+    r = s2s("translate", "-m", model_dir, "--input", bad, "--errors", "replace")
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 2
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_text("1\n2\n")
+    b.write_text("1\n")
+    r = s2s("score", a, b)
+    assert r.returncode == 1 and f"{a} has 2 lines but {b} has 1" in r.stderr
+    r = s2s("translate", "-m", model_dir, "--beam", "0", input="x\n")
+    assert r.returncode == 1 and "decode.beam" in r.stderr
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {d_model: 30, heads: 4}\n")
+    r = s2s("train", cfg, "-o", tmp_path / "r")
+    assert r.returncode == 1 and "model.d_model" in r.stderr and str(cfg) in r.stderr
+
+
+def test_corrupted_weights_are_detected(model_dir, tmp_path):
+    import shutil
+
+    copy = tmp_path / "m"
+    shutil.copytree(model_dir, copy, ignore=shutil.ignore_patterns("checkpoints"))
+    data = bytearray((copy / "model.safetensors").read_bytes())
+    data[-10] ^= 0xFF
+    (copy / "model.safetensors").write_bytes(bytes(data))
+    r = s2s("translate", "-m", copy, input="hello\n")
+    assert r.returncode == 1 and "checksum mismatch" in r.stderr
+
+
+def test_help_has_examples():
+    for cmd in (["tokenizer", "train"], ["prepare"], ["train"], ["translate"], ["score"], ["info"]):
+        r = runner.invoke(app, [*cmd, "--help"])
+        assert r.exit_code == 0 and "Example" in r.stdout, cmd

@@ -1,0 +1,152 @@
+"""Training: the formulas, checkpoints, and exact resume."""
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from s2s.config import load_config
+from s2s.errors import S2SError
+from s2s.modeldir import load_model_dir
+from s2s.train import inverse_sqrt_lr, label_smoothed_nll, list_checkpoints, train
+
+
+def test_inverse_sqrt_schedule():
+    peak, warmup = 1e-3, 100
+    assert inverse_sqrt_lr(1, peak, warmup) == pytest.approx(peak / 100)
+    assert inverse_sqrt_lr(50, peak, warmup) == pytest.approx(peak * 0.5)
+    assert inverse_sqrt_lr(100, peak, warmup) == pytest.approx(peak)
+    assert inverse_sqrt_lr(400, peak, warmup) == pytest.approx(peak * math.sqrt(100 / 400))
+    assert inverse_sqrt_lr(7, peak, 0) == peak
+
+
+def test_label_smoothed_nll_matches_hand_formula():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 5)
+    target = torch.tensor([[1, 2, 0], [4, 3, 2]])  # 0 = pad, ignored
+    eps = 0.1
+    logp = torch.log_softmax(logits, -1)
+    expected = 0.0
+    for b in range(2):
+        for t in range(3):
+            y = int(target[b, t])
+            if y == 0:
+                continue
+            expected += (1 - eps) * -logp[b, t, y] + eps * (-logp[b, t].mean())
+    assert float(label_smoothed_nll(logits, target, eps)) == pytest.approx(float(expected), rel=1e-5)
+    # eps = 0 is the plain negative log-likelihood
+    nll = -sum(float(logp[b, t, target[b, t]]) for b in range(2) for t in range(3) if target[b, t])
+    assert float(label_smoothed_nll(logits, target, 0.0)) == pytest.approx(nll, rel=1e-5)
+
+
+def _weights(run_dir):
+    return load_file(str(list_checkpoints(run_dir)[-1] / "model.safetensors"))
+
+
+def _losses(run_dir):
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_train_writes_a_model_directory(prepared, tmp_path):
+    cfg = load_config(prepared)
+    run = train(cfg, tmp_path / "run", show_progress=False)
+    for name in ("config.yaml", "spm.model", "model.safetensors", "model.json", "env.json",
+                 "metrics.jsonl"):
+        assert (run / name).is_file(), name
+    assert [p.name for p in list_checkpoints(run)] == ["step-00000003", "step-00000006"]
+    loaded = load_model_dir(run)
+    assert loaded.meta["sha256"] and loaded.meta["step"] in (3, 6)
+    # the run directory is not silently overwritten
+    with pytest.raises(S2SError, match="already holds a training run"):
+        train(cfg, run, show_progress=False)
+
+
+def test_resume_is_bit_identical(prepared, tmp_path):
+    straight = train(load_config(prepared), tmp_path / "a", show_progress=False)
+    cut = train(load_config(prepared, ["train.max_steps=3"]), tmp_path / "b", show_progress=False)
+    resumed = train(load_config(prepared), cut, resume=True, show_progress=False)
+    a, b = _weights(straight), _weights(resumed)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert _losses(straight) == _losses(resumed)
+
+
+def test_same_seed_same_model(prepared, tmp_path):
+    cfg = load_config(prepared, ["train.max_steps=2", "train.validate_every=2"])
+    one = _weights(train(cfg, tmp_path / "one", show_progress=False))
+    two = _weights(train(cfg, tmp_path / "two", show_progress=False))
+    assert all(torch.equal(one[k], two[k]) for k in one)
+
+
+def _run_cli(args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "s2s", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_sigkill_then_resume_matches_uninterrupted(prepared, tmp_path):
+    """kill -9 mid-run, --resume, and the run ends with the same weights and losses."""
+    overrides = ["--set", "train.max_steps=12", "--set", "train.validate_every=2",
+                 "--set", "train.dev_bleu_sentences=0", "--set", "train.best_metric=loss"]
+    full = _run_cli(["train", str(prepared), "-o", str(tmp_path / "full"), *overrides])
+    assert full.wait(timeout=300) == 0, full.stderr.read()
+    run = tmp_path / "killed"
+    proc = _run_cli(["train", str(prepared), "-o", str(run), *overrides])
+    deadline = time.time() + 120
+    while not (run / "checkpoints" / "step-00000004").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert list_checkpoints(run), "no checkpoint before the kill"
+    again = _run_cli(["train", str(prepared), "-o", str(run), "--resume", *overrides])
+    assert again.wait(timeout=300) == 0, again.stderr.read()
+    a, b = _weights(tmp_path / "full"), _weights(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # steps logged after the resume equal the uninterrupted run's
+    assert _losses(tmp_path / "full").items() >= _losses(run).items()
+
+
+def test_sigint_writes_checkpoint_and_exits_nonzero(prepared, tmp_path):
+    run = tmp_path / "int"
+    proc = _run_cli(["train", str(prepared), "-o", str(run), "--set", "train.max_steps=100000",
+                     "--set", "train.validate_every=100000"])
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        m = run / "metrics.jsonl"
+        if m.exists() and m.read_text().count("\n") >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT
+    assert "checkpoint written" in err and "Traceback" not in err
+    assert list_checkpoints(run)
+    assert err.strip().splitlines()[-1].startswith("s2s: error:")
+
+
+def test_separate_vocabularies_end_to_end(corpus, tmp_path):
+    """tokenizer.joint: false gives one SentencePiece model per language and separate embeddings."""
+    from s2s.data import prepare
+    from s2s.tokenizer import train_tokenizer
+    from s2s.translate import Translator
+    from tests.conftest import TINY_YAML
+
+    cfg_path = tmp_path / "sep.yaml"
+    cfg_path.write_text(TINY_YAML.format(d=corpus).replace(f"{corpus}/prep", f"{tmp_path}/prep"))
+    cfg = load_config(cfg_path, ["tokenizer.joint=false", "model.share_embeddings=false",
+                                 "tokenizer.vocab_size=200", "train.max_steps=2"])
+    files = train_tokenizer(cfg.tokenizer, cfg.data)
+    assert [f.name for f in files] == ["spm.en.model", "spm.de.model"]
+    prepare(cfg)
+    run = train(cfg, tmp_path / "run", show_progress=False)
+    assert (run / "spm.en.model").is_file() and (run / "spm.de.model").is_file()
+    tr = Translator.from_dir(run, beam=2)
+    assert tr.model.src_embed is not tr.model.tgt_embed
+    assert len(tr.translate(["Clipboard management", ""])) == 2
