@@ -17,7 +17,7 @@ from s2s.errors import S2SError  # noqa: E402
 
 def __getattr__(name):  # lazy: importing s2s stays cheap for `s2s --help`
     if name == "train":
-        from s2s.train import train
+        from s2s.trainer import train
         return train
     if name == "Translator":
         from s2s.translate import Translator

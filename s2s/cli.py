@@ -87,8 +87,8 @@ def prepare(config: Path = typer.Argument(..., help="Experiment YAML."),
 
     cfg = _load(config, set_)
     stats = run_prepare(cfg)
-    table = Table(title=f"prepared into {cfg.data.dir}")
-    for col in ("split", "read", "kept", *(f"dropped: {r}" for r in DROP_REASONS)):
+    table = Table(title=f"prepared into {cfg.data.dir}", caption="pairs; the last four columns: dropped")
+    for col in ("split", "read", "kept", *DROP_REASONS):
         table.add_column(col, justify="right")
     for split, st in stats.items():
         table.add_row(split, str(st.read), str(st.kept), *(str(st.dropped[r]) for r in DROP_REASONS))
@@ -105,7 +105,7 @@ def train(config: Path = typer.Argument(..., help="Experiment YAML."),
 
     Example: `s2s train recipes/quickstart.yaml -o exp --set train.max_time=10m`
     """
-    from s2s.train import train as run_train
+    from s2s.trainer import train as run_train
 
     cfg = _load(config, set_)
     run_dir = run_train(cfg, output, resume=resume)
@@ -141,6 +141,8 @@ def translate(
 
     if errors not in ("strict", "replace"):
         raise S2SError(f"--errors: {errors!r} is not strict or replace")
+    if threads < 0:
+        raise S2SError(f"--threads: {threads} is negative")
     if threads:
         torch.set_num_threads(threads)
     overrides = {k: v for k, v in dict(beam=beam, alpha=alpha, length_penalty=length_penalty,
@@ -149,7 +151,7 @@ def translate(
                  if v is not None}
     translator = Translator.from_dir(model)
     try:
-        translator.decode = replace(translator.decode, **overrides)
+        translator.decode = replace(translator.decode, "decode.", **overrides)
     except ConfigError as e:
         raise S2SError(f"translate options: {e}") from None
     if input != "-" and not Path(input).exists():
@@ -202,6 +204,8 @@ def score(hyp: str = typer.Argument(..., help="Hypotheses file; - reads stdin.")
     for r, lines in zip(refs, ref_lists):
         if len(lines) != len(hyps):
             raise S2SError(f"{hyp} has {len(hyps)} lines but {r} has {len(lines)}")
+    if not hyps:
+        raise S2SError(f"{'<stdin>' if hyp == '-' else hyp}: no lines to score")
     results = corpus_scores(hyps, ref_lists, names)
     if as_json:
         typer.echo(json.dumps({s.name: s.to_dict() for s in results}))
@@ -216,45 +220,14 @@ def info(path: Path = typer.Argument(..., help="A model directory or an experime
 
     Example: `s2s info exp` or `s2s info recipes/ddtp-en-de.yaml`
     """
-    import torch
     from rich.console import Console
     from rich.table import Table
 
-    from s2s.model import Seq2SeqTransformer, count_parameters, parameter_budget
+    from s2s.modeldir import describe
 
-    if path.is_dir():
-        from s2s.modeldir import CONFIG, read_meta
-
-        meta = read_meta(path)
-        cfg = load_config(path / CONFIG)
-        from s2s.tokenizer import Tokenizer
-
-        tok = Tokenizer.load(path, cfg.data, cfg.tokenizer.joint)
-        src_v, tgt_v = tok.src_vocab_size, tok.tgt_vocab_size
-    else:
-        cfg = load_config(path)
-        meta = None
-        src_v = tgt_v = cfg.tokenizer.vocab_size
-    with torch.device("meta"):
-        model = Seq2SeqTransformer(cfg.model, src_v, tgt_v)
-    m = cfg.model
-    n = count_parameters(model)
-    budget = parameter_budget(m, tgt_v)
     table = Table(title=f"{path}", show_header=False)
-    rows = [
-        ("architecture", f"{m.arch}, {m.norm}-norm, {m.activation} FFN, {m.positions} positions"),
-        ("layers", f"{m.enc_layers} encoder + {m.dec_layers} decoder"),
-        ("d_model / heads / d_head / d_ff", f"{m.d_model} / {m.heads} / {m.d_head} / {m.d_ff}"),
-        ("vocabulary (src / tgt)", f"{src_v} / {tgt_v}{' (shared embeddings)' if m.share_embeddings else ''}"
-                                   f"{', tied output' if m.tie_output else ''}"),
-        ("parameters", f"{n:,}"),
-        ("budget 12·N_enc·d² + 16·N_dec·d² + V·d", f"{budget:,}  (actual/budget = {n / budget:.3f})"),
-    ]
-    if meta:
-        rows.append(("trained", ", ".join(f"{k} {v}" for k, v in meta.items()
-                                          if k in ("step", "dev_bleu", "dev_loss"))))
-    for k, v in rows:
-        table.add_row(k, v)
+    for key, value in describe(path):
+        table.add_row(key, value)
     Console().print(table)
 
 

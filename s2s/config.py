@@ -111,6 +111,9 @@ class ModelConfig:
         _check(self.dec_layers >= 1, "model.dec_layers", "must be >= 1")
         _check(self.d_model % self.heads == 0, "model.d_model",
                f"d_model={self.d_model} is not divisible by heads={self.heads}")
+        _check(self.rel_buckets >= 4, "model.rel_buckets", "must be >= 4")
+        _check(self.rel_max_distance > self.rel_buckets // 4, "model.rel_max_distance",
+               "must exceed rel_buckets / 4 (the last exactly-represented distance)")
         _check(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
         _check(0.0 <= self.attention_dropout < 1.0, "model.attention_dropout", "must be in [0, 1)")
 
@@ -205,6 +208,11 @@ class ExperimentConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
 
     def __post_init__(self) -> None:
+        if self.model.positions == "learned" and (
+                self.data.max_tokens_per_sentence > self.model.max_positions):
+            raise ConfigError(f"data.max_tokens_per_sentence: {self.data.max_tokens_per_sentence} "
+                              f"exceeds model.max_positions={self.model.max_positions} "
+                              "(learned positions)")
         if self.model.share_embeddings and not self.tokenizer.joint:
             raise ConfigError("model.share_embeddings: needs a joint vocabulary "
                               "(tokenizer.joint: true) or share_embeddings: false")
@@ -362,6 +370,7 @@ def to_yaml(cfg: ExperimentConfig) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True)
 
 
-def replace(cfg: Any, **changes: Any) -> Any:
-    """``dataclasses.replace`` that re-runs validation (frozen configs)."""
-    return dataclasses.replace(cfg, **changes)
+def replace(section: Any, prefix: str = "", **changes: Any) -> Any:
+    """A copy of a config section with ``changes``, type-checked and validated like
+    a loaded one; errors name the key as ``{prefix}{key}`` (e.g. prefix "decode.")."""
+    return _build(type(section), {**dataclasses.asdict(section), **changes}, prefix)

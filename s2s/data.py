@@ -9,6 +9,8 @@ training never re-tokenizes.  ``side`` is ``src`` or ``tgt``.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -24,7 +26,7 @@ from torch import Tensor
 from s2s.config import ExperimentConfig
 from s2s.errors import S2SError
 from s2s.textio import atomic_write, read_lines, resolve_corpus
-from s2s.tokenizer import BOS_ID, PAD_ID, Tokenizer
+from s2s.tokenizer import BOS_ID, PAD_ID, Tokenizer, resolve_tokenizer_config
 
 SPLITS = ("train", "dev", "test")
 DROP_REASONS = ("empty", "too_long", "length_ratio", "duplicate")
@@ -121,10 +123,25 @@ def tokenizer_fingerprint(cfg: ExperimentConfig, directory: Path) -> str:
     return hashlib.sha256("".join(file_sha256(p) for p in files).encode()).hexdigest()[:16]
 
 
+def data_signature(cfg: ExperimentConfig) -> str:
+    """What the prepared splits depend on besides the tokenizer: data settings and file sizes."""
+    parts = [json.dumps(dataclasses.asdict(cfg.data), sort_keys=True),
+             cfg.model.positions, str(cfg.model.max_positions)]
+    for split in SPLITS:
+        prefix = getattr(cfg.data, split)
+        for lang in (cfg.data.src_lang, cfg.data.tgt_lang):
+            if prefix:
+                with contextlib.suppress(S2SError, OSError):
+                    parts.append(str(resolve_corpus(prefix, lang).stat().st_size))
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
 def prepare(cfg: ExperimentConfig) -> dict[str, CleanStats]:
     """Clean, encode and binarize every configured split into ``data.dir``."""
     out = Path(cfg.data.dir)
+    cfg = resolve_tokenizer_config(cfg)
     tok = Tokenizer.load(out, cfg.data, cfg.tokenizer.joint)
+    (out / "meta.json").unlink(missing_ok=True)  # written last: its presence means complete
     all_stats: dict[str, CleanStats] = {}
     sizes = {}
     for split in SPLITS:
@@ -139,8 +156,9 @@ def prepare(cfg: ExperimentConfig) -> dict[str, CleanStats]:
         if split == "train":
             keep, stats = clean_pairs(pairs, src_ids, tgt_ids, cfg.data.max_tokens_per_sentence,
                                       cfg.data.max_length_ratio, cfg.data.dedupe)
-        else:  # evaluation splits keep every non-empty pair
-            keep, stats = clean_pairs(pairs, src_ids, tgt_ids, None, None, False)
+        else:  # evaluation splits keep every non-empty pair the model can take
+            limit = cfg.model.max_positions if cfg.model.positions == "learned" else None
+            keep, stats = clean_pairs(pairs, src_ids, tgt_ids, limit, None, False)
         if not keep:
             raise S2SError(f"{src_path}: no pairs left after cleaning ({split} split)")
         write_ids(out, split, "src", [src_ids[i] for i in keep], tok.src_vocab_size)
@@ -154,7 +172,7 @@ def prepare(cfg: ExperimentConfig) -> dict[str, CleanStats]:
     if "train" not in all_stats:
         raise S2SError("data.train: no training corpus configured")
     meta = {"splits": sizes, "src_vocab": tok.src_vocab_size, "tgt_vocab": tok.tgt_vocab_size,
-            "tokenizer": tokenizer_fingerprint(cfg, out)}
+            "tokenizer": tokenizer_fingerprint(cfg, out), "data": data_signature(cfg)}
     with atomic_write(out / "meta.json") as f:
         json.dump(meta, f, indent=2)
     return all_stats

@@ -136,3 +136,39 @@ def load_model_dir(directory: str | Path, device: str | torch.device = "cpu") ->
     load_weights(model, d / WEIGHTS, meta.get("sha256"))
     model.to(device).eval()
     return LoadedModel(model=model, tokenizer=tok, cfg=cfg, meta=meta, directory=d)
+
+
+def describe(path: str | Path) -> list[tuple[str, str]]:
+    """Rows for ``s2s info``: the architecture, its exact parameter count and the
+    formula sheet's budget P ~= 12 N_enc d^2 + 16 N_dec d^2 + V d beside it."""
+    from s2s.model import count_parameters, parameter_budget
+
+    p = Path(path)
+    meta = None
+    if p.is_dir():
+        meta = read_meta(p)
+        cfg = load_config(p / CONFIG)
+        tok = Tokenizer.load(p, cfg.data, cfg.tokenizer.joint)
+        src_v, tgt_v = tok.src_vocab_size, tok.tgt_vocab_size
+    else:
+        cfg = load_config(p)
+        src_v = tgt_v = cfg.tokenizer.vocab_size
+    with torch.device("meta"):  # count without allocating
+        model = Seq2SeqTransformer(cfg.model, src_v, tgt_v, PAD_ID)
+    m = cfg.model
+    n = count_parameters(model)
+    budget = parameter_budget(m, tgt_v)
+    rows = [
+        ("architecture", f"{m.arch}, {m.norm}-norm, {m.activation} FFN, {m.positions} positions"),
+        ("layers", f"{m.enc_layers} encoder + {m.dec_layers} decoder"),
+        ("d_model / heads / d_head / d_ff", f"{m.d_model} / {m.heads} / {m.d_head} / {m.d_ff}"),
+        ("vocabulary (src / tgt)", f"{src_v} / {tgt_v}"
+                                   f"{', shared embeddings' if m.share_embeddings else ''}"
+                                   f"{', tied output' if m.tie_output else ''}"),
+        ("parameters", f"{n:,}"),
+        ("budget 12·N_enc·d² + 16·N_dec·d² + V·d", f"{budget:,}  (actual/budget = {n / budget:.3f})"),
+    ]
+    if meta:
+        rows.append(("trained", ", ".join(f"{k} {v}" for k, v in meta.items()
+                                          if k in ("step", "dev_bleu", "dev_loss"))))
+    return rows

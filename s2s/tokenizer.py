@@ -8,7 +8,10 @@ A joint vocabulary is one model ``spm.model``; separate ones are
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import json
+import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +19,13 @@ from typing import Iterable, Optional, Sequence
 
 import sentencepiece as spm
 
-from s2s.config import DataConfig, TokenizerConfig
+from s2s.config import DataConfig, ExperimentConfig, TokenizerConfig, config_from_dict, to_dict
 from s2s.errors import S2SError
-from s2s.textio import read_lines, resolve_corpus
+from s2s.textio import atomic_write, read_lines, resolve_corpus
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+SETTINGS = "tokenizer.json"
+log = logging.getLogger("s2s")
 
 
 def sentinel(i: int) -> str:
@@ -57,7 +62,7 @@ class Tokenizer:
         return [ids + [EOS_ID] for ids in self.tgt.encode(list(lines))]
 
     def decode_tgt(self, ids: Iterable[int]) -> str:
-        return self.tgt.decode([i for i in ids if i > EOS_ID])
+        return self.tgt.decode([i for i in ids if i not in (PAD_ID, BOS_ID, EOS_ID)])
 
     def src_pieces(self, line: str) -> list[str]:
         return self.src.encode(line, out_type=str) + ["</s>"]
@@ -126,10 +131,8 @@ def _train_one(sentences: list[str], out: Path, cfg: TokenizerConfig) -> None:
         )
     except RuntimeError as e:
         raise S2SError(f"{out}: SentencePiece training failed: {str(e).splitlines()[0]}") from None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_bytes(model.getvalue())
-    tmp.replace(out)
+    with atomic_write(out, "wb") as f:
+        f.write(model.getvalue())
 
 
 def train_tokenizer(tok: TokenizerConfig, data: DataConfig, out_dir: Optional[str | Path] = None,
@@ -145,7 +148,35 @@ def train_tokenizer(tok: TokenizerConfig, data: DataConfig, out_dir: Optional[st
     src_path, tgt_path = Tokenizer.files(out, data, tok.joint)
     if tok.joint:
         _train_one(src_lines + tgt_lines, src_path, tok)
-        return [src_path]
-    _train_one(src_lines, src_path, tok)
-    _train_one(tgt_lines, tgt_path, tok)
-    return [src_path, tgt_path]
+        written = [src_path]
+    else:
+        _train_one(src_lines, src_path, tok)
+        _train_one(tgt_lines, tgt_path, tok)
+        written = [src_path, tgt_path]
+    with atomic_write(out / SETTINGS) as f:  # what was trained, flags included
+        json.dump(dataclasses.asdict(tok), f, indent=2)
+    return written
+
+
+def resolve_tokenizer_config(cfg: ExperimentConfig) -> ExperimentConfig:
+    """The config with the tokenizer settings actually trained into ``data.dir``.
+
+    ``s2s tokenizer train`` flags may override the YAML (``--separate``,
+    ``--vocab-size``); what was trained is recorded in ``data.dir/tokenizer.json``
+    and wins downstream, so prepare, train and the saved run config agree with it.
+    """
+    path = Path(cfg.data.dir) / SETTINGS
+    if not path.is_file():
+        return cfg
+    try:
+        trained = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise S2SError(f"{path}: corrupted ({e}); run `s2s tokenizer train CONFIG` again") from None
+    raw = to_dict(cfg)
+    if raw["tokenizer"] == trained:
+        return cfg
+    changed = [k for k in trained if raw["tokenizer"].get(k) != trained[k]]
+    log.info("%s: using the trained tokenizer's %s", path,
+             ", ".join(f"tokenizer.{k}={trained[k]!r}" for k in changed))
+    raw["tokenizer"] = trained
+    return config_from_dict(raw, str(path))

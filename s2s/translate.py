@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from s2s.config import DecodeConfig
+from s2s.config import DecodeConfig, replace
 from s2s.data import pad_sequences
 from s2s.model import Seq2SeqTransformer
 from s2s.search import Hypothesis, ModelDecoder, SearchSettings, search
@@ -62,7 +62,7 @@ class Translator:
         from s2s.modeldir import load_model_dir
 
         loaded = load_model_dir(directory, device)
-        decode = replace(loaded.cfg.decode, **decode_overrides)
+        decode = replace(loaded.cfg.decode, "decode.", **decode_overrides)
         return cls(loaded.model, loaded.tokenizer, decode, device)
 
     @property

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from s2s.config import load_config
 from s2s.errors import S2SError
 from s2s.modeldir import load_model_dir
-from s2s.train import inverse_sqrt_lr, label_smoothed_nll, list_checkpoints, train
+from s2s.trainer import inverse_sqrt_lr, label_smoothed_nll, list_checkpoints, train
 
 
 def test_inverse_sqrt_schedule():

@@ -17,7 +17,7 @@ import torch
 
 from s2s.model.attention import MultiHeadAttention, attention, causal_mask, padding_mask
 from s2s.search import SearchSettings, greedy_search
-from s2s.train import label_smoothed_nll
+from s2s.trainer import label_smoothed_nll
 
 ABS = 1e-5
 DT = torch.float64
@@ -366,7 +366,7 @@ def test_example8_cell_B_chain_rule_product():
     for s in steps:
         assert sum(s) == pytest.approx(1.0, abs=1e-12)
 
-    # teacher-forced NLL (s2s.train.label_smoothed_nll, eps = 0) of the sequence
+    # teacher-forced NLL (s2s.trainer.label_smoothed_nll, eps = 0) of the sequence
     logits = torch.log(torch.tensor(steps, dtype=DT))[None]  # (1, 3, 8)
     target = torch.tensor([[4, 5, 3]])
     nll = float(label_smoothed_nll(logits, target, epsilon=0.0, pad_id=0))

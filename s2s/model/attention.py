@@ -27,10 +27,17 @@ NEG_INF = float("-inf")
 # Masks (formula sheet, Lessons 2, 3, 4)
 # --------------------------------------------------------------------------- #
 
-def causal_mask(T: int, device: Optional[torch.device] = None) -> Tensor:
-    """M^causal_ij = 0 if j <= i else -inf.   Shape (T, T)."""
-    blocked = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
-    return torch.zeros(T, T, device=device).masked_fill(blocked, NEG_INF)
+def causal_mask(T: int, device: Optional[torch.device] = None, T_k: Optional[int] = None,
+                start: int = 0) -> Tensor:
+    """M^causal_ij = 0 if j <= i else -inf.   Shape (T, T).
+
+    With ``T_k`` and ``start``: queries are positions start..start+T-1 and keys
+    0..T_k-1 (the decoder resuming from a cache); shape (T, T_k).
+    """
+    T_k = T if T_k is None else T_k
+    i = torch.arange(start, start + T, device=device)[:, None]
+    j = torch.arange(T_k, device=device)[None, :]
+    return torch.zeros(T, T_k, device=device).masked_fill(j > i, NEG_INF)
 
 
 def padding_mask(tokens: Tensor, pad_id: int) -> Tensor:

@@ -1,26 +1,18 @@
 """Encoder and decoder blocks (formula sheet, Lessons 2-3; decoder.txt).
 
-pre-norm (formula sheet, the default):   x <- x + Sublayer(Norm(x))
-post-norm (decoder.txt, the 2017 paper): x <- Norm(x + Sublayer(x))
+pre-norm (formula sheet, the default):   x <- x + Dropout(Sublayer(Norm(x)))
+post-norm (decoder.txt, the 2017 paper): x <- Norm(x + Dropout(Sublayer(x)))
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from s2s.model.attention import MultiHeadAttention
 from s2s.model.cache import LayerCache
-
-
-def residual(x: Tensor, sublayer: Callable[[Tensor], Tensor], norm: nn.Module,
-             pre_norm: bool, dropout: nn.Dropout) -> Tensor:
-    """pre-norm: x + Dropout(Sublayer(Norm(x)));  post-norm: Norm(x + Dropout(Sublayer(x)))."""
-    if pre_norm:
-        return x + dropout(sublayer(norm(x)))
-    return norm(x + dropout(sublayer(x)))
 
 
 class FeedForward(nn.Module):
@@ -56,10 +48,15 @@ class EncoderLayer(nn.Module):
 
     def forward(self, x: Tensor, mask: Optional[Tensor]) -> Tensor:
         """x (B, S, d_model); mask: padding (+ relative bias), broadcast to (B, heads, S, S)."""
-        # 1. bidirectional self-attention (padding mask only)
-        x = residual(x, lambda h: self._self_attn(h, mask), self.norm1, self.pre_norm, self.dropout)
-        # 2. position-wise feed-forward
-        x = residual(x, self.ffn, self.norm2, self.pre_norm, self.dropout)
+        drop = self.dropout
+        if self.pre_norm:
+            # 1. bidirectional self-attention (padding mask only)
+            x = x + drop(self._self_attn(self.norm1(x), mask))
+            # 2. position-wise feed-forward
+            x = x + drop(self.ffn(self.norm2(x)))
+        else:
+            x = self.norm1(x + drop(self._self_attn(x, mask)))
+            x = self.norm2(x + drop(self.ffn(x)))
         return x
 
 
@@ -87,12 +84,9 @@ class DecoderLayer(nn.Module):
         return self.self_attn.attend(q, k, v, self_mask)[0]
 
     def _cross_attn(self, x: Tensor, cross_k: Tensor, cross_v: Tensor, src_mask: Tensor,
-                    weights: Optional[list]) -> Tensor:
+                    need_weights: bool) -> tuple[Tensor, Optional[Tensor]]:
         q = self.cross_attn.project_q(x)  # (B, heads, T, d_head)
-        out, A = self.cross_attn.attend(q, cross_k, cross_v, src_mask, weights is not None)
-        if weights is not None:
-            weights.append(A)  # (B, heads, T, S)
-        return out
+        return self.cross_attn.attend(q, cross_k, cross_v, src_mask, need_weights)  # A: (B, heads, T, S)
 
     def forward(self, x: Tensor, cross_k: Tensor, cross_v: Tensor, self_mask: Optional[Tensor],
                 src_mask: Tensor, cache: Optional[LayerCache] = None,
@@ -102,13 +96,18 @@ class DecoderLayer(nn.Module):
         Returns the block output and, with ``need_weights``, the
         cross-attention weights A (B, heads, T, S).
         """
-        # 1. target-target causal self-attention
-        x = residual(x, lambda h: self._self_attn(h, self_mask, cache), self.norm1, self.pre_norm,
-                     self.dropout)
-        # 2. target-source cross-attention: Q from the decoder, K/V from H_enc
-        weights: Optional[list] = [] if need_weights else None
-        x = residual(x, lambda h: self._cross_attn(h, cross_k, cross_v, src_mask, weights),
-                     self.norm2, self.pre_norm, self.dropout)
-        # 3. position-wise feed-forward
-        x = residual(x, self.ffn, self.norm3, self.pre_norm, self.dropout)
-        return x, (weights[0] if weights else None)
+        drop = self.dropout
+        if self.pre_norm:
+            # 1. target-target causal self-attention
+            x = x + drop(self._self_attn(self.norm1(x), self_mask, cache))
+            # 2. target-source cross-attention: Q from the decoder, K/V from H_enc
+            h, A = self._cross_attn(self.norm2(x), cross_k, cross_v, src_mask, need_weights)
+            x = x + drop(h)
+            # 3. position-wise feed-forward
+            x = x + drop(self.ffn(self.norm3(x)))
+        else:
+            x = self.norm1(x + drop(self._self_attn(x, self_mask, cache)))
+            h, A = self._cross_attn(x, cross_k, cross_v, src_mask, need_weights)
+            x = self.norm2(x + drop(h))
+            x = self.norm3(x + drop(self.ffn(x)))
+        return x, A

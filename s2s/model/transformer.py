@@ -56,11 +56,12 @@ class Seq2SeqTransformer(nn.Module):
             raise ValueError(f"unknown positions {cfg.positions!r}")
 
         pre_norm = cfg.norm == "pre"
-        block = dict(d_model=d, heads=cfg.heads, d_ff=cfg.d_ff, activation=cfg.activation,
-                     dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
-                     pre_norm=pre_norm)
-        self.encoder_layers = nn.ModuleList(EncoderLayer(**block) for _ in range(cfg.enc_layers))
-        self.decoder_layers = nn.ModuleList(DecoderLayer(**block) for _ in range(cfg.dec_layers))
+        self.encoder_layers = nn.ModuleList(
+            EncoderLayer(d, cfg.heads, cfg.d_ff, cfg.activation, cfg.dropout, cfg.attention_dropout,
+                         pre_norm) for _ in range(cfg.enc_layers))
+        self.decoder_layers = nn.ModuleList(
+            DecoderLayer(d, cfg.heads, cfg.d_ff, cfg.activation, cfg.dropout, cfg.attention_dropout,
+                         pre_norm) for _ in range(cfg.dec_layers))
         # pre-norm stacks end with a norm (their residual stream is never normalized otherwise)
         self.enc_final_norm = nn.LayerNorm(d) if pre_norm else nn.Identity()
         self.dec_final_norm = nn.LayerNorm(d) if pre_norm else nn.Identity()
@@ -106,14 +107,10 @@ class Seq2SeqTransformer(nn.Module):
 
     def _self_mask(self, T_q: int, T_k: int, start: int, device) -> Optional[Tensor]:
         """Causal mask for queries start..start+T_q-1 over keys 0..T_k-1 (+ T5 bias)."""
-        if start == 0 and T_q == T_k:
-            mask = causal_mask(T_q, device)  # (T, T)
-        elif T_q == 1:
+        if T_q == 1 and start == T_k - 1:
             mask = None  # one new query sees every cached key: nothing to block
         else:
-            i = torch.arange(start, start + T_q, device=device)[:, None]
-            j = torch.arange(T_k, device=device)[None, :]
-            mask = torch.zeros(T_q, T_k, device=device).masked_fill(j > i, float("-inf"))
+            mask = causal_mask(T_q, device, T_k, start)  # (T_q, T_k)
         if self.dec_rel_bias is not None:
             bias = self.dec_rel_bias(T_q, T_k, start, device=device)  # (1, heads, T_q, T_k)
             mask = bias if mask is None else bias + mask

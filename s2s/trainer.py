@@ -6,7 +6,7 @@
 A run directory (``-o RUN_DIR``) holds
     config.yaml, spm*.model, model.safetensors, model.json   the best model so far (a model directory)
     checkpoints/step-NNNNNNNN/                               the last ``keep_checkpoints`` training states
-    metrics.jsonl, train.log, env.json                        what happened, and with which versions
+    metrics.jsonl, env.json                                   what happened, and with which versions
 
 A checkpoint holds the weights, the optimizer (AdamW moments), the torch RNG
 state and the data position (epoch, batch), written into a temporary
@@ -35,14 +35,15 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from s2s import __version__
-from s2s.config import DecodeConfig, ExperimentConfig, to_dict
-from s2s.data import BinDataset, Batch, file_sha256, token_batches, tokenizer_fingerprint
+from s2s.config import ExperimentConfig, replace, to_dict
+from s2s.data import (BinDataset, Batch, data_signature, file_sha256, token_batches,
+                      tokenizer_fingerprint)
 from s2s.errors import S2SError
 from s2s.metrics import corpus_bleu
 from s2s.modeldir import (CONFIG, META, WEIGHTS, build_model, copy_tokenizer, load_weights, read_meta,
                           save_model_dir, save_weights, write_config)
 from s2s.textio import atomic_dir, atomic_write, read_lines
-from s2s.tokenizer import PAD_ID, Tokenizer
+from s2s.tokenizer import PAD_ID, Tokenizer, resolve_tokenizer_config
 
 log = logging.getLogger("s2s")
 
@@ -98,6 +99,7 @@ class TrainState:
     best_value: Optional[float] = None
     best_step: int = 0
     validations: list = field(default_factory=list)
+    batching: dict = field(default_factory=dict)  # what the data position depends on
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -114,6 +116,8 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.opti
     target = run_dir / CHECKPOINTS / f"step-{state.step:08d}"
     opt = optimizer.state_dict()
     tensors = {"rng.torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors.update({f"rng.cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     scalars = {}
     for idx, st in opt["state"].items():
         for key, value in st.items():
@@ -149,6 +153,10 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         state.setdefault(int(idx), {})[key] = value
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
     torch.set_rng_state(tensors["rng.torch"])
+    n_cuda = sum(1 for k in tensors if k.startswith("rng.cuda."))
+    cuda = [tensors[f"rng.cuda.{i}"] for i in range(n_cuda)]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
     return TrainState(**meta["train_state"])
 
 
@@ -216,7 +224,13 @@ def check_prepared(cfg: ExperimentConfig) -> None:
     meta_path = data_dir / "meta.json"
     if not meta_path.is_file():
         raise S2SError(f"{meta_path}: prepared data not found (run `s2s prepare CONFIG` first)")
-    meta = json.loads(meta_path.read_text())
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, OSError) as e:
+        raise S2SError(f"{meta_path}: corrupted ({e}); run `s2s prepare CONFIG` again") from None
+    if not isinstance(meta, dict) or meta.get("data") != data_signature(cfg):
+        raise S2SError(f"{data_dir}: prepared with other data settings or incompletely; "
+                       "run `s2s prepare CONFIG` again")
     if meta.get("tokenizer") != tokenizer_fingerprint(cfg, data_dir):
         raise S2SError(f"{data_dir}: the data was prepared with another tokenizer; "
                        "run `s2s prepare CONFIG` again")
@@ -224,6 +238,7 @@ def check_prepared(cfg: ExperimentConfig) -> None:
 
 class Trainer:
     def __init__(self, cfg: ExperimentConfig, run_dir: Path, show_progress: bool = True):
+        cfg = resolve_tokenizer_config(cfg)
         self.cfg = cfg
         self.tc = cfg.train
         self.run_dir = run_dir
@@ -256,6 +271,10 @@ class Trainer:
     def write_metrics(self, record: dict) -> None:
         with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+
+    def batching(self) -> dict:
+        return {"seed": self.cfg.seed, "train.max_tokens": self.tc.max_tokens,
+                "train.update_freq": self.tc.update_freq, "data.dir": str(self.data_dir)}
 
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
         """The batch order of an epoch: a pure function of (seed, epoch)."""
@@ -316,7 +335,7 @@ class Trainer:
 
         src = list(_head(read_lines(self.data_dir / "dev.src.txt"), k))
         ref = list(_head(read_lines(self.data_dir / "dev.tgt.txt"), k))
-        decode = DecodeConfig(**{**asdict(self.cfg.decode), "beam": self.tc.dev_beam, "nbest": 1})
+        decode = replace(self.cfg.decode, "decode.", beam=self.tc.dev_beam, nbest=1)
         self.model.eval()
         hyps = Translator(self.model, self.tok, decode, self.device).translate(src)
         return corpus_bleu(hyps, ref)
@@ -362,7 +381,12 @@ class Trainer:
         if has_run and not resume:
             raise S2SError(f"{self.run_dir}: already holds a training run; pass --resume to continue it "
                            "or -o to choose another directory")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise S2SError(f"{self.run_dir}: exists and is not a directory")
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise S2SError(f"{self.run_dir}: cannot create the run directory ({e.strerror})") from None
         if resume and ckpts:
             old = self.run_dir / CONFIG
             if old.is_file():
@@ -379,9 +403,14 @@ class Trainer:
                     raise S2SError(f"{p}: the tokenizer changed since {self.run_dir} started; "
                                    "resume with the original tokenizer or start a new run")
             self.state = load_checkpoint(ckpts[-1], self.model, self.optimizer)
+            for key, value in self.state.batching.items():
+                if self.batching()[key] != value:
+                    raise S2SError(f"{key}: {self.batching()[key]} differs from the run being resumed "
+                                   f"({value}); the data position would not match")
             log.info("resumed from %s (step %d, epoch %d)", ckpts[-1], self.state.step, self.state.epoch)
         elif resume:
             log.info("%s: no checkpoint to resume from; starting a new run", self.run_dir)
+        self.state.batching = self.batching()
         write_config(self.run_dir, self.cfg)
         copy_tokenizer(self.cfg, self.data_dir, self.run_dir)
         with atomic_write(self.run_dir / "env.json") as f:
@@ -407,7 +436,7 @@ class Trainer:
         last_val = st.validations[-1]["seconds"] if st.validations else 0.0
         window_loss, window_tokens, window_all, window_t0 = 0.0, 0, 0, time.time()
         bad_steps = 0
-        validated_at = st.step if st.validations else -1
+        validated_at = st.validations[-1]["step"] if st.validations else -1
         try:
             while not self.finished(last_val):
                 batches = self.epoch_batches(st.epoch)
@@ -422,6 +451,8 @@ class Trainer:
                         if bad_steps >= 20:
                             raise S2SError(f"{self.run_dir}: 20 non-finite updates in a row; "
                                            "lower train.lr or check the data")
+                        if self._signal is not None:
+                            break
                         continue
                     bad_steps = 0
                     st.step += 1
