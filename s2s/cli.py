@@ -27,6 +27,19 @@ app.add_typer(tokenizer_app, name="tokenizer")
 log = logging.getLogger("s2s")
 _DEBUG = {"on": False}
 
+class _StderrHandler(logging.StreamHandler):
+    """Logs to whatever sys.stderr is at the time, so lines logged while rich's
+    progress bar redirects stderr are printed above the bar, not through it."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 SetOption = typer.Option(None, "--set", metavar="KEY=VALUE",
                          help="Override a config key, e.g. --set model.d_model=512 (repeatable).")
 
@@ -35,8 +48,9 @@ SetOption = typer.Option(None, "--set", metavar="KEY=VALUE",
 def main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
          quiet: bool = typer.Option(False, "--quiet", "-q", help="Only warnings and errors on stderr.")):
     _DEBUG["on"] = debug
-    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, stream=sys.stderr,
-                        format="s2s: %(message)s")
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("s2s: %(message)s"))
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, handlers=[handler])
     for noisy in ("sacrebleu",):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -133,7 +134,11 @@ def load_model_dir(directory: str | Path, device: str | torch.device = "cpu") ->
     cfg = load_config(d / CONFIG)
     tok = Tokenizer.load(d, cfg.data, cfg.tokenizer.joint)
     model = build_model(cfg, tok)
-    load_weights(model, d / WEIGHTS, meta.get("sha256"))
+    weights = d / WEIGHTS
+    if weights.is_file() and file_sha256(weights) != meta.get("sha256"):
+        time.sleep(1.0)  # a training run may be between renaming the weights and model.json
+        meta = read_meta(d)
+    load_weights(model, weights, meta.get("sha256"))
     model.to(device).eval()
     return LoadedModel(model=model, tokenizer=tok, cfg=cfg, meta=meta, directory=d)
 

@@ -434,7 +434,7 @@ class Trainer:
         progress = Progress(tc.max_steps or None, tc.max_seconds, self.show_progress)
         self._base_elapsed, self._started = st.elapsed, time.time()
         last_val = st.validations[-1]["seconds"] if st.validations else 0.0
-        window_loss, window_tokens, window_all, window_t0 = 0.0, 0, 0, time.time()
+        window = LogWindow()
         bad_steps = 0
         validated_at = st.validations[-1]["step"] if st.validations else -1
         try:
@@ -456,20 +456,10 @@ class Trainer:
                         continue
                     bad_steps = 0
                     st.step += 1
-                    window_loss += loss  # a tensor: no host sync until logging
-                    window_tokens += sum(b.n_tgt_tokens for b in data)
-                    window_all += sum(b.n_tgt_tokens + b.n_src_tokens for b in data)
+                    window.add(loss, data)
                     if st.step % tc.log_every == 0:
-                        now = time.time()
-                        rate = window_all / max(now - window_t0, 1e-9)
-                        mean = float(window_loss) / max(window_tokens, 1)
-                        lr = self.optimizer.param_groups[0]["lr"]
-                        elapsed = self.elapsed()
-                        self.write_metrics({"step": st.step, "epoch": st.epoch, "loss": round(mean, 4),
-                                            "lr": lr, "tok_s": round(rate), "elapsed": round(elapsed, 1)})
-                        progress.update(st.step, f"loss {mean:.3f} | lr {lr:.2e} | {rate:,.0f} tok/s | "
-                                                 f"ETA {progress.eta(st.step, elapsed, tc.log_every / max(now - window_t0, 1e-9))}")
-                        window_loss, window_tokens, window_all, window_t0 = 0.0, 0, 0, now
+                        self.log_progress(window, progress)
+                        window = LogWindow()
                     if st.step % tc.validate_every == 0:
                         last_val = self.validate()["seconds"]
                         validated_at = st.step
@@ -497,9 +487,39 @@ class Trainer:
                  st.elapsed / 60, tc.best_metric, st.best_value, st.best_step, self.run_dir)
         return self.run_dir
 
+    def log_progress(self, window: "LogWindow", progress: Progress) -> None:
+        """One metrics.jsonl line and a progress update: the mean loss since the last one."""
+        st = self.state
+        seconds = max(time.time() - window.started, 1e-9)
+        mean = float(window.loss) / max(window.tgt_tokens, 1)  # the only host sync of the window
+        rate = window.all_tokens / seconds
+        lr = self.optimizer.param_groups[0]["lr"]
+        elapsed = self.elapsed()
+        self.write_metrics({"step": st.step, "epoch": st.epoch, "loss": round(mean, 4), "lr": lr,
+                            "tok_s": round(rate), "elapsed": round(elapsed, 1)})
+        eta = progress.eta(st.step, elapsed, window.steps / seconds)
+        progress.update(st.step, f"loss {mean:.3f} | lr {lr:.2e} | {rate:,.0f} tok/s | ETA {eta}")
+
     def checkpoint(self) -> None:
         self.state.elapsed = self.elapsed()
         save_checkpoint(self.run_dir, self.model, self.optimizer, self.state, self.tc.keep_checkpoints)
+
+
+@dataclass
+class LogWindow:
+    """Loss and token counts accumulated between two log lines."""
+
+    loss: Tensor | float = 0.0  # summed label-smoothed loss, kept on the device
+    tgt_tokens: int = 0
+    all_tokens: int = 0  # source + target, padding excluded
+    steps: int = 0
+    started: float = field(default_factory=time.time)
+
+    def add(self, loss: Tensor, batches: list[Batch]) -> None:
+        self.loss = self.loss + loss
+        self.tgt_tokens += sum(b.n_tgt_tokens for b in batches)
+        self.all_tokens += sum(b.n_tgt_tokens + b.n_src_tokens for b in batches)
+        self.steps += 1
 
 
 def _head(it, k: int):

@@ -183,3 +183,32 @@ def test_search_on_model_batch_invariance():
             alone = search(ModelDecoder(model, src[i:i + 1]), max_len[:1], s)
             assert alone[0][0].tokens == batch[i][0].tokens
             assert alone[0][0].score == pytest.approx(batch[i][0].score, abs=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_wide_beam_finds_the_exhaustive_optimum(seed):
+    """With a beam as wide as the hypothesis space, beam search is exact."""
+    import itertools
+
+    torch.manual_seed(seed)
+    cfg = ModelConfig(d_model=16, heads=2, enc_layers=1, dec_layers=1, d_ff=32, dropout=0.0)
+    model = Seq2SeqTransformer(cfg, 6, 6).double().eval()
+    src = torch.tensor([[4, 5, 4, EOS]])
+    L, alpha = 4, 0.8
+    best = None
+    with torch.no_grad():
+        h_enc, src_mask = model.encode(src)
+        for n in range(L):
+            for body in itertools.product([UNK, A, B], repeat=n):
+                y = [BOS, *body]
+                logits, _ = model.decode(torch.tensor([y]), h_enc, src_mask)
+                logp = torch.log_softmax(logits[0].float(), -1)
+                logp[:, [PAD, BOS]] = float("-inf")
+                lp_sum = sum(float(logp[t, tok]) for t, tok in enumerate([*body, EOS]))
+                score = lp_sum / length_penalty(n + 1, alpha)
+                if best is None or score > best[0]:
+                    best = (score, list(body))
+        hyps = beam_search(ModelDecoder(model, src), torch.tensor([L]),
+                           settings(beam=27, nbest=1, alpha=alpha))[0]
+    assert hyps[0].tokens == best[1]
+    assert hyps[0].score == pytest.approx(best[0], abs=1e-5)
