@@ -82,6 +82,8 @@ def tokenizer_train(
                        ("character_coverage", character_coverage), ("sentinels", sentinels)):
         if value is not None:
             overrides.append(f"tokenizer.{key}={json.dumps(value)}")
+    if joint is False:
+        overrides.append("model.share_embeddings=false")  # two vocabularies, two embeddings
     cfg = _load(config, overrides)
     for path in train_tokenizer(cfg.tokenizer, cfg.data, seed=cfg.seed):
         typer.echo(str(path))

@@ -179,4 +179,6 @@ def resolve_tokenizer_config(cfg: ExperimentConfig) -> ExperimentConfig:
     log.info("%s: using the trained tokenizer's %s", path,
              ", ".join(f"tokenizer.{k}={trained[k]!r}" for k in changed))
     raw["tokenizer"] = trained
+    if not trained.get("joint", True):
+        raw["model"]["share_embeddings"] = False  # two vocabularies cannot share one table
     return config_from_dict(raw, str(path))

@@ -135,3 +135,49 @@ def test_help_has_examples():
     for cmd in (["tokenizer", "train"], ["prepare"], ["train"], ["translate"], ["score"], ["info"]):
         r = runner.invoke(app, [*cmd, "--help"])
         assert r.exit_code == 0 and "Example" in r.stdout, cmd
+
+
+def test_unbuffered_answers_each_line_before_input_ends(model_dir):
+    """--unbuffered: a line in, its translation out, while stdin stays open."""
+    import select
+
+    proc = subprocess.Popen([sys.executable, "-m", "s2s", "translate", "-m", str(model_dir),
+                             "--unbuffered", "--beam", "1"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in ("Clipboard management", "", "port scanner"):
+            proc.stdin.write(line + "\n")
+            proc.stdin.flush()
+            ready, _, _ = select.select([proc.stdout], [], [], 120)
+            assert ready, "no output while stdin is still open"
+            proc.stdout.readline()
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+    assert proc.returncode == 0
+
+
+def test_closed_pipe_is_not_an_error(model_dir, corpus):
+    """`s2s translate ... | head -1`: the reader leaves early; no traceback."""
+    r = subprocess.run(f"{sys.executable} -m s2s translate -m {model_dir} --beam 1 "
+                       f"< {corpus / 'train.en'} | head -n 1", shell=True, capture_output=True,
+                       text=True, timeout=300)
+    assert len(r.stdout.splitlines()) == 1
+    assert "Traceback" not in r.stderr
+
+
+def test_separate_flag_is_followed_downstream(corpus, tmp_path):
+    """`tokenizer train --separate` on a joint YAML: prepare and train follow what was trained."""
+    from s2s.config import load_config
+    from s2s.tokenizer import resolve_tokenizer_config
+    from tests.conftest import TINY_YAML
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(TINY_YAML.format(d=corpus).replace(f"{corpus}/prep", f"{tmp_path}/prep"))
+    r = runner.invoke(app, ["tokenizer", "train", str(cfg), "--separate", "--vocab-size", "200"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["prepare", str(cfg)])
+    assert r.exit_code == 0, r.output
+    resolved = resolve_tokenizer_config(load_config(cfg))
+    assert not resolved.tokenizer.joint and not resolved.model.share_embeddings
+    assert resolved.tokenizer.vocab_size == 200
