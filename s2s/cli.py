@@ -153,7 +153,7 @@ def translate(
     import torch
 
     from s2s.textio import atomic_write, read_lines
-    from s2s.translate import Translator
+    from s2s.translate import Translator, write_translations
 
     if errors not in ("strict", "replace"):
         raise S2SError(f"--errors: {errors!r} is not strict or replace")
@@ -174,27 +174,12 @@ def translate(
         raise S2SError(f"{input}: no such file")
     interactive = unbuffered or (input == "-" and sys.stdin.isatty())
     lines = read_lines(input, errors)
-    chunk = 1 if interactive else 1000
     show_nbest = translator.decode.nbest > 1 or nbest is not None
-
-    def write_all(out) -> None:
-        for t in translator.translate_lines(lines, chunk_lines=chunk):
-            if show_nbest:
-                for text, h in zip(t.texts, t.hypotheses):
-                    out.write(f"{t.line_no - 1} ||| {text} ||| {h.score:.4f}\n")
-                if not t.hypotheses:
-                    out.write(f"{t.line_no - 1} |||  ||| 0.0000\n")
-            else:
-                out.write(t.text + "\n")
-            if interactive or t.line_no % chunk == 0:
-                out.flush()
-
     if output is not None:
         with atomic_write(output) as f:
-            write_all(f)
+            write_translations(translator, lines, f, show_nbest, interactive)
     else:
-        write_all(sys.stdout)
-        sys.stdout.flush()
+        write_translations(translator, lines, sys.stdout, show_nbest, interactive)
 
 
 @app.command()

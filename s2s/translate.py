@@ -13,7 +13,7 @@ import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence, TextIO
 
 import torch
 
@@ -136,3 +136,23 @@ class Translator:
     def translate(self, lines: Sequence[str]) -> list[str]:
         """Best translation of each line."""
         return [t.text for t in self.translate_lines(lines)]
+
+
+def write_translations(translator: Translator, lines: Iterable[str], out: TextIO, nbest: bool = False,
+                       line_by_line: bool = False) -> None:
+    """Translate ``lines`` into ``out``: one line per input line, or with ``nbest``
+    the hypotheses as ``LINE ||| TEXT ||| SCORE`` (LINE from 0, as Moses n-best
+    lists; an empty input line gives one empty hypothesis scored 0, log 1).
+    Flushed after every chunk, or every line with ``line_by_line``."""
+    chunk = 1 if line_by_line else 1000
+    for t in translator.translate_lines(lines, chunk_lines=chunk):
+        if not nbest:
+            out.write(t.text + "\n")
+        elif t.hypotheses:
+            out.writelines(f"{t.line_no - 1} ||| {text} ||| {h.score:.4f}\n"
+                           for text, h in zip(t.texts, t.hypotheses))
+        else:
+            out.write(f"{t.line_no - 1} |||  ||| 0.0000\n")
+        if t.line_no % chunk == 0:
+            out.flush()
+    out.flush()
