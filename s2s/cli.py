@@ -216,6 +216,18 @@ def score(hyp: str = typer.Argument(..., help="Hypotheses file; - reads stdin.")
 
 
 @app.command()
+def average(checkpoints: List[Path] = typer.Argument(..., help="Checkpoint or model directories."),
+            output: Path = typer.Option(..., "-o", "--output", help="The averaged model directory.")):
+    """Average the weights of checkpoints of one run into a new model directory.
+
+    Example: `s2s average exp/qs/checkpoints/step-* -o exp/qs-avg`
+    """
+    from s2s.modeldir import average_checkpoints
+
+    typer.echo(str(average_checkpoints(checkpoints, output)))
+
+
+@app.command()
 def info(path: Path = typer.Argument(..., help="A model directory or an experiment YAML.")):
     """The architecture and its parameter count beside the budget 12*N_enc*d^2 + 16*N_dec*d^2 + V*d.
 

@@ -146,6 +146,7 @@ class TrainConfig:
     dev_bleu_sentences: int = 300  # dev sentences translated for BLEU; 0 skips BLEU
     dev_beam: int = 1  # beam used for dev BLEU (1 = greedy)
     best_metric: Literal["bleu", "loss"] = "bleu"
+    early_stopping: int = 0  # stop after this many validations without a new best (0: never)
     keep_checkpoints: int = 3  # last N checkpoints kept
     init_from: str = ""  # model directory whose weights start training
 
@@ -153,7 +154,8 @@ class TrainConfig:
         for key in ("max_tokens", "update_freq", "log_every", "validate_every", "keep_checkpoints",
                     "dev_beam"):
             _check(getattr(self, key) >= 1, f"train.{key}", "must be >= 1")
-        for key in ("max_steps", "max_epochs", "warmup_steps", "threads", "dev_bleu_sentences"):
+        for key in ("max_steps", "max_epochs", "warmup_steps", "threads", "dev_bleu_sentences",
+                    "early_stopping"):
             _check(getattr(self, key) >= 0, f"train.{key}", "must be >= 0")
         _check(self.lr > 0, "train.lr", "must be > 0")
         _check(0.0 <= self.label_smoothing < 1.0, "train.label_smoothing", "must be in [0, 1)")
@@ -213,6 +215,8 @@ class ExperimentConfig:
             raise ConfigError(f"data.max_tokens_per_sentence: {self.data.max_tokens_per_sentence} "
                               f"exceeds model.max_positions={self.model.max_positions} "
                               "(learned positions)")
+        if self.train.early_stopping and not self.data.dev:
+            raise ConfigError("train.early_stopping: needs a dev split (data.dev)")
         if self.model.share_embeddings and not self.tokenizer.joint:
             raise ConfigError("model.share_embeddings: needs a joint vocabulary "
                               "(tokenizer.joint: true) or share_embeddings: false")
@@ -258,6 +262,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)

@@ -177,3 +177,32 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
         rows.append(("trained", ", ".join(f"{k} {v}" for k, v in meta.items()
                                           if k in ("step", "dev_bleu", "dev_loss"))))
     return rows
+
+
+def run_dir_of(path: Path) -> Path:
+    """The directory holding config.yaml and the tokenizer for a checkpoint or model directory."""
+    return path.parent.parent if path.parent.name == "checkpoints" else path
+
+
+@torch.no_grad()
+def average_checkpoints(paths: list[str | Path], out: str | Path) -> Path:
+    """theta_avg = (1/n) sum_i theta_i over n checkpoints of one architecture,
+    written as a model directory (config and tokenizer from the first one's run)."""
+    if not paths:
+        raise S2SError("average: no checkpoints given")
+    dirs = [Path(p) for p in paths]
+    run = run_dir_of(dirs[0])
+    cfg = load_config(run / CONFIG)
+    tok = Tokenizer.load(run, cfg.data, cfg.tokenizer.joint)
+    model = build_model(cfg, tok)
+    total: dict[str, torch.Tensor] = {}
+    for d in dirs:
+        if run_dir_of(d) != run and load_config(run_dir_of(d) / CONFIG).model != cfg.model:
+            raise S2SError(f"{d}: a different architecture than {dirs[0]}; cannot average")
+        load_weights(model, d / WEIGHTS)
+        for name, tensor in model.state_dict().items():
+            total[name] = total.get(name, 0) + tensor.double()
+    model.load_state_dict({name: (t / len(dirs)).float() for name, t in total.items()})
+    target = Path(out)
+    save_model_dir(target, model, cfg, run, {"averaged": [str(d) for d in dirs]})
+    return target

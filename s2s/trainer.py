@@ -420,10 +420,17 @@ class Trainer:
         """Wall-clock seconds of the whole run, earlier (resumed) segments included."""
         return self._base_elapsed + time.time() - self._started
 
+    def patience_spent(self) -> bool:
+        """train.early_stopping: that many validations in a row brought no new best."""
+        n = self.tc.early_stopping
+        recent = self.state.validations[-n:] if n else []
+        return bool(n) and len(recent) == n and not any(v["best"] for v in recent)
+
     def finished(self, last_val_seconds: float) -> bool:
         tc, st = self.tc, self.state
         elapsed = self.elapsed()
-        return ((tc.max_steps and st.step >= tc.max_steps)
+        return (self.patience_spent()
+                or (tc.max_steps and st.step >= tc.max_steps)
                 or (tc.max_epochs and st.epoch >= tc.max_epochs)
                 or elapsed + last_val_seconds >= tc.max_seconds)
 
@@ -483,6 +490,9 @@ class Trainer:
                 f"{self.run_dir}: stopped by {name} at step {st.step}; checkpoint written, "
                 f"continue with `s2s train CONFIG -o {self.run_dir} --resume`", 128 + self._signal)
         st.elapsed = self.elapsed()
+        if self.patience_spent():
+            log.info("early stopping: %d validations without a better dev %s", tc.early_stopping,
+                     tc.best_metric)
         log.info("done: %d steps, %.1f min; best %s %s at step %d; model in %s", st.step,
                  st.elapsed / 60, tc.best_metric, st.best_value, st.best_step, self.run_dir)
         return self.run_dir

@@ -82,3 +82,9 @@ def test_frozen():
     cfg = ExperimentConfig()
     with pytest.raises(Exception):
         cfg.model.d_model = 3
+
+
+def test_exponent_without_dot_is_a_number(tmp_path):
+    # PyYAML reads `1e-3` as a string (YAML 1.1); a float key must still take it
+    cfg = load_config(write(tmp_path, "train: {lr: 1e-3, adam_eps: 1e-9}\n"))
+    assert cfg.train.lr == 1e-3 and cfg.train.adam_eps == 1e-9

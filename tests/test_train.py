@@ -150,3 +150,28 @@ def test_separate_vocabularies_end_to_end(corpus, tmp_path):
     tr = Translator.from_dir(run, beam=2)
     assert tr.model.src_embed is not tr.model.tgt_embed
     assert len(tr.translate(["Clipboard management", ""])) == 2
+
+
+def test_average_checkpoints(prepared, tmp_path):
+    from s2s.modeldir import average_checkpoints
+    from s2s.translate import Translator
+
+    run = train(load_config(prepared), tmp_path / "run", show_progress=False)
+    ckpts = list_checkpoints(run)
+    out = average_checkpoints(ckpts, tmp_path / "avg")
+    a, b = (load_file(str(c / "model.safetensors")) for c in ckpts)
+    avg = load_file(str(out / "model.safetensors"))
+    for k in avg:
+        assert torch.allclose(avg[k], (a[k].double() + b[k].double()).div(2).float()), k
+    assert len(Translator.from_dir(out, beam=2).translate(["Clipboard management"])) == 1
+
+
+def test_early_stopping_after_patience(prepared, tmp_path):
+    """With a learning rate too small to move a float32 weight, dev loss never improves."""
+    cfg = load_config(prepared, ["train.lr=1e-20", "train.best_metric=loss", "train.early_stopping=2",
+                                 "train.max_steps=30", "train.dev_bleu_sentences=0"])
+    run = train(cfg, tmp_path / "run", show_progress=False)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    dev = [r for r in rows if "dev_loss" in r]
+    assert [r["step"] for r in dev] == [3, 6, 9]  # best at 3, then two without a new best
+    assert [r["best"] for r in dev] == [True, False, False]
