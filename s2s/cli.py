@@ -50,9 +50,8 @@ def main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks on e
     _DEBUG["on"] = debug
     handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("s2s: %(message)s"))
-    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, handlers=[handler])
-    for noisy in ("sacrebleu",):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])  # other libraries: warnings only
+    log.setLevel(logging.WARNING if quiet else logging.INFO)
 
 
 def _load(config: Path, overrides: Optional[List[str]]):
@@ -225,6 +224,19 @@ def average(checkpoints: List[Path] = typer.Argument(..., help="Checkpoint or mo
     from s2s.modeldir import average_checkpoints
 
     typer.echo(str(average_checkpoints(checkpoints, output)))
+
+
+@app.command()
+def plot(run_dir: Path = typer.Argument(..., help="A training run directory."),
+         output: Optional[Path] = typer.Option(None, "-o", "--output",
+                                               help="PNG to write (default: RUN_DIR/curves.png).")):
+    """Draw the loss, dev BLEU and learning-rate curves of a run into a PNG.
+
+    Example: `s2s plot exp/qs -o curves.png`
+    """
+    from s2s.plot import plot_run
+
+    typer.echo(str(plot_run(run_dir, output)))
 
 
 @app.command()

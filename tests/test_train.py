@@ -175,3 +175,15 @@ def test_early_stopping_after_patience(prepared, tmp_path):
     dev = [r for r in rows if "dev_loss" in r]
     assert [r["step"] for r in dev] == [3, 6, 9]  # best at 3, then two without a new best
     assert [r["best"] for r in dev] == [True, False, False]
+
+
+def test_plot_draws_a_png(prepared, tmp_path):
+    from s2s.plot import plot_run
+
+    run = train(load_config(prepared), tmp_path / "run", show_progress=False)
+    png = plot_run(run)
+    assert png == run / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    (run / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
+    with pytest.raises(S2SError, match=r"metrics.jsonl:2: not a JSON line"):
+        plot_run(run)

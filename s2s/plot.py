@@ -1,0 +1,57 @@
+"""``s2s plot``: training curves of a run from its metrics.jsonl, as a PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from s2s.errors import S2SError
+from s2s.textio import atomic_write
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise S2SError(f"{path}: not found; is {run_dir} a training run?")
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            raise S2SError(f"{path}:{n}: not a JSON line") from None
+    return rows
+
+
+def plot_run(run_dir: str | Path, out: Optional[str | Path] = None) -> Path:
+    """Draw train loss and dev loss, dev BLEU, and the learning rate against the update step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = Path(run_dir)
+    rows = read_metrics(run)
+    train = [r for r in rows if "loss" in r]
+    dev = [r for r in rows if "dev_loss" in r]
+    if not train and not dev:
+        raise S2SError(f"{run / 'metrics.jsonl'}: no logged steps yet")
+    fig, (ax_loss, ax_bleu, ax_lr) = plt.subplots(1, 3, figsize=(15, 4))
+    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train (label-smoothed)")
+    ax_loss.plot([r["step"] for r in dev], [r["dev_loss"] for r in dev], "o-", label="dev NLL")
+    ax_loss.set(title="loss per target token", xlabel="update")
+    ax_loss.legend()
+    bleu = [r for r in dev if "dev_bleu" in r]
+    ax_bleu.plot([r["step"] for r in bleu], [r["dev_bleu"] for r in bleu], "o-", color="tab:green")
+    ax_bleu.set(title="dev BLEU", xlabel="update")
+    ax_lr.plot([r["step"] for r in train], [r["lr"] for r in train], color="tab:red")
+    ax_lr.set(title="learning rate", xlabel="update")
+    fig.suptitle(str(run))
+    fig.tight_layout()
+    target = Path(out) if out else run / "curves.png"
+    with atomic_write(target, "wb") as f:
+        fig.savefig(f, format="png", dpi=100)
+    plt.close(fig)
+    return target
