@@ -138,7 +138,9 @@ def load_model_dir(directory: str | Path, device: str | torch.device = "cpu") ->
     if weights.is_file() and file_sha256(weights) != meta.get("sha256"):
         time.sleep(1.0)  # a training run may be between renaming the weights and model.json
         meta = read_meta(d)
-    load_weights(model, weights, meta.get("sha256"))
+        if file_sha256(weights) != meta.get("sha256"):
+            raise S2SError(f"{weights}: checksum mismatch (file corrupted or modified)")
+    load_weights(model, weights)
     model.to(device).eval()
     return LoadedModel(model=model, tokenizer=tok, cfg=cfg, meta=meta, directory=d)
 

@@ -64,12 +64,6 @@ class Tokenizer:
     def decode_tgt(self, ids: Iterable[int]) -> str:
         return self.tgt.decode([i for i in ids if i not in (PAD_ID, BOS_ID, EOS_ID)])
 
-    def src_pieces(self, line: str) -> list[str]:
-        return self.src.encode(line, out_type=str) + ["</s>"]
-
-    def tgt_pieces(self, ids: Iterable[int]) -> list[str]:
-        return [self.tgt.id_to_piece(int(i)) for i in ids]
-
     # ------------------------------------------------------------------ #
     @staticmethod
     def files(directory: Path, data: DataConfig, joint: bool) -> tuple[Path, Path]:
