@@ -25,7 +25,7 @@ from torch import Tensor
 
 from s2s.config import ExperimentConfig
 from s2s.errors import S2SError
-from s2s.textio import atomic_write, read_lines, resolve_corpus
+from s2s.textio import atomic_write, file_sha256, read_lines, resolve_corpus
 from s2s.tokenizer import BOS_ID, PAD_ID, Tokenizer, resolve_tokenizer_config
 
 SPLITS = ("train", "dev", "test")
@@ -108,14 +108,6 @@ def write_ids(directory: Path, split: str, side: str, seqs: Sequence[list[int]],
     flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=dtype, count=int(offsets[-1]))
     _save_npy(directory / f"{split}.{side}.ids.npy", flat)
     _save_npy(directory / f"{split}.{side}.idx.npy", offsets)
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def tokenizer_fingerprint(cfg: ExperimentConfig, directory: Path) -> str:

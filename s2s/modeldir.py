@@ -25,10 +25,9 @@ from safetensors.torch import save_model as st_save_model
 
 from s2s import __version__
 from s2s.config import ExperimentConfig, load_config, to_yaml
-from s2s.data import file_sha256
 from s2s.errors import S2SError
 from s2s.model import Seq2SeqTransformer
-from s2s.textio import atomic_write
+from s2s.textio import atomic_write, file_sha256
 from s2s.tokenizer import PAD_ID, Tokenizer
 
 FORMAT_VERSION = 1
@@ -127,12 +126,17 @@ def load_weights(model: torch.nn.Module, path: Path, sha256: Optional[str] = Non
                        f"unexpected: {', '.join(unexpected[:3]) or '-'})")
 
 
+def load_spec(directory: Path) -> tuple[ExperimentConfig, Tokenizer]:
+    """The config and tokenizer a model or run directory holds."""
+    cfg = load_config(directory / CONFIG)
+    return cfg, Tokenizer.load(directory, cfg.data, cfg.tokenizer.joint)
+
+
 def load_model_dir(directory: str | Path, device: str | torch.device = "cpu") -> LoadedModel:
     """Load config, tokenizer and verified weights of a model directory (eval mode)."""
     d = Path(directory)
     meta = read_meta(d)
-    cfg = load_config(d / CONFIG)
-    tok = Tokenizer.load(d, cfg.data, cfg.tokenizer.joint)
+    cfg, tok = load_spec(d)
     model = build_model(cfg, tok)
     weights = d / WEIGHTS
     if weights.is_file() and file_sha256(weights) != meta.get("sha256"):
@@ -154,8 +158,7 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
     meta = None
     if p.is_dir():
         meta = read_meta(p)
-        cfg = load_config(p / CONFIG)
-        tok = Tokenizer.load(p, cfg.data, cfg.tokenizer.joint)
+        cfg, tok = load_spec(p)
         src_v, tgt_v = tok.src_vocab_size, tok.tgt_vocab_size
     else:
         cfg = load_config(p)
@@ -194,8 +197,7 @@ def average_checkpoints(paths: list[str | Path], out: str | Path) -> Path:
         raise S2SError("average: no checkpoints given")
     dirs = [Path(p) for p in paths]
     run = run_dir_of(dirs[0])
-    cfg = load_config(run / CONFIG)
-    tok = Tokenizer.load(run, cfg.data, cfg.tokenizer.joint)
+    cfg, tok = load_spec(run)
     model = build_model(cfg, tok)
     total: dict[str, torch.Tensor] = {}
     for d in dirs:

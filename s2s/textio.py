@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import hashlib
 import os
 import shutil
 import sys
@@ -69,6 +70,14 @@ def read_lines(path: str | Path, errors: str = "strict") -> Iterator[str]:
     with _open_binary(p) as f:
         for n, raw in enumerate(iter_binary_lines(f, str(p)), 1):
             yield decode_line(raw, str(p), n, errors)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:

@@ -36,13 +36,12 @@ from torch import Tensor
 
 from s2s import __version__
 from s2s.config import ExperimentConfig, replace, to_dict
-from s2s.data import (BinDataset, Batch, data_signature, file_sha256, token_batches,
-                      tokenizer_fingerprint)
+from s2s.data import BinDataset, Batch, data_signature, token_batches, tokenizer_fingerprint
 from s2s.errors import S2SError
 from s2s.metrics import corpus_bleu
 from s2s.modeldir import (CONFIG, META, WEIGHTS, build_model, copy_tokenizer, load_weights, read_meta,
                           save_model_dir, save_weights, write_config)
-from s2s.textio import atomic_dir, atomic_write, read_lines
+from s2s.textio import atomic_dir, atomic_write, file_sha256, read_lines
 from s2s.tokenizer import PAD_ID, Tokenizer, resolve_tokenizer_config
 
 log = logging.getLogger("s2s")
@@ -392,20 +391,20 @@ class Trainer:
             if old.is_file():
                 from s2s.config import load_config
 
-                prev = load_config(old)
-                if prev.model != self.cfg.model:
-                    diff = [k for k in to_dict(self.cfg)["model"]
-                            if to_dict(prev)["model"][k] != to_dict(self.cfg)["model"][k]]
-                    raise S2SError(f"{old}: model.{diff[0]} differs from the run being resumed")
+                before, now = to_dict(load_config(old))["model"], to_dict(self.cfg)["model"]
+                for key in now:
+                    if before[key] != now[key]:
+                        raise S2SError(f"{old}: model.{key} differs from the run being resumed")
             for p in set(Tokenizer.files(self.data_dir, self.cfg.data, self.cfg.tokenizer.joint)):
                 mine = self.run_dir / p.name
                 if mine.is_file() and file_sha256(mine) != file_sha256(p):
                     raise S2SError(f"{p}: the tokenizer changed since {self.run_dir} started; "
                                    "resume with the original tokenizer or start a new run")
             self.state = load_checkpoint(ckpts[-1], self.model, self.optimizer)
+            batching = self.batching()
             for key, value in self.state.batching.items():
-                if self.batching()[key] != value:
-                    raise S2SError(f"{key}: {self.batching()[key]} differs from the run being resumed "
+                if batching[key] != value:
+                    raise S2SError(f"{key}: {batching[key]} differs from the run being resumed "
                                    f"({value}); the data position would not match")
             log.info("resumed from %s (step %d, epoch %d)", ckpts[-1], self.state.step, self.state.epoch)
         elif resume:
