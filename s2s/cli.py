@@ -257,10 +257,17 @@ def info(path: Path = typer.Argument(..., help="A model directory or an experime
 
 
 # --------------------------------------------------------------------------- #
+def _detach_stdout() -> None:
+    """Point fd 1 at /dev/null so the interpreter's final flush of a dead stdout
+    (a closed pipe, a full disk) cannot print a second error."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
 def run() -> None:
-    """Entry point: run the app, turning S2SError into one line and an exit code."""
+    """Entry point: run the app, turning every expected failure into one line and an exit code."""
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # typer returns an exit code for Ctrl-C and typer.Exit
     except S2SError as e:
         if _DEBUG["on"]:
             raise
@@ -270,19 +277,26 @@ def run() -> None:
         print("s2s: interrupted", file=sys.stderr)
         sys.exit(130)
     except BrokenPipeError:
-        # the reader went away (e.g. `| head`): not an error of ours
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        _detach_stdout()  # the reader went away (e.g. `| head`): not an error of ours
         sys.exit(141)
+    except typer.Abort:  # older typer: click turns Ctrl-C into Abort
+        print("s2s: interrupted", file=sys.stderr)
+        sys.exit(130)
     except typer.Exit as e:
         sys.exit(e.exit_code)
-    except Exception as e:  # click usage errors come through here in non-standalone mode
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
+    except OSError as e:  # an output that cannot be written: a full disk, a read-only directory
+        if _DEBUG["on"]:
+            raise
+        print(f"s2s: error: {e.filename or '<stdout>'}: {e.strerror or e}", file=sys.stderr)
+        if not e.filename:
+            _detach_stdout()
+        sys.exit(1)
+    except Exception as e:
+        if hasattr(e, "show") and hasattr(e, "exit_code"):  # click's usage errors (typer vendors click)
             e.show()
             sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Abort):
-            print("s2s: aborted", file=sys.stderr)
-            sys.exit(130)
         raise
+    if isinstance(code, int) and code:
+        if code == 130:
+            print("s2s: interrupted", file=sys.stderr)
+        sys.exit(code)

@@ -131,17 +131,16 @@ def data_signature(cfg: ExperimentConfig) -> str:
 def prepare(cfg: ExperimentConfig) -> dict[str, CleanStats]:
     """Clean, encode and binarize every configured split into ``data.dir``."""
     out = Path(cfg.data.dir)
+    if not cfg.data.train:
+        raise S2SError("data.train: no training corpus configured")
+    corpora = {split: (resolve_corpus(prefix, cfg.data.src_lang), resolve_corpus(prefix, cfg.data.tgt_lang))
+               for split in SPLITS if (prefix := getattr(cfg.data, split))}
     cfg = resolve_tokenizer_config(cfg)
     tok = Tokenizer.load(out, cfg.data, cfg.tokenizer.joint)
     (out / "meta.json").unlink(missing_ok=True)  # written last: its presence means complete
     all_stats: dict[str, CleanStats] = {}
     sizes = {}
-    for split in SPLITS:
-        prefix = getattr(cfg.data, split)
-        if not prefix:
-            continue
-        src_path = resolve_corpus(prefix, cfg.data.src_lang)
-        tgt_path = resolve_corpus(prefix, cfg.data.tgt_lang)
+    for split, (src_path, tgt_path) in corpora.items():
         pairs = [(s.strip(), t.strip()) for s, t in read_parallel(src_path, tgt_path)]
         src_ids = tok.encode_src([s for s, _ in pairs])
         tgt_ids = tok.encode_tgt([t for _, t in pairs])
@@ -161,8 +160,6 @@ def prepare(cfg: ExperimentConfig) -> dict[str, CleanStats]:
             f.writelines(pairs[i][1] + "\n" for i in keep)
         all_stats[split] = stats
         sizes[split] = stats.kept
-    if "train" not in all_stats:
-        raise S2SError("data.train: no training corpus configured")
     meta = {"splits": sizes, "src_vocab": tok.src_vocab_size, "tgt_vocab": tok.tgt_vocab_size,
             "tokenizer": tokenizer_fingerprint(cfg, out), "data": data_signature(cfg)}
     with atomic_write(out / "meta.json") as f:

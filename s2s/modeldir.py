@@ -34,6 +34,7 @@ FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
 META = "model.json"
 CONFIG = "config.yaml"
+CHECKPOINT_STATE = "state.json"  # in checkpoints/step-N/, beside model.safetensors
 
 
 def build_model(cfg: ExperimentConfig, tok: Tokenizer) -> Seq2SeqTransformer:
@@ -56,8 +57,17 @@ def copy_tokenizer(cfg: ExperimentConfig, src_dir: Path, directory: Path) -> Non
                 f.write(p.read_bytes())
 
 
+def check_finite(model: torch.nn.Module, path: Path) -> None:
+    """A non-finite parameter is never written: it would poison every later resume."""
+    for name, p in model.named_parameters():
+        if not bool(torch.isfinite(p).all()):
+            raise S2SError(f"{path}: not written, parameter {name} holds NaN or Inf "
+                           "(resume from the last checkpoint with a lower train.lr)")
+
+
 def save_weights(model: torch.nn.Module, path: Path) -> str:
     """Write safetensors atomically; return the file's sha256."""
+    check_finite(model, path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         st_save_model(model, str(tmp))
@@ -126,6 +136,18 @@ def load_weights(model: torch.nn.Module, path: Path, sha256: Optional[str] = Non
                        f"unexpected: {', '.join(unexpected[:3]) or '-'})")
 
 
+def recorded_sha256(directory: Path) -> str:
+    """The sha256 recorded for ``directory/model.safetensors``: by model.json in a model
+    directory, by state.json in a training checkpoint."""
+    state = directory / CHECKPOINT_STATE
+    if directory.is_dir() and not (directory / META).exists() and state.is_file():
+        try:
+            return json.loads(state.read_text(encoding="utf-8"))["sha256"][WEIGHTS]
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError):
+            raise S2SError(f"{state}: corrupted checkpoint state") from None
+    return read_meta(directory).get("sha256")
+
+
 def load_spec(directory: Path) -> tuple[ExperimentConfig, Tokenizer]:
     """The config and tokenizer a model or run directory holds."""
     cfg = load_config(directory / CONFIG)
@@ -156,6 +178,8 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
 
     p = Path(path)
     meta = None
+    if not p.exists():
+        raise S2SError(f"{p}: no such model directory or config file")
     if p.is_dir():
         meta = read_meta(p)
         cfg, tok = load_spec(p)
@@ -196,14 +220,15 @@ def average_checkpoints(paths: list[str | Path], out: str | Path) -> Path:
     if not paths:
         raise S2SError("average: no checkpoints given")
     dirs = [Path(p) for p in paths]
+    digests = [recorded_sha256(d) for d in dirs]  # every input is checked before any work
     run = run_dir_of(dirs[0])
     cfg, tok = load_spec(run)
     model = build_model(cfg, tok)
     total: dict[str, torch.Tensor] = {}
-    for d in dirs:
+    for d, digest in zip(dirs, digests):
         if run_dir_of(d) != run and load_config(run_dir_of(d) / CONFIG).model != cfg.model:
             raise S2SError(f"{d}: a different architecture than {dirs[0]}; cannot average")
-        load_weights(model, d / WEIGHTS)
+        load_weights(model, d / WEIGHTS, digest)
         for name, tensor in model.state_dict().items():
             total[name] = total.get(name, 0) + tensor.double()
     model.load_state_dict({name: (t / len(dirs)).float() for name, t in total.items()})

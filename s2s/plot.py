@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from s2s.errors import S2SError
-from s2s.textio import atomic_write
+from s2s.textio import atomic_write, read_lines
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -15,13 +15,16 @@ def read_metrics(run_dir: Path) -> list[dict]:
     if not path.is_file():
         raise S2SError(f"{path}: not found; is {run_dir} a training run?")
     rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(read_lines(path), 1):
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except ValueError:
             raise S2SError(f"{path}:{n}: not a JSON line") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise S2SError(f"{path}:{n}: no \"step\" in this line; not an s2s metrics file")
+        rows.append(row)
     return rows
 
 

@@ -94,23 +94,26 @@ def _load_model(path: Path) -> spm.SentencePieceProcessor:
     return proc
 
 
-def _sample(lines: Iterable[str], limit: int, seed: int) -> list[str]:
-    """Reservoir sample of at most ``limit`` non-empty lines."""
+def _sample(lines: Iterable[str], limit: int, seed: int) -> tuple[list[str], int]:
+    """Reservoir sample of at most ``limit`` non-empty lines, and the number of lines read."""
     rng = random.Random(seed)
     sample: list[str] = []
-    for n, line in enumerate(x for x in lines if x.strip()):
+    n_lines = n = 0
+    for line in lines:
+        n_lines += 1
+        if not line.strip():
+            continue
         if len(sample) < limit:
             sample.append(line)
         else:
             j = rng.randint(0, n)
             if j < limit:
                 sample[j] = line
-    return sample
+        n += 1
+    return sample, n_lines
 
 
 def _train_one(sentences: list[str], out: Path, cfg: TokenizerConfig) -> None:
-    if not sentences:
-        raise S2SError(f"{out}: no training text for the tokenizer (the training files are empty)")
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
@@ -137,8 +140,14 @@ def train_tokenizer(tok: TokenizerConfig, data: DataConfig, out_dir: Optional[st
         raise S2SError("data.train: no training corpus configured")
     src_file = resolve_corpus(data.train, data.src_lang)
     tgt_file = resolve_corpus(data.train, data.tgt_lang)
-    src_lines = _sample(read_lines(src_file), tok.max_sentences, seed)
-    tgt_lines = _sample(read_lines(tgt_file), tok.max_sentences, seed + 1)
+    src_lines, n_src = _sample(read_lines(src_file), tok.max_sentences, seed)
+    tgt_lines, n_tgt = _sample(read_lines(tgt_file), tok.max_sentences, seed + 1)
+    if n_src != n_tgt:
+        raise S2SError(f"{src_file} has {n_src} lines but {tgt_file} has {n_tgt}: "
+                       "a parallel corpus needs one line per sentence on both sides")
+    for path, lines in ((src_file, src_lines), (tgt_file, tgt_lines)):
+        if not lines:
+            raise S2SError(f"{path}: no text to train the tokenizer on (the file is empty)")
     src_path, tgt_path = Tokenizer.files(out, data, tok.joint)
     if tok.joint:
         _train_one(src_lines + tgt_lines, src_path, tok)

@@ -31,6 +31,7 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -39,7 +40,7 @@ from s2s.config import ExperimentConfig, replace, to_dict
 from s2s.data import BinDataset, Batch, data_signature, token_batches, tokenizer_fingerprint
 from s2s.errors import S2SError
 from s2s.metrics import corpus_bleu
-from s2s.modeldir import (CONFIG, META, WEIGHTS, build_model, copy_tokenizer, load_weights, read_meta,
+from s2s.modeldir import (CHECKPOINT_STATE, CONFIG, META, WEIGHTS, build_model, copy_tokenizer, load_weights, read_meta,
                           save_model_dir, save_weights, write_config)
 from s2s.textio import atomic_dir, atomic_write, file_sha256, read_lines
 from s2s.tokenizer import PAD_ID, Tokenizer, resolve_tokenizer_config
@@ -47,6 +48,8 @@ from s2s.tokenizer import PAD_ID, Tokenizer, resolve_tokenizer_config
 log = logging.getLogger("s2s")
 
 CHECKPOINTS = "checkpoints"
+OPTIMIZER = "optimizer.safetensors"
+MAX_BAD_UPDATES = 20  # non-finite updates in a row before training gives up
 _CKPT_RE = re.compile(r"^step-(\d+)$")
 
 
@@ -125,23 +128,36 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.opti
             else:
                 scalars[f"{idx}.{key}"] = value
     with atomic_dir(target) as tmp:
-        save_weights(model, tmp / WEIGHTS)
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
-        (tmp / "state.json").write_text(json.dumps({
+        digests = {WEIGHTS: save_weights(model, tmp / WEIGHTS)}
+        save_file(tensors, str(tmp / OPTIMIZER))
+        digests[OPTIMIZER] = file_sha256(tmp / OPTIMIZER)
+        (tmp / CHECKPOINT_STATE).write_text(json.dumps({
             "train_state": asdict(state), "param_groups": opt["param_groups"],
-            "optimizer_scalars": scalars, "s2s_version": __version__}, indent=1))
+            "optimizer_scalars": scalars, "s2s_version": __version__, "sha256": digests}, indent=1))
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return target
 
 
+class DamagedCheckpoint(S2SError):
+    """A checkpoint that is incomplete or whose files do not match their checksums."""
+
+
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
+    """Restore model, optimizer and RNG from ``path``; every file is verified before
+    anything is touched, so a :class:`DamagedCheckpoint` leaves model and optimizer as they were."""
     try:
-        meta = json.loads((path / "state.json").read_text())
-        tensors = load_file(str(path / "optimizer.safetensors"))
-    except (OSError, ValueError) as e:
-        raise S2SError(f"{path}: corrupted checkpoint ({e}); delete it to resume from an older one") from None
-    load_weights(model, path / WEIGHTS)
+        meta = json.loads((path / CHECKPOINT_STATE).read_text(encoding="utf-8"))
+        for name, digest in meta.get("sha256", {}).items():
+            if file_sha256(path / name) != digest:
+                raise DamagedCheckpoint(f"{path}: damaged ({name}: checksum mismatch)")
+        tensors = load_file(str(path / OPTIMIZER))
+    except (OSError, ValueError, SafetensorError) as e:
+        raise DamagedCheckpoint(f"{path}: damaged ({e})") from None
+    try:
+        load_weights(model, path / WEIGHTS)
+    except S2SError as e:
+        raise DamagedCheckpoint(f"{path}: damaged ({e})") from None
     state: dict = {}
     for name, value in tensors.items():
         if name.startswith("state."):
@@ -289,7 +305,7 @@ class Trainer:
         """Forward/backward over ``update_freq`` batches, one AdamW update.
 
         Returns the summed label-smoothed loss and whether the update was applied
-        (a non-finite gradient skips it).
+        (a non-finite loss or gradient skips it).
         """
         self.model.train()
         n_tokens = sum(b.n_tgt_tokens for b in batches)
@@ -306,7 +322,7 @@ class Trainer:
             group["lr"] = lr
         max_norm = self.tc.clip_norm if self.tc.clip_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        ok = bool(torch.isfinite(grad_norm))
+        ok = bool(torch.isfinite(grad_norm + total))  # loss and gradient, one host sync
         if ok:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -400,13 +416,12 @@ class Trainer:
                 if mine.is_file() and file_sha256(mine) != file_sha256(p):
                     raise S2SError(f"{p}: the tokenizer changed since {self.run_dir} started; "
                                    "resume with the original tokenizer or start a new run")
-            self.state = load_checkpoint(ckpts[-1], self.model, self.optimizer)
+            self.state = self.load_newest_intact(ckpts)
             batching = self.batching()
             for key, value in self.state.batching.items():
                 if batching[key] != value:
                     raise S2SError(f"{key}: {batching[key]} differs from the run being resumed "
                                    f"({value}); the data position would not match")
-            log.info("resumed from %s (step %d, epoch %d)", ckpts[-1], self.state.step, self.state.epoch)
         elif resume:
             log.info("%s: no checkpoint to resume from; starting a new run", self.run_dir)
         self.state.batching = self.batching()
@@ -414,6 +429,20 @@ class Trainer:
         copy_tokenizer(self.cfg, self.data_dir, self.run_dir)
         with atomic_write(self.run_dir / "env.json") as f:
             json.dump(package_versions(), f, indent=2)
+
+    def load_newest_intact(self, ckpts: list[Path]) -> TrainState:
+        """Resume from the newest checkpoint that loads and matches its checksums;
+        damaged newer ones (a disk error, a crash of the file system) are skipped with a warning."""
+        for ckpt in reversed(ckpts):
+            try:
+                state = load_checkpoint(ckpt, self.model, self.optimizer)
+            except DamagedCheckpoint as e:
+                log.warning("%s; trying the checkpoint before it", e)
+                continue
+            log.info("resumed from %s (step %d, epoch %d)", ckpt, state.step, state.epoch)
+            return state
+        raise S2SError(f"{self.run_dir / CHECKPOINTS}: no undamaged checkpoint to resume from; "
+                       "start a new run with another -o")
 
     def elapsed(self) -> float:
         """Wall-clock seconds of the whole run, earlier (resumed) segments included."""
@@ -453,10 +482,12 @@ class Trainer:
                     loss, ok = self.train_step(data)
                     if not ok:
                         bad_steps += 1
-                        log.warning("step %d: non-finite gradient, update skipped", st.step + 1)
-                        if bad_steps >= 20:
-                            raise S2SError(f"{self.run_dir}: 20 non-finite updates in a row; "
-                                           "lower train.lr or check the data")
+                        log.warning("step %d: non-finite loss or gradient (batch %d of epoch %d), "
+                                    "update skipped", st.step + 1, st.batch, st.epoch + 1)
+                        if bad_steps >= MAX_BAD_UPDATES:
+                            raise S2SError(f"{self.run_dir}: {bad_steps} non-finite updates in a row "
+                                           f"after step {st.step}; lower train.lr or check the data, "
+                                           "then --resume from the last checkpoint")
                         if self._signal is not None:
                             break
                         continue

@@ -187,3 +187,56 @@ def test_plot_draws_a_png(prepared, tmp_path):
     (run / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
     with pytest.raises(S2SError, match=r"metrics.jsonl:2: not a JSON line"):
         plot_run(run)
+
+
+def _nan_on(calls):
+    """label_smoothed_nll that returns NaN on the given (0-based) training calls."""
+    import s2s.trainer
+
+    real = s2s.trainer.label_smoothed_nll
+    count = {"n": 0}
+
+    def nll(logits, target, epsilon, pad_id=0):
+        loss = real(logits, target, epsilon, pad_id)
+        if epsilon > 0:  # training, not the dev loss
+            count["n"] += 1
+            if calls(count["n"] - 1):
+                return loss * float("nan")
+        return loss
+    return nll
+
+
+def test_non_finite_loss_skips_the_update(prepared, tmp_path, monkeypatch, caplog):
+    import s2s.trainer
+
+    monkeypatch.setattr(s2s.trainer, "label_smoothed_nll", _nan_on(lambda i: i in (1, 2)))
+    run = train(load_config(prepared), tmp_path / "run", show_progress=False)
+    assert "non-finite loss or gradient" in caplog.text and "update skipped" in caplog.text
+    w = _weights(run)
+    assert all(torch.isfinite(t).all() for t in w.values())
+    assert int(json.loads((list_checkpoints(run)[-1] / "state.json").read_text())
+               ["train_state"]["step"]) == 6  # the skipped batches are not counted as updates
+
+
+def test_a_run_of_non_finite_losses_aborts(prepared, tmp_path, monkeypatch):
+    import s2s.trainer
+
+    monkeypatch.setattr(s2s.trainer, "label_smoothed_nll", _nan_on(lambda i: i >= 2))
+    monkeypatch.setattr(s2s.trainer, "MAX_BAD_UPDATES", 3)
+    with pytest.raises(S2SError, match="3 non-finite updates in a row after step 2"):
+        train(load_config(prepared), tmp_path / "run", show_progress=False)
+
+
+def test_non_finite_weights_are_never_written(prepared, tmp_path):
+    from s2s.trainer import TrainState, save_checkpoint
+
+    cfg = load_config(prepared)
+    model = load_model_dir(train(cfg, tmp_path / "run", show_progress=False)).model
+    before = list_checkpoints(tmp_path / "run")
+    with torch.no_grad():
+        next(model.parameters())[0, 0] = float("inf")
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(S2SError, match="holds NaN or Inf"):
+        save_checkpoint(tmp_path / "run", model, opt, TrainState(step=99), keep=5)
+    assert list_checkpoints(tmp_path / "run") == before
+    assert not [p for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith(".")]

@@ -1,0 +1,470 @@
+"""Every bad input of every command: one line ``s2s: error: ...`` naming the file,
+line or key, a non-zero exit, no traceback, and nothing lost.
+
+One test per row of the README's "Bad inputs" table.  Commands run in-process
+through the real entry point (``s2s.cli.run``), so exit codes and stderr are
+what a user sees; a few (SIGINT, a full disk on stdout) run in a subprocess.
+"""
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from s2s.cli import run
+from s2s.trainer import list_checkpoints
+from tests.conftest import TINY_YAML
+
+BAD_FILES = {
+    "missing": None,
+    "empty": b"",
+    "directory": "dir",
+    "invalid-utf8": b"fine\n\xff\xfe broken\n",
+    "nul-bytes": b"a\x00b\nok\n",
+}
+
+
+def make(path: Path, kind: str) -> Path:
+    """``path`` as a bad file of ``kind`` (see BAD_FILES)."""
+    content = BAD_FILES[kind]
+    if content == "dir":
+        path.mkdir()
+    elif content is not None:
+        path.write_bytes(content)
+    return path
+
+
+def cli(capsys, monkeypatch, *args):
+    """Run ``s2s ARGS`` in-process; return (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["s2s", *map(str, args)])
+    capsys.readouterr()
+    try:
+        run()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def cli_ok(capsys, monkeypatch, *args):
+    code, out, err = cli(capsys, monkeypatch, *args)
+    assert code == 0, err
+    return out, err
+
+
+def assert_error(result, *needles):
+    """A non-zero exit whose last stderr line is one ``s2s: error:`` naming every needle."""
+    code, _, err = result
+    assert code not in (0, None), err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("s2s: error: "), err
+    for needle in needles:
+        assert str(needle) in last, (needle, last)
+
+
+@pytest.fixture(scope="module")
+def env(corpus, tmp_path_factory):
+    """A config, its prepared data and a trained model directory, owned by this module."""
+    from s2s.config import load_config
+    from s2s.data import prepare
+    from s2s.tokenizer import train_tokenizer
+    from s2s.trainer import train
+
+    work = tmp_path_factory.mktemp("bad")
+    cfg = work / "tiny.yaml"
+    cfg.write_text(TINY_YAML.format(d=corpus).replace(f"{corpus}/prep", f"{work}/prep"))
+    c = load_config(cfg)
+    train_tokenizer(c.tokenizer, c.data, seed=c.seed)
+    prepare(c)
+    model = train(load_config(cfg, ["train.max_steps=4", "train.validate_every=2"]), work / "run",
+                  show_progress=False)
+    return {"cfg": cfg, "model": model, "corpus": corpus, "work": work}
+
+
+def copy_model(env, tmp_path) -> Path:
+    d = tmp_path / "model"
+    shutil.copytree(env["model"], d)
+    return d
+
+
+# --------------------------------------------------------------------------- #
+# Text inputs: translate --input, score HYP REF
+# --------------------------------------------------------------------------- #
+
+@pytest.mark.parametrize("kind", BAD_FILES)
+def test_translate_input(env, tmp_path, capsys, monkeypatch, kind):
+    f = make(tmp_path / "in.txt", kind)
+    r = cli(capsys, monkeypatch, "translate", "-m", env["model"], "--input", f, "--beam", "1")
+    if kind == "missing":
+        assert_error(r, f"{f}: no such file")
+    elif kind == "directory":
+        assert_error(r, f"{f}: is a directory")
+    elif kind == "invalid-utf8":
+        assert_error(r, f"{f}:2: invalid UTF-8")
+    else:  # empty: nothing out; NUL bytes: translated like any character
+        assert r[0] == 0, r[2]
+        assert len(r[1].splitlines()) == BAD_FILES[kind].count(b"\n")
+
+
+@pytest.mark.parametrize("kind", BAD_FILES)
+def test_score_hypotheses(env, tmp_path, capsys, monkeypatch, kind):
+    f = make(tmp_path / "hyp.txt", kind)
+    ref = tmp_path / "ref.txt"
+    ref.write_bytes(b"a b\nok\n")
+    r = cli(capsys, monkeypatch, "score", f, ref)
+    if kind == "missing":
+        assert_error(r, f"{f}: no such file")
+    elif kind == "directory":
+        assert_error(r, f"{f}: is a directory")
+    elif kind == "invalid-utf8":
+        assert_error(r, f"{f}:2: invalid UTF-8")
+    elif kind == "empty":
+        assert_error(r, f"{f} has 0 lines but {ref} has 2")
+    else:
+        assert r[0] == 0 and "BLEU" in r[1], r[2]
+
+
+def test_score_different_line_counts(tmp_path, capsys, monkeypatch):
+    hyp, ref = tmp_path / "hyp", tmp_path / "ref"
+    hyp.write_text("1\n2\n")
+    ref.write_text("1\n")
+    assert_error(cli(capsys, monkeypatch, "score", hyp, ref), f"{hyp} has 2 lines but {ref} has 1")
+
+
+# --------------------------------------------------------------------------- #
+# The experiment YAML: tokenizer train, prepare, train, info
+# --------------------------------------------------------------------------- #
+
+CONFIG_COMMANDS = [["tokenizer", "train"], ["prepare"], ["train"], ["info"]]
+
+
+@pytest.mark.parametrize("command", CONFIG_COMMANDS, ids=" ".join)
+@pytest.mark.parametrize("kind", ["missing", "directory", "invalid-utf8", "nul-bytes", "no-parse",
+                                  "unknown-key", "mistyped-key", "bad-override"])
+def test_config_file(tmp_path, capsys, monkeypatch, command, kind):
+    f = tmp_path / "exp.yaml"
+    extra = []
+    if kind in BAD_FILES:
+        make(f, kind)
+    elif kind == "no-parse":
+        f.write_text("model:\n  d_model: 32\n   heads: [2\n")
+    elif kind == "unknown-key":
+        f.write_text("model:\n  d_modle: 32\n")
+    elif kind == "mistyped-key":
+        f.write_text("train:\n  lr: fast\n")
+    else:
+        f.write_text("model: {d_model: 32}\n")
+        extra = ["--set", "model.heads=three"]
+    if command == ["info"] and kind == "bad-override":
+        pytest.skip("info takes no --set")
+    r = cli(capsys, monkeypatch, *command, f, *extra)
+    expected = {
+        "missing": [f"{f}: no such file"],
+        "directory": [f"{f}: is a directory"],
+        "invalid-utf8": [f"{f}", "UTF-8"],
+        "nul-bytes": [f"{f}", "NUL"],
+        "no-parse": [f"{f}: line 3: YAML does not parse"],
+        "unknown-key": [f"{f}", "model.d_modle", "unknown key"],
+        "mistyped-key": [f"{f}", "train.lr"],
+        "bad-override": ["model.heads"],
+    }[kind]
+    if command == ["info"] and kind in ("missing", "directory"):  # info also takes a model directory
+        expected = {"missing": [f"{f}: no such model directory or config file"],
+                    "directory": [f"{f} is not a trained model directory"]}[kind]
+    assert_error(r, *expected)
+
+
+def test_empty_config_names_the_missing_key(tmp_path, capsys, monkeypatch):
+    f = tmp_path / "empty.yaml"
+    f.write_text("")
+    assert_error(cli(capsys, monkeypatch, "tokenizer", "train", f), "data.train")
+    assert_error(cli(capsys, monkeypatch, "prepare", f), "data.train")
+
+
+# --------------------------------------------------------------------------- #
+# Corpora: tokenizer train and prepare
+# --------------------------------------------------------------------------- #
+
+def corpus_config(tmp_path, src: bytes | None, tgt: bytes | None) -> Path:
+    d = tmp_path / "c"
+    d.mkdir(parents=True)
+    for lang, content in (("en", src), ("de", tgt)):
+        if content == "dir":
+            (d / f"train.{lang}").mkdir()
+        elif content is not None:
+            (d / f"train.{lang}").write_bytes(content)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"tokenizer: {{vocab_size: 40}}\n"
+                   f"data: {{src_lang: en, tgt_lang: de, train: {d}/train, dir: {tmp_path}/prep}}\n")
+    return cfg
+
+
+GOOD = b"".join(b"line %d of a tiny corpus with some words\n" % i for i in range(60))
+
+
+@pytest.mark.parametrize("command", [["tokenizer", "train"], ["prepare"]], ids=" ".join)
+@pytest.mark.parametrize("kind", ["missing", "empty", "directory", "invalid-utf8", "line-counts"])
+def test_corpus(tmp_path, capsys, monkeypatch, command, kind):
+    src = {"missing": None, "empty": b"", "directory": "dir", "invalid-utf8": GOOD + b"\xc3\x28\n",
+           "line-counts": GOOD + b"one more\n"}[kind]
+    cfg = corpus_config(tmp_path, src, GOOD)
+    if command == ["prepare"] and kind != "missing":
+        # prepare needs a tokenizer: train one on good text first
+        good = corpus_config(tmp_path / "g", GOOD, GOOD)
+        cli_ok(capsys, monkeypatch, "tokenizer", "train", good)
+        shutil.copytree(tmp_path / "g" / "prep", tmp_path / "prep")
+    r = cli(capsys, monkeypatch, *command, cfg)
+    en = tmp_path / "c" / "train.en"
+    expected = {
+        "missing": [f"{en}: no such file"],
+        "empty": [f"{en}"],
+        "directory": [f"{en}: is a directory"],
+        "invalid-utf8": [f"{en}:61: invalid UTF-8"],
+        "line-counts": [f"{en} has 61 lines but {tmp_path / 'c' / 'train.de'} has 60"],
+    }[kind]
+    assert_error(r, *expected)
+    assert not (tmp_path / "prep" / "meta.json").exists()  # nothing half-prepared looks complete
+
+
+def test_nul_bytes_in_a_corpus_are_text(tmp_path, capsys, monkeypatch):
+    cfg = corpus_config(tmp_path, GOOD + b"nul \x00 here\n", GOOD + b"auch hier\n")
+    cli_ok(capsys, monkeypatch, "tokenizer", "train", cfg)
+    code, out, err = cli(capsys, monkeypatch, "prepare", cfg)
+    assert code == 0, err
+    assert "61" in out
+
+
+# --------------------------------------------------------------------------- #
+# Model directories and checkpoints: translate, info, average, train --resume
+# --------------------------------------------------------------------------- #
+
+@pytest.mark.parametrize("command", [["translate", "-m"], ["info"], ["average", "-o", "AVG"]],
+                         ids=lambda c: c[0])
+@pytest.mark.parametrize("kind", ["missing", "empty-dir", "a-file", "truncated-weights",
+                                  "corrupted-weights", "newer-format", "broken-config",
+                                  "unknown-config-key"])
+def test_model_directory(env, tmp_path, capsys, monkeypatch, command, kind):
+    d = tmp_path / "model"
+    if kind == "missing":
+        needle = f"{d}: no such model directory"
+    elif kind == "empty-dir":
+        d.mkdir()
+        needle = f"{d / 'model.json'}: not found"
+    elif kind == "a-file":
+        d.write_text("x")
+        needle = f"{d}: not a directory"
+    else:
+        copy_model(env, tmp_path)
+        weights = d / "model.safetensors"
+        if kind == "truncated-weights":
+            weights.write_bytes(weights.read_bytes()[:1000])
+            needle = f"{weights}: checksum mismatch"
+        elif kind == "corrupted-weights":
+            data = bytearray(weights.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            weights.write_bytes(bytes(data))
+            needle = f"{weights}: checksum mismatch"
+        elif kind == "newer-format":
+            meta = json.loads((d / "model.json").read_text())
+            (d / "model.json").write_text(json.dumps({**meta, "format": 99}))
+            needle = f"{d / 'model.json'}: model format 99 is not supported"
+        elif kind == "broken-config":
+            (d / "config.yaml").write_text("model: [\n")
+            needle = f"{d / 'config.yaml'}: line"
+        else:
+            with open(d / "config.yaml", "a") as f:
+                f.write("future_section: {x: 1}\n")
+            needle = "future_section"
+    args = [a if a != "AVG" else tmp_path / "avg" for a in command]
+    if command[0] == "average":
+        r = cli(capsys, monkeypatch, "average", d, *args[1:])
+        assert not (tmp_path / "avg").exists()
+    elif command[0] == "translate":
+        monkeypatch.setattr(sys, "stdin", open(env["corpus"] / "dev.en"))
+        r = cli(capsys, monkeypatch, "translate", "-m", d)
+    else:
+        r = cli(capsys, monkeypatch, "info", d)
+    if command[0] == "info" and kind == "a-file":  # info reads a file as an experiment YAML
+        needle = f"{d}: expected a mapping of sections"
+    if command[0] == "info" and kind in ("truncated-weights", "corrupted-weights"):
+        assert r[0] == 0  # info reads the config only
+        return
+    assert_error(r, needle)
+
+
+def _resume_cfg(env, tmp_path):
+    return ["--set", "train.max_steps=6", "--set", "train.validate_every=2",
+            "--set", "train.dev_bleu_sentences=0", "--set", "train.best_metric=loss"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupted", "half-written"])
+def test_resume_skips_a_damaged_checkpoint(env, tmp_path, capsys, monkeypatch, caplog, damage):
+    """The newest checkpoint is damaged: --resume warns and continues from the one before,
+    and the run ends exactly where an uninterrupted one does."""
+    from safetensors.torch import load_file
+
+    sets = _resume_cfg(env, tmp_path)
+    full, run = tmp_path / "full", tmp_path / "run"
+    cli_ok(capsys, monkeypatch, "train", env["cfg"], "-o", full, *sets)
+    cli_ok(capsys, monkeypatch, "train", env["cfg"], "-o", run, *sets[:1], "train.max_steps=4", *sets[2:])
+    newest = list_checkpoints(run)[-1]
+    if damage == "truncated":
+        w = newest / "optimizer.safetensors"
+        w.write_bytes(w.read_bytes()[:100])
+    elif damage == "corrupted":
+        w = newest / "model.safetensors"
+        data = bytearray(w.read_bytes())
+        data[-5] ^= 0x55
+        w.write_bytes(bytes(data))
+    else:  # a crash mid-write leaves a temporary directory, never a step-N one
+        (newest.parent / ".step-00000006.tmp-1234").mkdir()  # and a crash on the next one
+        (newest / "state.json").unlink()
+    cli_ok(capsys, monkeypatch, "train", env["cfg"], "-o", run, "--resume", *sets)
+    assert f"{newest}: damaged" in caplog.text and "resumed from" in caplog.text
+    assert "step-00000002 (step 2" in caplog.text
+    a = load_file(str(list_checkpoints(full)[-1] / "model.safetensors"))
+    b = load_file(str(list_checkpoints(run)[-1] / "model.safetensors"))
+    assert all((a[k] == b[k]).all() for k in a)
+
+
+def test_resume_with_every_checkpoint_damaged_is_an_error(env, tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    cli_ok(capsys, monkeypatch, "train", env["cfg"], "-o", run, *_resume_cfg(env, tmp_path))
+    for ckpt in list_checkpoints(run):
+        (ckpt / "optimizer.safetensors").write_bytes(b"junk")
+    assert_error(cli(capsys, monkeypatch, "train", env["cfg"], "-o", run, "--resume"),
+                 f"{run / 'checkpoints'}: no undamaged checkpoint")
+
+
+def test_resume_with_a_changed_model_names_the_key(env, tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    cli_ok(capsys, monkeypatch, "train", env["cfg"], "-o", run, *_resume_cfg(env, tmp_path))
+    assert_error(cli(capsys, monkeypatch, "train", env["cfg"], "-o", run, "--resume",
+                     "--set", "model.d_ff=128"), "model.d_ff")
+
+
+# --------------------------------------------------------------------------- #
+# Outputs that cannot be written: read-only, disk full
+# --------------------------------------------------------------------------- #
+
+def _fail_with(monkeypatch, module, name, err):
+    """``module.name`` raises OSError(err): a full disk or a read-only directory, even as root."""
+    def fail(*args, **kwargs):
+        raise OSError(err, os.strerror(err))
+    monkeypatch.setattr(module, name, fail, raising=False)
+
+
+def _no_writes(monkeypatch, module, err):
+    """``open`` in ``module`` refuses to open anything for writing."""
+    import builtins
+
+    def fake_open(file, mode="r", *args, **kwargs):
+        if any(c in mode for c in "wax+"):
+            raise OSError(err, os.strerror(err), str(file))
+        return builtins.open(file, mode, *args, **kwargs)
+    monkeypatch.setattr(module, "open", fake_open, raising=False)
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EROFS, errno.EACCES])
+def test_translate_output_not_writable(env, tmp_path, capsys, monkeypatch, err):
+    import s2s.textio
+
+    out = tmp_path / "out.txt"
+    out.write_text("the previous version\n")
+    monkeypatch.setattr(sys, "stdin", open(env["corpus"] / "dev.en"))
+    if err == errno.ENOSPC:  # the disk fills up while writing
+        _fail_with(monkeypatch, s2s.textio.os, "fsync", err)
+    else:  # the directory is read-only or not ours
+        _no_writes(monkeypatch, s2s.textio, err)
+    r = cli(capsys, monkeypatch, "translate", "-m", env["model"], "-o", out, "--beam", "1")
+    assert_error(r, f"{out}:", os.strerror(err))
+    assert out.read_text() == "the previous version\n"  # nothing lost
+    assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]  # no temporary left
+
+
+def test_translate_to_a_full_disk_on_stdout(env):
+    r = subprocess.run(f"{sys.executable} -m s2s translate -m {env['model']} --beam 1 "
+                       f"< {env['corpus'] / 'dev.en'} > /dev/full", shell=True,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "s2s: error: <stdout>: No space left on device"
+
+
+def test_train_checkpoint_on_a_full_disk(env, tmp_path, capsys, monkeypatch):
+    """The disk fills while a checkpoint is written: an error, the previous checkpoint intact,
+    and --resume continues once there is room again."""
+    import s2s.trainer
+
+    sets = _resume_cfg(env, tmp_path)
+    run = tmp_path / "run"
+    cli_ok(capsys, monkeypatch, "train", env["cfg"], "-o", run, *sets[:1], "train.max_steps=2", *sets[2:])
+    before = list_checkpoints(run)
+    with monkeypatch.context() as m:
+        _fail_with(m, s2s.trainer, "save_file", errno.ENOSPC)  # writing the optimizer state
+        r = cli(capsys, m, "train", env["cfg"], "-o", run, "--resume", *sets)
+    assert_error(r, run / "checkpoints" / "step-00000004", "No space left on device")
+    assert list_checkpoints(run) == before
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+    code, _, err = cli(capsys, monkeypatch, "train", env["cfg"], "-o", run, "--resume", *sets)
+    assert code == 0, err
+    assert list_checkpoints(run)[-1].name == "step-00000006"
+
+
+def test_train_run_dir_not_writable(env, tmp_path, capsys, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert_error(cli(capsys, monkeypatch, "train", env["cfg"], "-o", blocker / "run"),
+                 f"{blocker / 'run'}: cannot create the run directory")
+
+
+# --------------------------------------------------------------------------- #
+# plot
+# --------------------------------------------------------------------------- #
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "invalid-utf8", "not-json", "no-step"])
+def test_plot_metrics(tmp_path, capsys, monkeypatch, kind):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    m = run_dir / "metrics.jsonl"
+    content = {"missing": None, "empty": b"", "invalid-utf8": b'{"step": 1}\n\xff\n',
+               "not-json": b'{"step": 1, "loss": 2}\n{"step": \n', "no-step": b'{"loss": 2}\n'}[kind]
+    if content is not None:
+        m.write_bytes(content)
+    needle = {"missing": f"{m}: not found", "empty": f"{m}: no logged steps",
+              "invalid-utf8": f"{m}:2: invalid UTF-8", "not-json": f"{m}:2: not a JSON",
+              "no-step": f"{m}:1: no \"step\""}[kind]
+    assert_error(cli(capsys, monkeypatch, "plot", run_dir), needle)
+    assert not (run_dir / "curves.png").exists()
+
+
+# --------------------------------------------------------------------------- #
+# SIGINT in the middle of translate (train: tests/test_train.py)
+# --------------------------------------------------------------------------- #
+
+def test_sigint_during_translate_leaves_no_output(env, tmp_path):
+    big = tmp_path / "big.txt"
+    big.write_text((env["corpus"] / "train.en").read_text() * 50)
+    out = tmp_path / "out.txt"
+    proc = subprocess.Popen([sys.executable, "-m", "s2s", "translate", "-m", str(env["model"]),
+                             "--input", str(big), "-o", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # a shell's background jobs inherit SIGINT ignored; a user's Ctrl-C is not
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(p.name.startswith(".out.txt.tmp") for p in tmp_path.iterdir()):
+        time.sleep(0.05)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (err, sorted(p.name for p in tmp_path.iterdir()))
+    assert err.strip().splitlines()[-1] == "s2s: interrupted" and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt"]  # no partial file left
