@@ -42,7 +42,10 @@ class TokenizerConfig:
     joint: bool = True  # one vocabulary for source and target
     vocab_size: int = 8000  # per vocabulary; includes the special symbols
     character_coverage: float = 1.0
-    byte_fallback: bool = False
+    byte_fallback: bool = False  # unseen characters become UTF-8 byte pieces instead of <unk>
+    # SentencePiece's normalization; identity keeps text exactly (with byte_fallback,
+    # decode(encode(x)) == x for any text), the others apply NFKC and collapse whitespace
+    normalization: Literal["nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity"] = "nmt_nfkc"
     sentinels: int = 0  # <extra_id_0> .. <extra_id_{n-1}> reserved for denoising
     max_sentences: int = 2_000_000  # sentences sampled for training the model
 

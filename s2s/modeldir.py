@@ -83,14 +83,31 @@ def save_weights(model: torch.nn.Module, path: Path) -> str:
 
 def save_model_dir(directory: Path, model: torch.nn.Module, cfg: ExperimentConfig,
                    tokenizer_dir: Path, info: Optional[dict] = None) -> None:
-    """Write (or refresh) a complete model directory; model.json is written last."""
+    """Write (or refresh) a complete model directory.
+
+    The new weights and model.json are both written and synced under temporary
+    names first, then renamed back to back, so a crash at any point leaves the
+    previous model or the new one, never weights that fail their checksum
+    (but for the microseconds between the two renames).
+    """
     directory.mkdir(parents=True, exist_ok=True)
     write_config(directory, cfg)
     copy_tokenizer(cfg, tokenizer_dir, directory)
-    digest = save_weights(model, directory / WEIGHTS)
-    meta = {"format": FORMAT_VERSION, "s2s_version": __version__, "sha256": digest, **(info or {})}
-    with atomic_write(directory / META) as f:
-        json.dump(meta, f, indent=2)
+    new_weights, new_meta = directory / f".{WEIGHTS}.new", directory / f".{META}.new"
+    try:
+        digest = save_weights(model, new_weights)
+        meta = {"format": FORMAT_VERSION, "s2s_version": __version__, "sha256": digest, **(info or {})}
+        with open(new_meta, "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(new_weights, directory / WEIGHTS)
+        os.replace(new_meta, directory / META)
+    except OSError as e:
+        raise S2SError(f"{directory}: cannot write the model ({e.strerror})") from None
+    finally:
+        new_weights.unlink(missing_ok=True)
+        new_meta.unlink(missing_ok=True)
 
 
 @dataclass

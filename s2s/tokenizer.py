@@ -120,6 +120,8 @@ def _train_one(sentences: list[str], out: Path, cfg: TokenizerConfig) -> None:
             sentence_iterator=iter(sentences), model_writer=model,
             model_type=cfg.type, vocab_size=cfg.vocab_size,
             character_coverage=cfg.character_coverage, byte_fallback=cfg.byte_fallback,
+            normalization_rule_name=cfg.normalization,
+            remove_extra_whitespaces=cfg.normalization != "identity",
             pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
             pad_piece="<pad>", unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>",
             user_defined_symbols=[sentinel(i) for i in range(cfg.sentinels)],
