@@ -140,6 +140,12 @@ def translate(
     max_len_a: Optional[float] = typer.Option(None, help="Max output length a*|x|+b: a."),
     max_len_b: Optional[int] = typer.Option(None, help="Max output length a*|x|+b: b."),
     min_len: Optional[int] = typer.Option(None, help="Minimum output tokens before </s>."),
+    no_repeat_ngram: Optional[int] = typer.Option(None, help="No n-gram of this size twice in an output."),
+    sampling: bool = typer.Option(False, "--sampling", help="Sample each token instead of searching (beam 1)."),
+    temperature: Optional[float] = typer.Option(None, help="Sampling: q ∝ p^(1/T)."),
+    top_k: Optional[int] = typer.Option(None, help="Sampling: among the k most probable tokens."),
+    top_p: Optional[float] = typer.Option(None, help="Sampling: among the smallest set of mass >= p."),
+    seed: Optional[int] = typer.Option(None, help="Sampling: the same seed draws the same outputs."),
     batch_tokens: Optional[int] = typer.Option(None, help="Source tokens per batch."),
     threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
     unbuffered: bool = typer.Option(False, "--unbuffered", help="Translate and flush line by line."),
@@ -162,8 +168,12 @@ def translate(
         torch.set_num_threads(threads)
     overrides = {k: v for k, v in dict(beam=beam, alpha=alpha, length_penalty=length_penalty,
                                        nbest=nbest, max_len_a=max_len_a, max_len_b=max_len_b,
-                                       min_len=min_len, batch_tokens=batch_tokens).items()
+                                       min_len=min_len, batch_tokens=batch_tokens,
+                                       no_repeat_ngram=no_repeat_ngram, temperature=temperature,
+                                       top_k=top_k, top_p=top_p, seed=seed).items()
                  if v is not None}
+    if sampling:
+        overrides.update(sampling=True, beam=overrides.get("beam", 1), nbest=1)
     translator = Translator.from_dir(model)
     try:
         translator.decode = replace(translator.decode, "decode.", **overrides)

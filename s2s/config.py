@@ -186,7 +186,13 @@ class DecodeConfig:
     max_len_a: float = 1.5  # max output length = a * |x| + b
     max_len_b: int = 10
     min_len: int = 0
+    no_repeat_ngram: int = 0  # n > 0: no n-gram occurs twice in an output (fairseq's --no-repeat-ngram-size)
     nbest: int = 1
+    sampling: bool = False  # draw each token from p instead of searching (needs beam: 1)
+    temperature: float = 1.0  # sampling: q ∝ p^(1/T)
+    top_k: int = 0  # sampling: among the k most probable tokens; 0 = all
+    top_p: float = 1.0  # sampling: among the smallest set with mass >= top_p (nucleus)
+    seed: int = 0  # sampling: the same seed draws the same outputs
     batch_tokens: int = 4096  # source tokens per decoding batch
     max_input_tokens: int = 1024  # longer inputs are truncated with a warning
 
@@ -197,6 +203,11 @@ class DecodeConfig:
         _check(self.max_len_a >= 0 and self.max_len_b >= 1, "decode.max_len_b",
                "max_len_a must be >= 0 and max_len_b >= 1")
         _check(self.min_len >= 0, "decode.min_len", "must be >= 0")
+        _check(self.no_repeat_ngram >= 0, "decode.no_repeat_ngram", "must be >= 0")
+        _check(not self.sampling or self.beam == 1, "decode.sampling", "needs decode.beam: 1")
+        _check(self.temperature > 0, "decode.temperature", "must be > 0")
+        _check(self.top_k >= 0, "decode.top_k", "must be >= 0")
+        _check(0 < self.top_p <= 1, "decode.top_p", "must be in (0, 1]")
         _check(self.batch_tokens >= 1, "decode.batch_tokens", "must be >= 1")
         _check(self.max_input_tokens >= 1, "decode.max_input_tokens", "must be >= 1")
 

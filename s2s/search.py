@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -59,6 +59,12 @@ class SearchSettings:
     alpha: float = 0.6
     length_penalty: str = "gnmt"
     min_len: int = 0  # </s> is blocked before this many tokens
+    no_repeat_ngram: int = 0  # n > 0: no n-gram occurs twice in a hypothesis
+    sampling: bool = False  # draw y_t ~ p instead of searching (beam = 1)
+    temperature: float = 1.0
+    top_k: int = 0  # sample among the k most probable tokens (0: all)
+    top_p: float = 1.0  # ... among the smallest set with probability mass >= p
+    seed: int = 0
     bos_id: int = 2
     eos_id: int = 3
     pad_id: int = 0
@@ -88,16 +94,40 @@ class ModelDecoder:
         self.cache.select(index)
 
 
-def constrain(logp: Tensor, t: int, max_len: Tensor, s: SearchSettings) -> Tensor:
-    """Apply the length rules to step t's log-probs (N, V), in place.
+def block_repeated_ngrams(logp: Tensor, tokens: Tensor, n: int) -> Tensor:
+    """Set log p(v) = -inf where (y_{t-n+2}, ..., y_t, v) already occurs in the row, in place.
+
+    logp (N, V), tokens (N, t): the hypotheses so far.  Vectorized: every
+    n-gram window of each row is compared with the row's last n-1 tokens.
+    """
+    t = tokens.size(1)
+    if n <= 0 or t < n:  # no complete n-gram yet
+        return logp
+    if n == 1:
+        return logp.scatter_(1, tokens, NEG_INF)
+    windows = tokens.unfold(1, n, 1)  # (N, t-n+1, n)
+    last = tokens[:, t - n + 1:]  # (N, n-1)
+    match = (windows[:, :, :-1] == last[:, None, :]).all(-1)  # (N, t-n+1)
+    rows, starts = match.nonzero(as_tuple=True)
+    logp[rows, windows[rows, starts, -1]] = NEG_INF
+    return logp
+
+
+def constrain(logp: Tensor, t: int, max_len: Tensor, s: SearchSettings,
+              tokens: Optional[Tensor] = None) -> Tensor:
+    """Apply the search rules to step t's log-probs (N, V), in place.
 
     pad and <s> are never generated; </s> is blocked while t < min_len and is
-    the only choice at t = max_len - 1, so every hypothesis has m <= max_len.
+    the only choice at t = max_len - 1, so every hypothesis has m <= max_len;
+    with ``no_repeat_ngram`` and the hypotheses so far (``tokens`` (N, t)),
+    no n-gram repeats.
     """
     logp[:, s.pad_id] = NEG_INF
     logp[:, s.bos_id] = NEG_INF
     if t < s.min_len:
         logp[:, s.eos_id] = NEG_INF
+    if s.no_repeat_ngram and tokens is not None:
+        block_repeated_ngrams(logp, tokens, s.no_repeat_ngram)
     at_max = max_len <= t + 1  # (N,)
     if bool(at_max.any()):
         eos_lp = logp[:, s.eos_id].clone()
@@ -106,9 +136,34 @@ def constrain(logp: Tensor, t: int, max_len: Tensor, s: SearchSettings) -> Tenso
     return logp
 
 
+def sampling_distribution(logp: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+    """q(v) ∝ exp(log p(v) / T), restricted to the k most probable tokens (top_k > 0)
+    and to the smallest most-probable set whose mass under q reaches top_p (nucleus).
+
+    logp (N, V) -> log q (N, V), -inf outside the kept set; the most probable
+    token is always kept.
+    """
+    logq = torch.log_softmax(logp / temperature, dim=-1)
+    if top_k and top_k < logq.size(-1):
+        kth = logq.topk(top_k, dim=-1).values[:, -1:]
+        logq = logq.masked_fill(logq < kth, NEG_INF)
+    if top_p < 1.0:
+        sorted_lq, order = logq.sort(dim=-1, descending=True)
+        mass_before = sorted_lq.exp().cumsum(-1) - sorted_lq.exp()  # mass of the better tokens
+        drop = mass_before >= top_p
+        drop[:, 0] = False
+        logq = logq.masked_fill(drop.scatter(1, order, drop), NEG_INF)
+    return torch.log_softmax(logq, dim=-1)
+
+
 @torch.no_grad()
 def greedy_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings) -> list[list[Hypothesis]]:
-    """y_t = argmax_v log p(v | y_<t, x) until </s>; one hypothesis per sentence."""
+    """y_t = argmax_v log p(v | y_<t, x) until </s>; one hypothesis per sentence.
+
+    With ``s.sampling``, y_t ~ q instead (see :func:`sampling_distribution`),
+    drawn from a generator seeded with ``s.seed``; the hypothesis's score is
+    still the model's log p of the drawn tokens.
+    """
     B = max_len.size(0)
     device = max_len.device
     results: list[list[Hypothesis]] = [[] for _ in range(B)]
@@ -116,9 +171,15 @@ def greedy_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings) -> l
     y = torch.full((B, 1), s.bos_id, dtype=torch.long, device=device)
     tokens = torch.empty((B, 0), dtype=torch.long, device=device)
     log_prob = torch.zeros(B, device=device)
+    gen = torch.Generator(device=device).manual_seed(s.seed) if s.sampling else None
     for t in range(int(max_len.max())):
-        logp = constrain(decoder.step(y), t, max_len[active], s)  # (N, V)
-        best_lp, y_t = logp.max(dim=-1)  # (N,)
+        logp = constrain(decoder.step(y), t, max_len[active], s, tokens)  # (N, V)
+        if gen is None:
+            best_lp, y_t = logp.max(dim=-1)  # (N,)
+        else:
+            q = sampling_distribution(logp, s.temperature, s.top_k, s.top_p).exp()
+            y_t = torch.multinomial(q, 1, generator=gen).squeeze(1)
+            best_lp = logp.gather(1, y_t[:, None]).squeeze(1)
         log_prob = log_prob + best_lp
         tokens = torch.cat([tokens, y_t[:, None]], dim=1)
         done = y_t == s.eos_id
@@ -162,7 +223,7 @@ def beam_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings) -> lis
     for t in range(L):
         N = active.size(0)
         sent_max = max_len[active]  # (N,)
-        logp = constrain(decoder.step(y), t, sent_max.repeat_interleave(K), s)  # (N*K, V)
+        logp = constrain(decoder.step(y), t, sent_max.repeat_interleave(K), s, tokens)  # (N*K, V)
         V = logp.size(-1)
         cand = (scores.view(N * K, 1) + logp).view(N, K * V)
         cand_scores, cand_idx = cand.topk(2 * K, dim=-1)  # (N, 2K), best first
@@ -227,7 +288,9 @@ def beam_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings) -> lis
 
 
 def search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings) -> list[list[Hypothesis]]:
-    """Greedy when beam = 1, else beam search."""
+    """Greedy (or sampling) when beam = 1, else beam search."""
+    if s.sampling and s.beam != 1:
+        raise ValueError("sampling draws one token per step: use beam = 1")
     if s.beam == 1:
         return greedy_search(decoder, max_len, s)
     return beam_search(decoder, max_len, s)

@@ -70,6 +70,8 @@ class Translator:
         d = self.decode
         return SearchSettings(beam=d.beam, nbest=d.nbest, alpha=d.alpha,
                               length_penalty=d.length_penalty, min_len=d.min_len,
+                              no_repeat_ngram=d.no_repeat_ngram, sampling=d.sampling,
+                              temperature=d.temperature, top_k=d.top_k, top_p=d.top_p, seed=d.seed,
                               bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID)
 
     # ------------------------------------------------------------------ #

@@ -212,3 +212,78 @@ def test_wide_beam_finds_the_exhaustive_optimum(seed):
                            settings(beam=27, nbest=1, alpha=alpha))[0]
     assert hyps[0].tokens == best[1]
     assert hyps[0].score == pytest.approx(best[0], abs=1e-5)
+
+
+# --------------------------------------------------------------------------- #
+# no-repeat n-gram and sampling
+# --------------------------------------------------------------------------- #
+
+def test_block_repeated_ngrams_by_hand():
+    from s2s.search import block_repeated_ngrams
+
+    logp = torch.zeros(2, 8)
+    tokens = torch.tensor([[4, 5, 4, 6, 4], [7, 7, 7, 7, 7]])
+    out = block_repeated_ngrams(logp.clone(), tokens, 2)
+    # row 0 ends in 4; 4 was followed by 5 and by 6: both banned, nothing else
+    assert torch.isinf(out[0]).nonzero().flatten().tolist() == [5, 6]
+    assert torch.isinf(out[1]).nonzero().flatten().tolist() == [7]
+    out = block_repeated_ngrams(logp.clone(), tokens, 3)  # (6, 4) occurred once, followed by nothing yet
+    assert torch.isinf(out[0]).nonzero().flatten().tolist() == []
+    out = block_repeated_ngrams(logp.clone(), torch.tensor([[4, 5, 6, 4, 5]]), 3)
+    assert torch.isinf(out[0]).nonzero().flatten().tolist() == [6]
+    out = block_repeated_ngrams(logp.clone(), tokens, 1)  # unigrams: every used token
+    assert torch.isinf(out[0]).nonzero().flatten().tolist() == [4, 5, 6]
+
+
+@pytest.mark.parametrize("n, beam", [(2, 1), (2, 4), (3, 4)])
+def test_no_repeat_ngram_holds_on_a_random_model(n, beam):
+    """A random model repeats itself freely; with no_repeat_ngram = n no n-gram occurs twice."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=32, heads=2, enc_layers=1, dec_layers=1, d_ff=64, dropout=0.0)
+    model = Seq2SeqTransformer(cfg, 12, 12, PAD).eval()
+    src = torch.randint(4, 12, (6, 7))
+    hyps = search(ModelDecoder(model, src), torch.full((6,), 25), settings(beam=beam, nbest=1,
+                                                                           no_repeat_ngram=n))
+    for h in hyps:
+        toks = h[0].tokens
+        grams = [tuple(toks[i:i + n]) for i in range(len(toks) - n + 1)]
+        assert len(grams) == len(set(grams)), toks
+    plain = search(ModelDecoder(model, src), torch.full((6,), 25), settings(beam=beam, nbest=1))
+    assert any(len({tuple(h[0].tokens[i:i + n]) for i in range(len(h[0].tokens) - n + 1)})
+               < len(h[0].tokens) - n + 1 for h in plain), "the random model should repeat without the rule"
+
+
+def test_sampling_distribution_filters():
+    from s2s.search import sampling_distribution
+
+    logp = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    assert torch.allclose(sampling_distribution(logp, 1.0, 0, 1.0).exp(), logp.exp())
+    top2 = sampling_distribution(logp, 1.0, 2, 1.0).exp()
+    assert torch.allclose(top2, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    # nucleus: the smallest most-probable set with mass >= p
+    assert torch.allclose(sampling_distribution(logp, 1.0, 0, 0.45).exp(), torch.tensor([[1.0, 0, 0, 0]]))
+    assert torch.allclose(sampling_distribution(logp, 1.0, 0, 0.75).exp(), top2)
+    three = sampling_distribution(logp, 1.0, 0, 0.85).exp()
+    assert three[0, 3] == 0 and torch.allclose(three[0, :3].sum(), torch.tensor(1.0))
+    hot = sampling_distribution(logp, 2.0, 0, 1.0).exp()  # q ∝ p^(1/2)
+    expected = logp.exp().sqrt() / logp.exp().sqrt().sum()
+    assert torch.allclose(hot, expected)
+
+
+def test_sampling_draws_from_p_and_is_seeded():
+    script = {(): {A: 0.7, B: 0.3}}
+    n = 4000
+    s = settings(beam=1, nbest=1, sampling=True, seed=3)
+    hyps = greedy_search(ScriptedDecoder(script, batch=n), torch.full((n,), 5), s)
+    share_a = sum(h[0].tokens == [A] for h in hyps) / n
+    assert abs(share_a - 0.7) < 0.03  # 4 sigma of a binomial(4000, 0.7)
+    assert hyps[0][0].log_prob == pytest.approx(math.log(0.7 if hyps[0][0].tokens == [A] else 0.3))
+    again = greedy_search(ScriptedDecoder(script, batch=n), torch.full((n,), 5), s)
+    assert [h[0].tokens for h in again] == [h[0].tokens for h in hyps]
+    other = greedy_search(ScriptedDecoder(script, batch=n), torch.full((n,), 5), settings(
+        beam=1, nbest=1, sampling=True, seed=4))
+    assert [h[0].tokens for h in other] != [h[0].tokens for h in hyps]
+    top1 = greedy_search(ScriptedDecoder(SCRIPT, batch=1), torch.full((1,), 5),
+                         settings(beam=1, nbest=1, sampling=True, top_k=1))
+    assert top1[0][0].tokens == greedy_search(ScriptedDecoder(SCRIPT), torch.full((1,), 5),
+                                              settings(beam=1, nbest=1))[0][0].tokens
