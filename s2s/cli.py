@@ -16,7 +16,7 @@ from typing import List, Optional
 
 import typer
 
-from s2s.config import load_config, replace
+from s2s.config import DecodeConfig, load_config, replace
 from s2s.errors import ConfigError, S2SError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
@@ -127,8 +127,13 @@ def train(config: Path = typer.Argument(..., help="Experiment YAML."),
     typer.echo(str(run_dir))
 
 
+# `s2s summarize` = translate with these, for each decode key the model's config leaves at its default
+SUMMARIZE_DEFAULTS = {"no_repeat_ngram": 3, "min_len": 3, "alpha": 1.0}
+
+
 @app.command()
 def translate(
+    ctx: typer.Context,
     model: Path = typer.Option(..., "-m", "--model", help="Model directory (a training run)."),
     input: str = typer.Option("-", "--input", "-i", help="Input file; - reads stdin."),
     output: Optional[Path] = typer.Option(None, "--output", "-o",
@@ -175,6 +180,10 @@ def translate(
     if sampling:
         overrides.update(sampling=True, beam=overrides.get("beam", 1), nbest=1)
     translator = Translator.from_dir(model)
+    if ctx.info_name == "summarize":
+        untouched = DecodeConfig()
+        overrides = {**{k: v for k, v in SUMMARIZE_DEFAULTS.items()
+                        if getattr(translator.decode, k) == getattr(untouched, k)}, **overrides}
     try:
         translator.decode = replace(translator.decode, "decode.", **overrides)
     except ConfigError as e:
@@ -191,14 +200,23 @@ def translate(
         write_translations(translator, lines, sys.stdout, show_nbest, interactive)
 
 
+app.command("summarize", help=(
+    "Summarize stdin (or --input) line by line: `translate` with summarization defaults "
+    f"({', '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in SUMMARIZE_DEFAULTS.items())}) "
+    "for each decode key the model's config leaves at its default.\n\n"
+    "Example: `s2s summarize -m exp/summ < test.doc | s2s score - test.sum --metric rouge`"))(translate)
+
+
 @app.command()
 def score(hyp: str = typer.Argument(..., help="Hypotheses file; - reads stdin."),
           refs: List[str] = typer.Argument(..., help="One or more reference files."),
-          metrics: str = typer.Option("bleu,chrf,ter", help="Comma-separated: bleu, chrf, ter."),
+          metrics: str = typer.Option("bleu,chrf,ter", "--metrics", "--metric",
+                                      help="Comma-separated: bleu, chrf, ter, rouge (ROUGE-1/2/L F1)."),
           as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout.")):
-    """Score hypotheses against references with sacrebleu (BLEU, chrF, TER, with signatures).
+    """Score hypotheses against references: BLEU, chrF, TER (sacrebleu), ROUGE (rouge-score).
 
-    Example: `s2s translate -m exp < test.en | s2s score - test.de --json`
+    Example: `s2s translate -m exp < test.en | s2s score - test.de --json`;
+    `s2s score summaries.txt test.sum --metric rouge`
     """
     from s2s.metrics import METRICS, corpus_scores
     from s2s.textio import read_lines
@@ -221,7 +239,8 @@ def score(hyp: str = typer.Argument(..., help="Hypotheses file; - reads stdin.")
         typer.echo(json.dumps({s.name: s.to_dict() for s in results}))
     else:
         for s in results:
-            typer.echo(f"{s.name.upper():5s} {s.score:6.2f}   {s.details}   [{s.signature}]")
+            label = {"rouge1": "ROUGE-1", "rouge2": "ROUGE-2", "rougeL": "ROUGE-L"}.get(s.name, s.name.upper())
+            typer.echo(f"{label:7s} {s.score:6.2f}   {s.details}   [{s.signature}]")
 
 
 @app.command()

@@ -73,7 +73,8 @@ class DataConfig:
     test: str = ""
     dir: str = "prepared"  # tokenizer models and binarized splits go here
     max_tokens_per_sentence: int = 256  # longer pairs are dropped from train
-    max_length_ratio: float = 3.0  # drop train pairs with len ratio above this
+    max_length_ratio: float = 3.0  # drop train pairs with len ratio above this (0: keep all)
+    max_src_tokens: int = 0  # truncate sources to this many tokens, </s> included (0: never)
     dedupe: bool = True
 
     def __post_init__(self) -> None:
@@ -82,7 +83,10 @@ class DataConfig:
         _check(self.src_lang != self.tgt_lang, "data.tgt_lang",
                "must differ from data.src_lang (file suffixes would collide)")
         _check(self.max_tokens_per_sentence >= 1, "data.max_tokens_per_sentence", "must be >= 1")
-        _check(self.max_length_ratio >= 1.0, "data.max_length_ratio", "must be >= 1")
+        _check(self.max_length_ratio >= 1.0 or self.max_length_ratio == 0, "data.max_length_ratio",
+               "must be >= 1 (or 0: no ratio filter)")
+        _check(self.max_src_tokens == 0 or self.max_src_tokens >= 2, "data.max_src_tokens",
+               "must be 0 (no truncation) or >= 2")
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,11 @@ class ModelConfig:
     share_embeddings: bool = True  # one embedding for source and target
     dropout: float = 0.1
     attention_dropout: float = 0.0
+    # pointer-generator (formula sheet, Lesson 9): P(w) = p_gen P_vocab(w) + (1 - p_gen) sum_{j: x_j = w} A_tj,
+    # A = the last decoder layer's cross-attention averaged over heads; needs one shared vocabulary
+    copy: bool = False
+    # feed the coverage c^t = sum_{t' < t} A_t' into the last layer's cross-attention scores
+    coverage: bool = False
 
     def __post_init__(self) -> None:
         for key in ("d_model", "heads", "d_ff", "max_positions", "rel_buckets", "rel_max_distance"):
@@ -119,6 +128,8 @@ class ModelConfig:
                "must exceed rel_buckets / 4 (the last exactly-represented distance)")
         _check(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
         _check(0.0 <= self.attention_dropout < 1.0, "model.attention_dropout", "must be in [0, 1)")
+        _check(not self.copy or self.share_embeddings, "model.copy",
+               "copying source tokens needs one shared vocabulary (model.share_embeddings: true)")
 
     @property
     def d_head(self) -> int:
@@ -139,6 +150,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     clip_norm: float = 1.0  # 0 disables
     label_smoothing: float = 0.1
+    coverage_weight: float = 0.0  # lambda of the coverage loss L_cov (summarization; Lesson 9)
     max_steps: int = 100_000  # 0: no limit
     max_epochs: int = 0  # 0: no limit
     max_time: str = ""  # wall-clock budget: "900", "15m", "1h"; "" no limit
@@ -162,6 +174,7 @@ class TrainConfig:
             _check(getattr(self, key) >= 0, f"train.{key}", "must be >= 0")
         _check(self.lr > 0, "train.lr", "must be > 0")
         _check(0.0 <= self.label_smoothing < 1.0, "train.label_smoothing", "must be in [0, 1)")
+        _check(self.coverage_weight >= 0, "train.coverage_weight", "must be >= 0")
         _check(0.0 <= self.adam_beta1 < 1.0 and 0.0 <= self.adam_beta2 < 1.0, "train.adam_beta1",
                "Adam betas must be in [0, 1)")
         _check(self.clip_norm >= 0, "train.clip_norm", "must be >= 0")

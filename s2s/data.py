@@ -57,6 +57,11 @@ class CleanStats:
     dropped: Counter = field(default_factory=Counter)
 
 
+def truncate(ids: list[int], n: int) -> list[int]:
+    """The first n-1 tokens and the final </s>: an over-long input cut to n tokens."""
+    return ids if len(ids) <= n else ids[:n - 1] + ids[-1:]
+
+
 def clean_pairs(pairs: Sequence[tuple[str, str]], src_ids: Sequence[list[int]],
                 tgt_ids: Sequence[list[int]], max_len: Optional[int], max_ratio: Optional[float],
                 dedupe: bool) -> tuple[list[int], CleanStats]:
@@ -143,10 +148,12 @@ def prepare(cfg: ExperimentConfig) -> dict[str, CleanStats]:
     for split, (src_path, tgt_path) in corpora.items():
         pairs = [(s.strip(), t.strip()) for s, t in read_parallel(src_path, tgt_path)]
         src_ids = tok.encode_src([s for s, _ in pairs])
+        if cfg.data.max_src_tokens:
+            src_ids = [truncate(x, cfg.data.max_src_tokens) for x in src_ids]
         tgt_ids = tok.encode_tgt([t for _, t in pairs])
         if split == "train":
             keep, stats = clean_pairs(pairs, src_ids, tgt_ids, cfg.data.max_tokens_per_sentence,
-                                      cfg.data.max_length_ratio, cfg.data.dedupe)
+                                      cfg.data.max_length_ratio or None, cfg.data.dedupe)
         else:  # evaluation splits keep every non-empty pair the model can take
             limit = cfg.model.max_positions if cfg.model.positions == "learned" else None
             keep, stats = clean_pairs(pairs, src_ids, tgt_ids, limit, None, False)

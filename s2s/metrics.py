@@ -1,6 +1,9 @@
-"""Corpus metrics through sacrebleu: BLEU, chrF, TER, each with its signature.
+"""Corpus metrics, each with its signature: BLEU, chrF, TER through sacrebleu;
+ROUGE-1/2/L through Google's rouge-score package (the ROUGE-1.5.5 reimplementation).
 
 BLEU = min(1, e^{1 - r/c}) * exp(sum_{n=1}^{4} w_n log p_n)   (formula sheet, Lesson 10)
+ROUGE-N/L: F1 of n-gram / longest-common-subsequence overlap, per sentence,
+averaged over the corpus (x100), Porter stemming on, as summarization papers report it.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from typing import Sequence
 
 from sacrebleu.metrics import BLEU, CHRF, TER
 
-METRICS = ("bleu", "chrf", "ter")
+METRICS = ("bleu", "chrf", "ter", "rouge")
 
 
 @dataclass
@@ -29,6 +32,9 @@ def corpus_scores(hyps: Sequence[str], refs: Sequence[Sequence[str]],
     """Score ``hyps`` against one or more reference streams (each as long as hyps)."""
     out = []
     for name in metrics:
+        if name == "rouge":
+            out.extend(rouge_scores(hyps, refs))
+            continue
         metric = {"bleu": BLEU, "chrf": CHRF, "ter": TER}[name]()
         result = metric.corpus_score(list(hyps), [list(r) for r in refs])
         out.append(Score(name=name, score=round(result.score, 2),
@@ -39,3 +45,26 @@ def corpus_scores(hyps: Sequence[str], refs: Sequence[Sequence[str]],
 def corpus_bleu(hyps: Sequence[str], refs: Sequence[str]) -> float:
     """sacrebleu BLEU (13a tokenization) of one reference stream."""
     return BLEU().corpus_score(list(hyps), [list(refs)]).score
+
+
+def rouge_scores(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> list[Score]:
+    """Mean ROUGE-1, ROUGE-2, ROUGE-L F1 (x100) with stemming; with several
+    reference streams, each sentence counts its best-matching reference."""
+    from importlib.metadata import version
+
+    from rouge_score import rouge_scorer
+
+    kinds = ("rouge1", "rouge2", "rougeL")
+    scorer = rouge_scorer.RougeScorer(list(kinds), use_stemmer=True)
+    sums = {k: [0.0, 0.0, 0.0] for k in kinds}  # precision, recall, F1
+    for i, hyp in enumerate(hyps):
+        per_ref = [scorer.score(r[i], hyp) for r in refs]
+        for k in kinds:
+            best = max((s[k] for s in per_ref), key=lambda s: s.fmeasure)
+            for n, value in enumerate(best):
+                sums[k][n] += value
+    n = max(len(hyps), 1)
+    sig = f"rouge-score:{version('rouge-score')}|stemmer:yes|tokenizer:default|f1:mean|nrefs:{len(refs)}"
+    return [Score(name=k, score=round(100 * f / n, 2), signature=sig,
+                  details=f"P {100 * p / n:.2f} R {100 * r / n:.2f} F1 {100 * f / n:.2f}")
+            for k, (p, r, f) in sums.items()]

@@ -84,7 +84,7 @@ class ModelDecoder:
     def __init__(self, model: Seq2SeqTransformer, src: Tensor):
         self.model = model
         h_enc, src_mask = model.encode(src)  # (B, S, d_model), (B, 1, 1, S)
-        self.cache = model.start_decoding(h_enc, src_mask)  # cross-attention K/V, once
+        self.cache = model.start_decoding(h_enc, src_mask, src)  # cross-attention K/V, once
 
     def step(self, y_prev: Tensor) -> Tensor:
         logits, _ = self.model.decode_step(y_prev, self.cache)  # (N, V)

@@ -2,6 +2,7 @@
 
     decoder input = (<s>, y_1, ..., y_{m-1}),  targets = (y_1, ..., y_m)     (Lesson 8; the shift is in Batch)
     L = (1/|y|) sum_t [(1-eps)(-log p_t(y_t)) + eps * mean_v(-log p_t(v))]  (label-smoothed mean token NLL)
+        + (lambda/|y|) L_cov                                                 (train.coverage_weight)
 
 A run directory (``-o RUN_DIR``) holds
     config.yaml, spm*.model, model.safetensors, model.json   the best model so far (a model directory)
@@ -40,8 +41,8 @@ from s2s.config import ExperimentConfig, replace, to_dict
 from s2s.data import BinDataset, Batch, data_signature, token_batches, tokenizer_fingerprint
 from s2s.errors import S2SError
 from s2s.metrics import corpus_bleu
-from s2s.modeldir import (CHECKPOINT_STATE, CONFIG, META, WEIGHTS, build_model, copy_tokenizer, load_weights, read_meta,
-                          save_model_dir, save_weights, write_config)
+from s2s.modeldir import (CHECKPOINT_STATE, CONFIG, META, WEIGHTS, build_model, copy_tokenizer,
+                          load_weights, read_meta, save_model_dir, save_weights, write_config)
 from s2s.textio import atomic_dir, atomic_write, file_sha256, read_lines
 from s2s.tokenizer import PAD_ID, Tokenizer, resolve_tokenizer_config
 
@@ -86,6 +87,16 @@ def label_smoothed_nll(logits: Tensor, target: Tensor, epsilon: float, pad_id: i
     V = logits.size(-1)
     return F.cross_entropy(logits.reshape(-1, V).float(), target.reshape(-1), ignore_index=pad_id,
                            reduction="sum", label_smoothing=epsilon)
+
+
+def coverage_loss(a: Tensor, tgt_mask: Tensor) -> Tensor:
+    """L_cov = sum_t sum_j min(A_tj, c^t_j),   c^t = sum_{t' < t} A_t'   (formula sheet, Lesson 9).
+
+    a (B, T, S) attention over the source at each target position, tgt_mask
+    (B, T) true at real (non-pad) target positions -> scalar sum over the batch.
+    """
+    c = a.cumsum(dim=1) - a  # (B, T, S): attention received before step t
+    return (torch.minimum(a, c).sum(-1) * tgt_mask).sum()
 
 
 # --------------------------------------------------------------------------- #
@@ -144,8 +155,8 @@ class DamagedCheckpoint(S2SError):
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
-    """Restore model, optimizer and RNG from ``path``; every file is verified before
-    anything is touched, so a :class:`DamagedCheckpoint` leaves model and optimizer as they were."""
+    """Restore model, optimizer and RNG from ``path``.  The files' checksums are verified
+    before anything is loaded; anything that does not fit is a :class:`DamagedCheckpoint`."""
     try:
         meta = json.loads((path / CHECKPOINT_STATE).read_text(encoding="utf-8"))
         for name, digest in meta.get("sha256", {}).items():
@@ -156,23 +167,25 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         raise DamagedCheckpoint(f"{path}: damaged ({e})") from None
     try:
         load_weights(model, path / WEIGHTS)
-    except S2SError as e:
-        raise DamagedCheckpoint(f"{path}: damaged ({e})") from None
-    state: dict = {}
-    for name, value in tensors.items():
-        if name.startswith("state."):
-            _, idx, key = name.split(".", 2)
+        state: dict = {}
+        for name, value in tensors.items():
+            if name.startswith("state."):
+                _, idx, key = name.split(".", 2)
+                state.setdefault(int(idx), {})[key] = value
+        for name, value in meta.get("optimizer_scalars", {}).items():
+            idx, key = name.split(".", 1)
             state.setdefault(int(idx), {})[key] = value
-    for name, value in meta.get("optimizer_scalars", {}).items():
-        idx, key = name.split(".", 1)
-        state.setdefault(int(idx), {})[key] = value
-    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-    torch.set_rng_state(tensors["rng.torch"])
+        optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        train_state = TrainState(**meta["train_state"])
+        rng = tensors["rng.torch"]
+    except (S2SError, KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise DamagedCheckpoint(f"{path}: damaged ({e})") from None
+    torch.set_rng_state(rng)
     n_cuda = sum(1 for k in tensors if k.startswith("rng.cuda."))
     cuda = [tensors[f"rng.cuda.{i}"] for i in range(n_cuda)]
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda)
-    return TrainState(**meta["train_state"])
+    return train_state
 
 
 # --------------------------------------------------------------------------- #
@@ -312,10 +325,15 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for b in batches:
             b = b.to(self.device)
+            lam = self.tc.coverage_weight
             with self.autocast():
-                logits = self.model(b.src, b.tgt_in)  # (B, T, V)
+                if lam:
+                    logits, a = self.model(b.src, b.tgt_in, return_attention=True)  # a (B, T, S)
+                else:
+                    logits = self.model(b.src, b.tgt_in)  # (B, T, V)
             loss = label_smoothed_nll(logits, b.tgt_out, self.tc.label_smoothing)
-            (loss / n_tokens).backward()
+            objective = loss + lam * coverage_loss(a.float(), b.tgt_out != PAD_ID) if lam else loss
+            (objective / n_tokens).backward()
             total += loss.detach()
         lr = inverse_sqrt_lr(self.state.step + 1, self.tc.lr, self.tc.warmup_steps)
         for group in self.optimizer.param_groups:

@@ -18,7 +18,7 @@ from typing import Iterable, Iterator, Optional, Sequence, TextIO
 import torch
 
 from s2s.config import DecodeConfig, replace
-from s2s.data import pad_sequences
+from s2s.data import pad_sequences, truncate
 from s2s.model import Seq2SeqTransformer
 from s2s.search import Hypothesis, ModelDecoder, SearchSettings, search
 from s2s.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
@@ -45,7 +45,9 @@ def max_output_lengths(src_lens: torch.Tensor, a: float, b: int, cap: Optional[i
 
 class Translator:
     def __init__(self, model: Seq2SeqTransformer, tokenizer: Tokenizer, decode: DecodeConfig,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", trained_src_tokens: int = 0):
+        """``trained_src_tokens``: sources were cut to this length in training
+        (data.max_src_tokens, e.g. for summarization); inputs are cut the same way, silently."""
         self.model = model.eval()
         self.tok = tokenizer
         self.decode = decode
@@ -55,6 +57,7 @@ class Translator:
         self.max_input = decode.max_input_tokens
         if learned:
             self.max_input = min(self.max_input, model.cfg.max_positions)
+        self.trained_src_tokens = trained_src_tokens
 
     @classmethod
     def from_dir(cls, directory: str | Path, device: str = "cpu", **decode_overrides) -> "Translator":
@@ -63,7 +66,7 @@ class Translator:
 
         loaded = load_model_dir(directory, device)
         decode = replace(loaded.cfg.decode, "decode.", **decode_overrides)
-        return cls(loaded.model, loaded.tokenizer, decode, device)
+        return cls(loaded.model, loaded.tokenizer, decode, device, loaded.cfg.data.max_src_tokens)
 
     @property
     def settings(self) -> SearchSettings:
@@ -107,10 +110,12 @@ class Translator:
         encoded = self.tok.encode_src([stripped[i] for i in nonempty])
         out: list[Optional[list[int]]] = [None] * len(lines)
         for i, ids in zip(nonempty, encoded):
+            if self.trained_src_tokens:
+                ids = truncate(ids, self.trained_src_tokens)
             if len(ids) > self.max_input:
                 log.warning("line %d: %d tokens, truncated to the model's limit of %d",
                             first_line_no + i, len(ids), self.max_input)
-                ids = ids[:self.max_input - 1] + [EOS_ID]
+                ids = truncate(ids, self.max_input)
             out[i] = ids
         return out
 

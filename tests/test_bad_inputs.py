@@ -100,16 +100,17 @@ def copy_model(env, tmp_path) -> Path:
 # Text inputs: translate --input, score HYP REF
 # --------------------------------------------------------------------------- #
 
+# what every command that reads a text file says about these (a file named {f})
+TEXT_FILE_ERRORS = {"missing": "{f}: no such file", "directory": "{f}: is a directory",
+                    "invalid-utf8": "{f}:2: invalid UTF-8"}
+
+
 @pytest.mark.parametrize("kind", BAD_FILES)
 def test_translate_input(env, tmp_path, capsys, monkeypatch, kind):
     f = make(tmp_path / "in.txt", kind)
     r = cli(capsys, monkeypatch, "translate", "-m", env["model"], "--input", f, "--beam", "1")
-    if kind == "missing":
-        assert_error(r, f"{f}: no such file")
-    elif kind == "directory":
-        assert_error(r, f"{f}: is a directory")
-    elif kind == "invalid-utf8":
-        assert_error(r, f"{f}:2: invalid UTF-8")
+    if kind in TEXT_FILE_ERRORS:
+        assert_error(r, TEXT_FILE_ERRORS[kind].format(f=f))
     else:  # empty: nothing out; NUL bytes: translated like any character
         assert r[0] == 0, r[2]
         assert len(r[1].splitlines()) == BAD_FILES[kind].count(b"\n")
@@ -121,12 +122,8 @@ def test_score_hypotheses(env, tmp_path, capsys, monkeypatch, kind):
     ref = tmp_path / "ref.txt"
     ref.write_bytes(b"a b\nok\n")
     r = cli(capsys, monkeypatch, "score", f, ref)
-    if kind == "missing":
-        assert_error(r, f"{f}: no such file")
-    elif kind == "directory":
-        assert_error(r, f"{f}: is a directory")
-    elif kind == "invalid-utf8":
-        assert_error(r, f"{f}:2: invalid UTF-8")
+    if kind in TEXT_FILE_ERRORS:
+        assert_error(r, TEXT_FILE_ERRORS[kind].format(f=f))
     elif kind == "empty":
         assert_error(r, f"{f} has 0 lines but {ref} has 2")
     else:

@@ -41,6 +41,9 @@ class DecoderCache:
     layers: list[LayerCache]
     src_mask: Tensor  # (B, 1, 1, S) additive
     step: int = 0  # number of target positions already decoded
+    src: Optional[Tensor] = None  # (B, S) source ids, for copying (model.copy)
+    h_enc: Optional[Tensor] = None  # (B, S, d_model), for the copy context vector (model.copy)
+    coverage: Optional[Tensor] = None  # (B, S) c^t = sum of the attention so far (model.coverage)
 
     @property
     def batch_size(self) -> int:
@@ -49,6 +52,11 @@ class DecoderCache:
     def select(self, index: Tensor) -> None:
         """Keep rows ``index`` (1-D LongTensor) of every cached tensor, in that order."""
         self.src_mask = self.src_mask.index_select(0, index)
+        if self.src is not None:
+            self.src = self.src.index_select(0, index)
+            self.h_enc = self.h_enc.index_select(0, index)
+        if self.coverage is not None:
+            self.coverage = self.coverage.index_select(0, index)
         for layer in self.layers:
             layer.cross_k = layer.cross_k.index_select(0, index)
             layer.cross_v = layer.cross_v.index_select(0, index)

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from s2s.model.attention import MultiHeadAttention
+from s2s.model.attention import MultiHeadAttention, attention
 from s2s.model.cache import LayerCache
 
 
@@ -66,12 +67,14 @@ class DecoderLayer(nn.Module):
     H3 = H2 + FFN(Norm(H2))                    (pre-norm form)."""
 
     def __init__(self, d_model: int, heads: int, d_ff: int, activation: str, dropout: float,
-                 attention_dropout: float, pre_norm: bool):
+                 attention_dropout: float, pre_norm: bool, coverage: bool = False):
         super().__init__()
         self.pre_norm = pre_norm
         self.self_attn = MultiHeadAttention(d_model, heads, attention_dropout)
         self.norm1 = nn.LayerNorm(d_model)
         self.cross_attn = MultiHeadAttention(d_model, heads, attention_dropout, cross=True)
+        # coverage-aware cross-attention: w_cov[h] * c^t_j added to head h's scores (0 at the start)
+        self.w_cov = nn.Parameter(torch.zeros(heads)) if coverage else None
         self.norm2 = nn.LayerNorm(d_model)
         self.ffn = FeedForward(d_model, d_ff, activation, dropout)
         self.norm3 = nn.LayerNorm(d_model)
@@ -84,30 +87,56 @@ class DecoderLayer(nn.Module):
         return self.self_attn.attend(q, k, v, self_mask)[0]
 
     def _cross_attn(self, x: Tensor, cross_k: Tensor, cross_v: Tensor, src_mask: Tensor,
-                    need_weights: bool) -> tuple[Tensor, Optional[Tensor]]:
+                    need_weights: bool, coverage: Optional[Tensor]
+                    ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
         q = self.cross_attn.project_q(x)  # (B, heads, T, d_head)
-        return self.cross_attn.attend(q, cross_k, cross_v, src_mask, need_weights)  # A: (B, heads, T, S)
+        if self.w_cov is None:
+            h, A = self.cross_attn.attend(q, cross_k, cross_v, src_mask, need_weights)  # A: (B, heads, T, S)
+            return h, A, coverage
+        return self._coverage_attn(q, cross_k, cross_v, src_mask, coverage)
+
+    def _coverage_attn(self, q: Tensor, k: Tensor, v: Tensor, src_mask: Tensor, c: Tensor
+                       ) -> tuple[Tensor, Tensor, Tensor]:
+        """A_t = softmax(q_t K^T / sqrt(d_head) + M + w_cov c^t),  c^{t+1} = c^t + mean_heads(A_t).
+
+        c (B, S) is the coverage before the first query.  Each position's
+        attention depends on the coverage of the ones before, so the T
+        queries are attended one after another (T is the summary length).
+        Returns the merged output (B, T, d_model), A (B, heads, T, S) and c^{T}.
+        """
+        p = self.cross_attn.dropout if self.training else 0.0
+        outs, weights = [], []
+        for t in range(q.size(2)):
+            bias = self.w_cov[None, :, None, None] * c[:, None, None, :].to(q.dtype)  # (B, heads, 1, S)
+            out_t, A_t = attention(q[:, :, t:t + 1], k, v, src_mask + bias, dropout_p=p)
+            c = c + A_t.mean(1)[:, 0].to(c.dtype)  # (B, S)
+            outs.append(out_t)
+            weights.append(A_t)
+        out = torch.cat(outs, dim=2)  # (B, heads, T, d_head)
+        return self.cross_attn.out_proj(self.cross_attn.merge_heads(out)), torch.cat(weights, dim=2), c
 
     def forward(self, x: Tensor, cross_k: Tensor, cross_v: Tensor, self_mask: Optional[Tensor],
-                src_mask: Tensor, cache: Optional[LayerCache] = None,
-                need_weights: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+                src_mask: Tensor, cache: Optional[LayerCache] = None, need_weights: bool = False,
+                coverage: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
         """x (B, T, d_model); cross_k/v (B, heads, S, d_head) from H_enc.
 
-        Returns the block output and, with ``need_weights``, the
-        cross-attention weights A (B, heads, T, S).
+        Returns the block output, the cross-attention weights A (B, heads, T, S)
+        (with ``need_weights`` or coverage; else None), and the coverage after
+        this block's positions (a coverage layer: ``coverage`` (B, S) in, c^T out).
         """
         drop = self.dropout
         if self.pre_norm:
             # 1. target-target causal self-attention
             x = x + drop(self._self_attn(self.norm1(x), self_mask, cache))
             # 2. target-source cross-attention: Q from the decoder, K/V from H_enc
-            h, A = self._cross_attn(self.norm2(x), cross_k, cross_v, src_mask, need_weights)
+            h, A, coverage = self._cross_attn(self.norm2(x), cross_k, cross_v, src_mask, need_weights,
+                                              coverage)
             x = x + drop(h)
             # 3. position-wise feed-forward
             x = x + drop(self.ffn(self.norm3(x)))
         else:
             x = self.norm1(x + drop(self._self_attn(x, self_mask, cache)))
-            h, A = self._cross_attn(x, cross_k, cross_v, src_mask, need_weights)
+            h, A, coverage = self._cross_attn(x, cross_k, cross_v, src_mask, need_weights, coverage)
             x = self.norm2(x + drop(h))
             x = self.norm3(x + drop(self.ffn(x)))
-        return x, A
+        return x, A, coverage

@@ -16,6 +16,7 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from s2s.config import ModelConfig
@@ -61,7 +62,10 @@ class Seq2SeqTransformer(nn.Module):
                          pre_norm) for _ in range(cfg.enc_layers))
         self.decoder_layers = nn.ModuleList(
             DecoderLayer(d, cfg.heads, cfg.d_ff, cfg.activation, cfg.dropout, cfg.attention_dropout,
-                         pre_norm) for _ in range(cfg.dec_layers))
+                         pre_norm, coverage=cfg.coverage and i == cfg.dec_layers - 1)
+            for i in range(cfg.dec_layers))
+        # pointer-generator: p_gen = sigmoid(w_p . [h_t; ctx_t; x_t] + b_p)
+        self.p_gen_proj = nn.Linear(3 * d, 1) if cfg.copy else None
         # pre-norm stacks end with a norm (their residual stream is never normalized otherwise)
         self.enc_final_norm = nn.LayerNorm(d) if pre_norm else nn.Identity()
         self.dec_final_norm = nn.LayerNorm(d) if pre_norm else nn.Identity()
@@ -122,56 +126,117 @@ class Seq2SeqTransformer(nn.Module):
             return h @ self.tgt_embed.weight.t()
         return self.output_proj(h)
 
-    def decode(self, tgt_in: Tensor, h_enc: Tensor, src_mask: Tensor,
-               need_weights: bool = False) -> tuple[Tensor, list]:
+    def copy_log_probs(self, z: Tensor, h: Tensor, x_in: Tensor, a: Tensor, h_enc: Tensor,
+                       src: Tensor) -> Tensor:
+        """The pointer-generator's output distribution (formula sheet, Lesson 9), as log-probabilities:
+
+            P(w)  = p_gen P_vocab(w) + (1 - p_gen) sum_{j: x_j = w} a_tj
+            p_gen = sigmoid(w_p . [h_t; ctx_t; x_t] + b_p),   ctx_t = sum_j a_tj H_enc_j
+
+        z (B, T, V) logits, h (B, T, d) decoder states, x_in (B, T, d) decoder
+        input embeddings, a (B, T, S) copy attention, h_enc (B, S, d), src (B, S)
+        -> log P (B, T, V).  Computed in fp32 as log(p_gen P_vocab) (+) log((1 - p_gen) copy);
+        P is normalized, so softmax and cross-entropy over it leave it unchanged.
+        """
+        a = a.float()
+        ctx = a @ h_enc.float()  # (B, T, d)
+        g = self.p_gen_proj(torch.cat([h, ctx.to(h.dtype), x_in], dim=-1)).float()  # (B, T, 1)
+        log_gen = torch.log_softmax(z.float(), dim=-1) + F.logsigmoid(g)
+        copy = torch.zeros_like(log_gen).scatter_add_(2, src[:, None, :].expand(-1, a.size(1), -1), a)
+        seen = copy > 0  # log 0 = -inf without a NaN gradient
+        log_copy = torch.where(seen, torch.log(torch.where(seen, copy, torch.ones_like(copy))),
+                               float("-inf")) + F.logsigmoid(-g)
+        return torch.logaddexp(log_gen, log_copy)
+
+    @property
+    def needs_attention(self) -> bool:
+        """Copy and coverage use the last decoder layer's cross-attention."""
+        return self.cfg.copy or self.cfg.coverage
+
+    def _decoder_stack(self, x: Tensor, cross_kv: list, self_mask: Optional[Tensor], src_mask: Tensor,
+                       caches: list, need_weights: bool, need_last: bool,
+                       coverage: Optional[Tensor]) -> tuple[Tensor, list, Optional[Tensor]]:
+        weights = []
+        last = len(self.decoder_layers) - 1
+        for i, (layer, (k, v), lc) in enumerate(zip(self.decoder_layers, cross_kv, caches)):
+            x, A, cov = layer(x, k, v, self_mask, src_mask, cache=lc,
+                              need_weights=need_weights or (need_last and i == last),
+                              coverage=coverage if i == last else None)
+            weights.append(A)
+        return self.dec_final_norm(x), weights, cov
+
+    def decode(self, tgt_in: Tensor, h_enc: Tensor, src_mask: Tensor, need_weights: bool = False,
+               src: Optional[Tensor] = None) -> tuple[Tensor, list]:
         """Teacher-forced decoder over the whole shifted target at once.
 
-        tgt_in (B, T) -> logits (B, T, V) and, with ``need_weights``, the
-        cross-attention weights of every layer [(B, heads, T, S)].
+        tgt_in (B, T) -> scores (B, T, V) and, with ``need_weights``, the
+        cross-attention weights of every layer [(B, heads, T, S)].  The scores
+        are the logits z, or with ``model.copy`` the log-probabilities log P
+        of the pointer-generator (which needs the source ids ``src``).
         """
-        T = tgt_in.size(1)
+        B, T = tgt_in.shape
         self_mask = self._self_mask(T, T, 0, tgt_in.device)
-        x = self._embed(tgt_in, self.tgt_embed, self.dec_positions)
-        weights = []
-        for layer in self.decoder_layers:
-            cross_k, cross_v = layer.cross_attn.project_kv(h_enc)  # (B, heads, S, d_head)
-            x, A = layer(x, cross_k, cross_v, self_mask, src_mask, need_weights=need_weights)
-            weights.append(A)
-        return self.logits(self.dec_final_norm(x)), weights
+        x_in = self._embed(tgt_in, self.tgt_embed, self.dec_positions)
+        cross_kv = [layer.cross_attn.project_kv(h_enc) for layer in self.decoder_layers]  # (B, heads, S, d_head)
+        coverage = h_enc.new_zeros(B, h_enc.size(1), dtype=torch.float32) if self.cfg.coverage else None
+        h, weights, _ = self._decoder_stack(x_in, cross_kv, self_mask, src_mask, [None] * len(cross_kv),
+                                            need_weights, self.needs_attention, coverage)
+        return self._scores(h, x_in, weights[-1], h_enc, src), weights
 
-    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
-        """Teacher forcing: logits (B, T, V) of P(y_t | y_<t, x) for every t at once."""
+    def _scores(self, h: Tensor, x_in: Tensor, A_last: Optional[Tensor], h_enc: Tensor,
+                src: Optional[Tensor]) -> Tensor:
+        z = self.logits(h)
+        if not self.cfg.copy:
+            return z
+        if src is None:
+            raise ValueError("model.copy: the decoder needs the source ids")
+        return self.copy_log_probs(z, h, x_in, A_last.mean(1), h_enc, src)
+
+    def forward(self, src: Tensor, tgt_in: Tensor, return_attention: bool = False):
+        """Teacher forcing: scores (B, T, V) of P(y_t | y_<t, x) for every t at once
+        (logits, or log P with copy).  With ``return_attention`` also the last decoder
+        layer's cross-attention averaged over heads, a (B, T, S), for the coverage loss."""
         h_enc, src_mask = self.encode(src)
-        return self.decode(tgt_in, h_enc, src_mask)[0]
+        if not return_attention:
+            return self.decode(tgt_in, h_enc, src_mask, src=src)[0]
+        scores, weights = self.decode(tgt_in, h_enc, src_mask, need_weights=not self.needs_attention,
+                                      src=src)
+        return scores, weights[-1].mean(1)
 
     # ------------------------------------------------------------------ #
-    def start_decoding(self, h_enc: Tensor, src_mask: Tensor) -> DecoderCache:
-        """Cross-attention K/V of every layer, computed once from H_enc."""
+    def start_decoding(self, h_enc: Tensor, src_mask: Tensor, src: Optional[Tensor] = None) -> DecoderCache:
+        """Cross-attention K/V of every layer, computed once from H_enc (and, for copy
+        and coverage, the source ids, H_enc and the coverage c^0 = 0)."""
         layers = []
         for layer in self.decoder_layers:
             k, v = layer.cross_attn.project_kv(h_enc)  # (B, heads, S, d_head)
             layers.append(LayerCache(cross_k=k, cross_v=v))
-        return DecoderCache(layers=layers, src_mask=src_mask)
+        cache = DecoderCache(layers=layers, src_mask=src_mask)
+        if self.cfg.copy:
+            cache.src, cache.h_enc = src, h_enc
+        if self.cfg.coverage:
+            cache.coverage = h_enc.new_zeros(h_enc.shape[:2], dtype=torch.float32)
+        return cache
 
     def decode_step(self, y_prev: Tensor, cache: DecoderCache,
                     need_weights: bool = False) -> tuple[Tensor, list]:
         """One incremental step.
 
         y_prev (B, 1): the token at position t = cache.step (bos at t = 0).
-        Returns logits (B, V) for position t+1 and, with ``need_weights``, the
-        cross-attention weights of every layer [(B, heads, 1, S)].  The cache's
-        self-attention K/V grow by one position; the cross K/V are reused.
+        Returns the scores (B, V) for position t+1 (logits, or log P with copy)
+        and, with ``need_weights``, the cross-attention weights of every layer
+        [(B, heads, 1, S)].  The cache's self-attention K/V grow by one
+        position; the cross K/V are reused; the coverage adds this step's attention.
         """
         t = cache.step
         self_mask = self._self_mask(1, t + 1, t, y_prev.device)
-        x = self._embed(y_prev, self.tgt_embed, self.dec_positions, start=t)  # (B, 1, d_model)
-        weights = []
-        for layer, lc in zip(self.decoder_layers, cache.layers):
-            x, A = layer(x, lc.cross_k, lc.cross_v, self_mask, cache.src_mask, cache=lc,
-                         need_weights=need_weights)
-            weights.append(A)
+        x_in = self._embed(y_prev, self.tgt_embed, self.dec_positions, start=t)  # (B, 1, d_model)
+        cross_kv = [(lc.cross_k, lc.cross_v) for lc in cache.layers]
+        h, weights, cache.coverage = self._decoder_stack(x_in, cross_kv, self_mask, cache.src_mask,
+                                                         cache.layers, need_weights, self.needs_attention,
+                                                         cache.coverage)
         cache.step += 1
-        return self.logits(self.dec_final_norm(x))[:, -1], weights
+        return self._scores(h, x_in, weights[-1], cache.h_enc, cache.src)[:, -1], weights
 
 
 def count_parameters(model: nn.Module) -> int:
