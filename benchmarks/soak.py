@@ -158,7 +158,7 @@ def soak_crash(cfg: Path, work: Path, kills: int, seed: int) -> dict:
     for k in range(kills):
         proc = subprocess.Popen(S2S + ["train", str(cfg), "-o", str(run), "--resume"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(0.3, straight_secs * 0.6))
+        time.sleep(rng.uniform(0.5, straight_secs * 0.35))  # from start-up to well into training
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         ckpts = list_checkpoints(run)
@@ -199,7 +199,7 @@ def main() -> None:
             print(json.dumps(report["stream"]), file=sys.stderr)
         if not args.skip_crash:
             crash_cfg = work / "crash.yaml"
-            crash_cfg.write_text(cfg.read_text().replace(f"max_steps: {args.steps}", "max_steps: 60")
+            crash_cfg.write_text(cfg.read_text().replace(f"max_steps: {args.steps}", "max_steps: 120")
                                  .replace("validate_every: 10", "validate_every: 4"))
             report["crash"] = soak_crash(crash_cfg, work, args.kills, args.seed)
     print(json.dumps(report))

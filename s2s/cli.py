@@ -154,6 +154,8 @@ def translate(
     batch_tokens: Optional[int] = typer.Option(None, help="Source tokens per batch."),
     threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
     unbuffered: bool = typer.Option(False, "--unbuffered", help="Translate and flush line by line."),
+    alignments: bool = typer.Option(False, "--alignments",
+                                    help="Append ` ||| j-t ...`: source subword j aligned to target subword t."),
     errors: str = typer.Option("strict", help="Invalid UTF-8 input: strict (error) or replace."),
 ):
     """Translate stdin (or --input) line by line to stdout: exactly one output line per input line.
@@ -188,6 +190,7 @@ def translate(
         translator.decode = replace(translator.decode, "decode.", **overrides)
     except ConfigError as e:
         raise S2SError(f"translate options: {e}") from None
+    translator.alignments = alignments
     if input != "-" and not Path(input).exists():
         raise S2SError(f"{input}: no such file")
     interactive = unbuffered or (input == "-" and sys.stdin.isatty())
@@ -205,6 +208,43 @@ app.command("summarize", help=(
     f"({', '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in SUMMARIZE_DEFAULTS.items())}) "
     "for each decode key the model's config leaves at its default.\n\n"
     "Example: `s2s summarize -m exp/summ < test.doc | s2s score - test.sum --metric rouge`"))(translate)
+
+
+@app.command()
+def align(model: Path = typer.Option(..., "-m", "--model", help="Model directory."),
+          src: str = typer.Option(..., "--src", help="The source sentence."),
+          tgt: Optional[str] = typer.Option(None, "--tgt", help="Its target (default: the model's translation)."),
+          layer: Optional[int] = typer.Option(None, help="Decoder layer, 0-based or -1 for the last "
+                                                        "(default: the mean over layers); heads are averaged."),
+          output: Path = typer.Option(Path("attention.png"), "-o", "--output", help="PNG to write.")):
+    """Draw the cross-attention of a target over its source as a heatmap with the subword pieces on the axes.
+
+    Example: `s2s align -m exp --src "Clipboard management" -o attn.png`
+    """
+    import torch
+
+    from s2s.plot import plot_attention
+    from s2s.tokenizer import EOS_ID
+    from s2s.translate import Translator, cross_attention
+
+    translator = Translator.from_dir(model)
+    n_layers = translator.model.cfg.dec_layers
+    if layer is not None and not -n_layers <= layer < n_layers:
+        raise S2SError(f"--layer: {layer} is not a layer of this {n_layers}-layer decoder")
+    if not src.strip():
+        raise S2SError("--src: empty sentence")
+    src_ids = translator.encode_lines([src], 1)[0]
+    if tgt is None:
+        tgt_ids = translator.search_sorted([src_ids])[0][0].tokens + [EOS_ID]
+    else:
+        tgt_ids = translator.tok.encode_tgt([tgt.strip()])[0]
+    A = cross_attention(translator.model, torch.tensor([src_ids]), torch.tensor([tgt_ids]), layer)[0]
+    pieces = translator.tok.src.id_to_piece
+    which = "mean over layers" if layer is None else f"layer {layer}"
+    path = plot_attention(A.numpy(), [pieces(i) for i in src_ids],
+                          [translator.tok.tgt.id_to_piece(i) for i in tgt_ids], output,
+                          f"cross-attention ({which}, mean over heads)")
+    typer.echo(str(path))
 
 
 @app.command()

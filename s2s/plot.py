@@ -1,4 +1,5 @@
-"""``s2s plot``: training curves of a run from its metrics.jsonl, as a PNG."""
+"""Pictures as PNG: training curves of a run (``s2s plot``) and a cross-attention
+matrix (``s2s align``)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,28 @@ def plot_run(run_dir: str | Path, out: Optional[str | Path] = None) -> Path:
     fig.suptitle(str(run))
     fig.tight_layout()
     target = Path(out) if out else run / "curves.png"
+    with atomic_write(target, "wb") as f:
+        fig.savefig(f, format="png", dpi=100)
+    plt.close(fig)
+    return target
+
+
+def plot_attention(A, src_pieces: list[str], tgt_pieces: list[str], out: str | Path, title: str) -> Path:
+    """A heatmap of A (T, S): target pieces down, source pieces across, each row summing to 1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    T, S = len(tgt_pieces), len(src_pieces)
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.45 * S + 2), max(3.0, 0.4 * T + 1.5)))
+    image = ax.imshow(A, cmap="Blues", vmin=0.0, vmax=1.0, aspect="auto")
+    ax.set_xticks(range(S), src_pieces, rotation=60, ha="right", fontsize=8)
+    ax.set_yticks(range(T), tgt_pieces, fontsize=8)
+    ax.set(xlabel="source", ylabel="target", title=title)
+    fig.colorbar(image, ax=ax, fraction=0.04)
+    fig.tight_layout()
+    target = Path(out)
     with atomic_write(target, "wb") as f:
         fig.savefig(f, format="png", dpi=100)
     plt.close(fig)

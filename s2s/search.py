@@ -50,6 +50,7 @@ class Hypothesis:
     tokens: list[int]  # y_1..y_{m-1}, without the final </s>
     score: float  # length-normalized: log_prob / lp(m)
     log_prob: float  # sum of log p over the m tokens, </s> included
+    alignment: Optional[list[tuple[int, int]]] = None  # (source index, target index) pairs, on request
 
 
 @dataclass(frozen=True)

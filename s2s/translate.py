@@ -37,6 +37,27 @@ class Translation:
         return self.texts[0] if self.texts else ""
 
 
+@torch.inference_mode()
+def cross_attention(model: Seq2SeqTransformer, src: torch.Tensor, tgt: torch.Tensor,
+                    layer: Optional[int] = -1) -> torch.Tensor:
+    """Cross-attention of a target over its source by teacher forcing, averaged over heads:
+    src (B, S), tgt (B, T) target tokens y_1..y_T -> A (B, T, S), row t = where y_t looked.
+    ``layer``: a decoder layer index (-1: the last, the one copy and coverage use) or
+    None for the mean over all layers."""
+    tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS_ID), tgt[:, :-1]], dim=1)
+    h_enc, src_mask = model.encode(src)
+    _, weights = model.decode(tgt_in, h_enc, src_mask, need_weights=True, src=src)
+    per_layer = torch.stack([w.float().mean(1) for w in weights])  # (layers, B, T, S)
+    return per_layer.mean(0) if layer is None else per_layer[layer]
+
+
+def hard_alignment(A: torch.Tensor, src_len: int, tgt_len: int) -> list[tuple[int, int]]:
+    """Pharaoh pairs (j, t): each target token t < tgt_len aligned to argmax_j A_tj over the
+    src_len real source tokens (the source's </s> and padding excluded)."""
+    best = A[:tgt_len, :src_len].argmax(dim=-1).tolist()
+    return [(j, t) for t, j in enumerate(best)]
+
+
 def max_output_lengths(src_lens: torch.Tensor, a: float, b: int, cap: Optional[int]) -> torch.Tensor:
     """max_len(x) = floor(a * |x| + b), capped by the model's position limit."""
     out = (a * src_lens.float() + b).floor().long().clamp(min=1)
@@ -58,6 +79,7 @@ class Translator:
         if learned:
             self.max_input = min(self.max_input, model.cfg.max_positions)
         self.trained_src_tokens = trained_src_tokens
+        self.alignments = False  # also align each hypothesis to its source (Pharaoh pairs)
 
     @classmethod
     def from_dir(cls, directory: str | Path, device: str = "cpu", **decode_overrides) -> "Translator":
@@ -85,7 +107,20 @@ class Translator:
         src_lens = torch.tensor([len(s) - 1 for s in src_ids], device=self.device)
         max_len = max_output_lengths(src_lens, self.decode.max_len_a, self.decode.max_len_b,
                                      self.position_cap)
-        return search(ModelDecoder(self.model, src), max_len, self.settings)
+        found = search(ModelDecoder(self.model, src), max_len, self.settings)
+        if self.alignments:
+            self.align(src, [len(s) - 1 for s in src_ids], found)
+        return found
+
+    def align(self, src: torch.Tensor, src_lens: list[int], found: list[list[Hypothesis]]) -> None:
+        """Give every hypothesis its alignment: one teacher-forced pass over all of them."""
+        rows = [(i, h) for i, hyps in enumerate(found) for h in hyps]
+        if not rows:
+            return
+        tgt = pad_sequences([h.tokens + [EOS_ID] for _, h in rows]).to(src.device)
+        A = cross_attention(self.model, src[[i for i, _ in rows]], tgt)  # (R, T, S)
+        for r, (i, h) in enumerate(rows):
+            h.alignment = hard_alignment(A[r], src_lens[i], len(h.tokens))
 
     def search_sorted(self, src_ids: Sequence[Sequence[int]]) -> list[list[Hypothesis]]:
         """Search many sources: sorted by length into token-bounded batches, order restored."""
@@ -150,16 +185,24 @@ def write_translations(translator: Translator, lines: Iterable[str], out: TextIO
     """Translate ``lines`` into ``out``: one line per input line, or with ``nbest``
     the hypotheses as ``LINE ||| TEXT ||| SCORE`` (LINE from 0, as Moses n-best
     lists; an empty input line gives one empty hypothesis scored 0, log 1).
+    With ``translator.alignments`` each line ends in `` ||| j-t ...``: source
+    subword j aligned to target subword t (Pharaoh format, 0-based).
     Flushed after every chunk, or every line with ``line_by_line``."""
     chunk = 1 if line_by_line else 1000
+
+    def aligned(h: Optional[Hypothesis]) -> str:  # " ||| 0-0 1-2 ..." with --alignments
+        if not translator.alignments:
+            return ""
+        return " ||| " + " ".join(f"{j}-{t}" for j, t in (h.alignment or [] if h else []))
+
     for t in translator.translate_lines(lines, chunk_lines=chunk):
         if not nbest:
-            out.write(t.text + "\n")
+            out.write(t.text + aligned(t.hypotheses[0] if t.hypotheses else None) + "\n")
         elif t.hypotheses:
-            out.writelines(f"{t.line_no - 1} ||| {text} ||| {h.score:.4f}\n"
+            out.writelines(f"{t.line_no - 1} ||| {text} ||| {h.score:.4f}{aligned(h)}\n"
                            for text, h in zip(t.texts, t.hypotheses))
         else:
-            out.write(f"{t.line_no - 1} |||  ||| 0.0000\n")
+            out.write(f"{t.line_no - 1} |||  ||| 0.0000{aligned(None)}\n")
         if t.line_no % chunk == 0:
             out.flush()
     out.flush()

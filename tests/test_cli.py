@@ -195,3 +195,51 @@ def test_sampling_and_no_repeat_options(model_dir, corpus):
     assert r.returncode == 1 and "decode.sampling: needs decode.beam: 1" in r.stderr
     r = s2s("translate", "-m", model_dir, "--top-p", "0", input=src)
     assert r.returncode == 1 and "decode.top_p" in r.stderr
+
+
+def test_alignments_are_pharaoh_pairs(model_dir, corpus):
+    from s2s.translate import Translator
+
+    src = (corpus / "dev.en").read_text().splitlines()[:3]
+    r = s2s("translate", "-m", model_dir, "--alignments", "--beam", "2", input="\n".join(src + [""]) + "\n")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.split("\n")[:-1]
+    assert len(lines) == 4 and lines[3] == " ||| "
+    tr = Translator.from_dir(model_dir, beam=2)
+    for line, text in zip(lines, src):
+        hyp, _, pairs = line.partition(" ||| ")
+        n_src = len(tr.tok.encode_src([text])[0]) - 1  # pieces without </s>
+        n_out = len(tr.tok.encode_tgt([hyp])[0]) - 1 if hyp else 0
+        got = [tuple(map(int, p.split("-"))) for p in pairs.split()]
+        assert [t for _, t in got] == list(range(len(got)))  # one pair per output subword
+        assert all(0 <= j < n_src for j, _ in got)
+        assert abs(len(got) - n_out) <= 2  # re-encoding the detokenized text may split differently
+
+
+def test_hard_alignment_and_cross_attention_rows(model_dir):
+    import torch
+
+    from s2s.modeldir import load_model_dir
+    from s2s.translate import cross_attention, hard_alignment
+
+    A = torch.tensor([[0.1, 0.8, 0.1, 0.0], [0.6, 0.3, 0.1, 0.0], [0.2, 0.2, 0.2, 0.4]])
+    assert hard_alignment(A, src_len=3, tgt_len=2) == [(1, 0), (0, 1)]  # </s> column and row excluded
+    model = load_model_dir(model_dir).model
+    src, tgt = torch.tensor([[5, 6, 7, 3], [8, 9, 3, 0]]), torch.tensor([[10, 11, 3], [12, 3, 0]])
+    for layer in (None, -1, 0):
+        a = cross_attention(model, src, tgt, layer)
+        assert a.shape == (2, 3, 4)
+        torch.testing.assert_close(a.sum(-1), torch.ones(2, 3))
+        assert (a[1, :, 3] == 0).all()  # padding gets no attention
+
+
+def test_align_draws_a_heatmap(model_dir, tmp_path):
+    out = tmp_path / "attn.png"
+    r = s2s("align", "-m", model_dir, "--src", "Clipboard management tool", "-o", out)
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    r = s2s("align", "-m", model_dir, "--src", "port scanner", "--tgt", "Portscanner", "--layer", "-1",
+            "-o", tmp_path / "b.png")
+    assert r.returncode == 0 and (tmp_path / "b.png").is_file(), r.stderr
+    r = s2s("align", "-m", model_dir, "--src", "x", "--layer", "7", "-o", tmp_path / "c.png")
+    assert r.returncode == 1 and "--layer: 7 is not a layer" in r.stderr
