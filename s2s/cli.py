@@ -153,6 +153,8 @@ def translate(
     seed: Optional[int] = typer.Option(None, help="Sampling: the same seed draws the same outputs."),
     batch_tokens: Optional[int] = typer.Option(None, help="Source tokens per batch."),
     threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
+    precision: str = typer.Option("fp32", help="fp32, or bf16 (autocast; fast only with native bf16 matmuls)."),
+    quantize: Optional[str] = typer.Option(None, help="int8: dynamic int8 quantization of the linear layers (CPU)."),
     unbuffered: bool = typer.Option(False, "--unbuffered", help="Translate and flush line by line."),
     alignments: bool = typer.Option(False, "--alignments",
                                     help="Append ` ||| j-t ...`: source subword j aligned to target subword t."),
@@ -191,6 +193,16 @@ def translate(
     except ConfigError as e:
         raise S2SError(f"translate options: {e}") from None
     translator.alignments = alignments
+    if precision not in ("fp32", "bf16"):
+        raise S2SError(f"--precision: {precision!r} is not fp32 or bf16")
+    translator.precision = precision
+    if precision == "bf16" and not torch.cuda.is_available() and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        log.warning("--precision bf16: this CPU has no native bf16 matmul (AVX-512 BF16 or AMX); "
+                    "expect it to be much slower than fp32")
+    if quantize is not None:
+        if quantize != "int8":
+            raise S2SError(f"--quantize: {quantize!r} is not int8")
+        translator.quantize_int8()
     if input != "-" and not Path(input).exists():
         raise S2SError(f"{input}: no such file")
     interactive = unbuffered or (input == "-" and sys.stdin.isatty())

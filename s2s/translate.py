@@ -19,6 +19,7 @@ import torch
 
 from s2s.config import DecodeConfig, replace
 from s2s.data import pad_sequences, truncate
+from s2s.errors import S2SError
 from s2s.model import Seq2SeqTransformer
 from s2s.search import Hypothesis, ModelDecoder, SearchSettings, search
 from s2s.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
@@ -80,6 +81,7 @@ class Translator:
             self.max_input = min(self.max_input, model.cfg.max_positions)
         self.trained_src_tokens = trained_src_tokens
         self.alignments = False  # also align each hypothesis to its source (Pharaoh pairs)
+        self.precision = "fp32"  # or bf16: autocast while searching
 
     @classmethod
     def from_dir(cls, directory: str | Path, device: str = "cpu", **decode_overrides) -> "Translator":
@@ -89,6 +91,23 @@ class Translator:
         loaded = load_model_dir(directory, device)
         decode = replace(loaded.cfg.decode, "decode.", **decode_overrides)
         return cls(loaded.model, loaded.tokenizer, decode, device, loaded.cfg.data.max_src_tokens)
+
+    def quantize_int8(self) -> None:
+        """Dynamic int8 quantization of every linear layer (weights int8, activations
+        quantized per batch), CPU only; the tied output projection and embeddings stay fp32."""
+        if self.device.type != "cpu":
+            raise S2SError("--quantize int8: dynamic quantization runs on the CPU only")
+        import warnings
+
+        from torch.ao.quantization import quantize_dynamic
+
+        with warnings.catch_warnings():  # torch 2.13 flags its quantized tensor API as deprecated
+            warnings.simplefilter("ignore", UserWarning)
+            self.model = quantize_dynamic(self.model, {torch.nn.Linear}, dtype=torch.qint8)
+
+    def autocast(self):
+        """bf16 autocast for --precision bf16 (weights stay fp32; matmuls run in bf16)."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
 
     @property
     def settings(self) -> SearchSettings:
@@ -107,7 +126,8 @@ class Translator:
         src_lens = torch.tensor([len(s) - 1 for s in src_ids], device=self.device)
         max_len = max_output_lengths(src_lens, self.decode.max_len_a, self.decode.max_len_b,
                                      self.position_cap)
-        found = search(ModelDecoder(self.model, src), max_len, self.settings)
+        with self.autocast():
+            found = search(ModelDecoder(self.model, src), max_len, self.settings)
         if self.alignments:
             self.align(src, [len(s) - 1 for s in src_ids], found)
         return found

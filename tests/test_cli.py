@@ -243,3 +243,24 @@ def test_align_draws_a_heatmap(model_dir, tmp_path):
     assert r.returncode == 0 and (tmp_path / "b.png").is_file(), r.stderr
     r = s2s("align", "-m", model_dir, "--src", "x", "--layer", "7", "-o", tmp_path / "c.png")
     assert r.returncode == 1 and "--layer: 7 is not a layer" in r.stderr
+
+
+def test_int8_and_bf16_decoding(model_dir, corpus):
+    import torch
+
+    from s2s.translate import Translator
+
+    src = (corpus / "dev.en").read_text().splitlines()[:4]
+    fp32 = Translator.from_dir(model_dir, beam=1)
+    int8 = Translator.from_dir(model_dir, beam=1)
+    int8.quantize_int8()
+    assert any(type(m).__module__.startswith("torch.ao.nn.quantized.dynamic") for m in int8.model.modules())
+    x = torch.tensor([[5, 6, 7, 3]])
+    y = torch.tensor([[2, 8, 9]])
+    ref, got = fp32.model(x, y), int8.model(x, y)
+    assert (got - ref).abs().max() < 0.1 * ref.abs().max()  # int8 weights: close, not equal
+    for flags in (["--quantize", "int8"], ["--precision", "bf16"]):
+        r = s2s("translate", "-m", model_dir, "--beam", "2", *flags, input="\n".join(src) + "\n")
+        assert r.returncode == 0 and len(r.stdout.splitlines()) == 4, r.stderr
+    r = s2s("translate", "-m", model_dir, "--quantize", "int4", input="x\n")
+    assert r.returncode == 1 and "--quantize: 'int4' is not int8" in r.stderr
