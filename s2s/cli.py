@@ -134,7 +134,8 @@ SUMMARIZE_DEFAULTS = {"no_repeat_ngram": 3, "min_len": 3, "alpha": 1.0}
 @app.command()
 def translate(
     ctx: typer.Context,
-    model: Path = typer.Option(..., "-m", "--model", help="Model directory (a training run)."),
+    model: List[Path] = typer.Option(..., "-m", "--model",
+                                     help="Model directory (a training run); repeat for an ensemble."),
     input: str = typer.Option("-", "--input", "-i", help="Input file; - reads stdin."),
     output: Optional[Path] = typer.Option(None, "--output", "-o",
                                           help="Write here (complete files only) instead of stdout."),
@@ -146,6 +147,8 @@ def translate(
     max_len_b: Optional[int] = typer.Option(None, help="Max output length a*|x|+b: b."),
     min_len: Optional[int] = typer.Option(None, help="Minimum output tokens before </s>."),
     no_repeat_ngram: Optional[int] = typer.Option(None, help="No n-gram of this size twice in an output."),
+    coverage_penalty: Optional[float] = typer.Option(None, help="beta of the coverage penalty (beam search)."),
+    prefix_file: Optional[Path] = typer.Option(None, help="Force each output to start with the same line of this file."),
     sampling: bool = typer.Option(False, "--sampling", help="Sample each token instead of searching (beam 1)."),
     temperature: Optional[float] = typer.Option(None, help="Sampling: q ∝ p^(1/T)."),
     top_k: Optional[int] = typer.Option(None, help="Sampling: among the k most probable tokens."),
@@ -178,12 +181,13 @@ def translate(
     overrides = {k: v for k, v in dict(beam=beam, alpha=alpha, length_penalty=length_penalty,
                                        nbest=nbest, max_len_a=max_len_a, max_len_b=max_len_b,
                                        min_len=min_len, batch_tokens=batch_tokens,
-                                       no_repeat_ngram=no_repeat_ngram, temperature=temperature,
+                                       no_repeat_ngram=no_repeat_ngram, coverage_penalty=coverage_penalty,
+                                       temperature=temperature,
                                        top_k=top_k, top_p=top_p, seed=seed).items()
                  if v is not None}
     if sampling:
         overrides.update(sampling=True, beam=overrides.get("beam", 1), nbest=1)
-    translator = Translator.from_dir(model)
+    translator = Translator.from_dirs(model)
     if ctx.info_name == "summarize":
         untouched = DecodeConfig()
         overrides = {**{k: v for k, v in SUMMARIZE_DEFAULTS.items()
@@ -207,12 +211,13 @@ def translate(
         raise S2SError(f"{input}: no such file")
     interactive = unbuffered or (input == "-" and sys.stdin.isatty())
     lines = read_lines(input, errors)
+    prefixes = None if prefix_file is None else read_lines(prefix_file, errors)
     show_nbest = translator.decode.nbest > 1 or nbest is not None
     if output is not None:
         with atomic_write(output) as f:
-            write_translations(translator, lines, f, show_nbest, interactive)
+            write_translations(translator, lines, f, show_nbest, interactive, prefixes)
     else:
-        write_translations(translator, lines, sys.stdout, show_nbest, interactive)
+        write_translations(translator, lines, sys.stdout, show_nbest, interactive, prefixes)
 
 
 app.command("summarize", help=(

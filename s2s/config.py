@@ -200,6 +200,7 @@ class DecodeConfig:
     max_len_b: int = 10
     min_len: int = 0
     no_repeat_ngram: int = 0  # n > 0: no n-gram occurs twice in an output (fairseq's --no-repeat-ngram-size)
+    coverage_penalty: float = 0.0  # beta of Wu et al.'s cp = beta * sum_j log min(sum_t A_tj, 1) (beam)
     nbest: int = 1
     sampling: bool = False  # draw each token from p instead of searching (needs beam: 1)
     temperature: float = 1.0  # sampling: q ∝ p^(1/T)
@@ -217,6 +218,7 @@ class DecodeConfig:
                "max_len_a must be >= 0 and max_len_b >= 1")
         _check(self.min_len >= 0, "decode.min_len", "must be >= 0")
         _check(self.no_repeat_ngram >= 0, "decode.no_repeat_ngram", "must be >= 0")
+        _check(self.coverage_penalty >= 0, "decode.coverage_penalty", "must be >= 0")
         _check(not self.sampling or self.beam == 1, "decode.sampling", "needs decode.beam: 1")
         _check(self.temperature > 0, "decode.temperature", "must be > 0")
         _check(self.top_k >= 0, "decode.top_k", "must be >= 0")

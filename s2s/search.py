@@ -61,6 +61,7 @@ class SearchSettings:
     length_penalty: str = "gnmt"
     min_len: int = 0  # </s> is blocked before this many tokens
     no_repeat_ngram: int = 0  # n > 0: no n-gram occurs twice in a hypothesis
+    coverage_penalty: float = 0.0  # beta of Wu et al.'s cp(X; Y) (beam search; needs the attention)
     sampling: bool = False  # draw y_t ~ p instead of searching (beam = 1)
     temperature: float = 1.0
     top_k: int = 0  # sample among the k most probable tokens (0: all)
@@ -78,21 +79,70 @@ class StepDecoder(Protocol):
     def select(self, index: Tensor) -> None:
         """Keep rows ``index`` of the decoding state, in that order."""
 
+    # for the coverage penalty, a decoder also offers (after each step):
+    #   attention() -> (N, S) the step's cross-attention over the source
+    #   source_mask() -> (N, S) bool, true at real (non-pad) source positions
+
 
 class ModelDecoder:
-    """A :class:`StepDecoder` over a model: encodes once, then one step at a time."""
+    """A :class:`StepDecoder` over a model: encodes once, then one step at a time.
 
-    def __init__(self, model: Seq2SeqTransformer, src: Tensor):
+    With ``track_attention`` each step also keeps the last decoder layer's
+    cross-attention averaged over heads (for the coverage penalty)."""
+
+    def __init__(self, model: Seq2SeqTransformer, src: Tensor, track_attention: bool = False):
         self.model = model
+        self.track_attention = track_attention
+        self._attention: Optional[Tensor] = None
         h_enc, src_mask = model.encode(src)  # (B, S, d_model), (B, 1, 1, S)
         self.cache = model.start_decoding(h_enc, src_mask, src)  # cross-attention K/V, once
 
     def step(self, y_prev: Tensor) -> Tensor:
-        logits, _ = self.model.decode_step(y_prev, self.cache)  # (N, V)
+        logits, weights = self.model.decode_step(y_prev, self.cache, need_last=self.track_attention)
+        if self.track_attention:
+            self._attention = weights[-1][:, :, -1].float().mean(1)  # (N, S)
         return torch.log_softmax(logits.float(), dim=-1)
 
     def select(self, index: Tensor) -> None:
         self.cache.select(index)
+
+    def attention(self) -> Tensor:
+        return self._attention
+
+    def source_mask(self) -> Tensor:
+        return self.cache.src_mask[:, 0, 0, :] == 0
+
+
+class EnsembleDecoder:
+    """Several models decoding together: log p(v) = log (1/n) sum_i p_i(v)
+    (the mean of their probabilities, as fairseq's ensembles); the attention is their mean."""
+
+    def __init__(self, decoders: list[ModelDecoder]):
+        self.decoders = decoders
+
+    def step(self, y_prev: Tensor) -> Tensor:
+        logps = torch.stack([d.step(y_prev) for d in self.decoders])  # (n, N, V)
+        return torch.logsumexp(logps, dim=0) - math.log(len(self.decoders))
+
+    def select(self, index: Tensor) -> None:
+        for d in self.decoders:
+            d.select(index)
+
+    def attention(self) -> Tensor:
+        return torch.stack([d.attention() for d in self.decoders]).mean(0)
+
+    def source_mask(self) -> Tensor:
+        return self.decoders[0].source_mask()
+
+
+def coverage_penalty(attention_sum: Tensor, source_mask: Tensor, beta: float) -> Tensor:
+    """cp(X; Y) = beta * sum_j log(min(sum_t A_tj, 1))   (Wu et al. 2016), per row.
+
+    attention_sum (N, S): the attention each source position received over the
+    hypothesis; only real source positions count; a position never attended
+    contributes log(1e-9) rather than -inf."""
+    covered = attention_sum.clamp(min=1e-9, max=1.0).log()
+    return beta * (covered * source_mask).sum(-1)
 
 
 def block_repeated_ngrams(logp: Tensor, tokens: Tensor, n: int) -> Tensor:
@@ -115,14 +165,18 @@ def block_repeated_ngrams(logp: Tensor, tokens: Tensor, n: int) -> Tensor:
 
 
 def constrain(logp: Tensor, t: int, max_len: Tensor, s: SearchSettings,
-              tokens: Optional[Tensor] = None) -> Tensor:
+              tokens: Optional[Tensor] = None, forced: Optional[Tensor] = None) -> Tensor:
     """Apply the search rules to step t's log-probs (N, V), in place.
 
     pad and <s> are never generated; </s> is blocked while t < min_len and is
     the only choice at t = max_len - 1, so every hypothesis has m <= max_len;
     with ``no_repeat_ngram`` and the hypotheses so far (``tokens`` (N, t)),
-    no n-gram repeats.
+    no n-gram repeats; ``forced`` (N,) a token id per row (-1: free) is the
+    only choice of that row, with the model's log p (a forced target prefix).
     """
+    if forced is not None:
+        rows = (forced >= 0).nonzero().flatten()
+        kept = logp[rows, forced[rows]].clone()
     logp[:, s.pad_id] = NEG_INF
     logp[:, s.bos_id] = NEG_INF
     if t < s.min_len:
@@ -134,7 +188,17 @@ def constrain(logp: Tensor, t: int, max_len: Tensor, s: SearchSettings,
         eos_lp = logp[:, s.eos_id].clone()
         logp[at_max] = NEG_INF
         logp[at_max, s.eos_id] = torch.where(torch.isinf(eos_lp[at_max]), 0.0, eos_lp[at_max])
+    if forced is not None and rows.numel():
+        logp[rows] = NEG_INF
+        logp[rows, forced[rows]] = kept
     return logp
+
+
+def forced_tokens(prefix: Optional[Tensor], t: int, sentence_of_row: Tensor) -> Optional[Tensor]:
+    """The prefix token each row must take at step t, or -1.  prefix (B, P), -1 padded."""
+    if prefix is None or t >= prefix.size(1):
+        return None
+    return prefix[sentence_of_row, t]
 
 
 def sampling_distribution(logp: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
@@ -158,7 +222,8 @@ def sampling_distribution(logp: Tensor, temperature: float, top_k: int, top_p: f
 
 
 @torch.no_grad()
-def greedy_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings) -> list[list[Hypothesis]]:
+def greedy_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings,
+                  prefix: Optional[Tensor] = None) -> list[list[Hypothesis]]:
     """y_t = argmax_v log p(v | y_<t, x) until </s>; one hypothesis per sentence.
 
     With ``s.sampling``, y_t ~ q instead (see :func:`sampling_distribution`),
@@ -174,7 +239,8 @@ def greedy_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings) -> l
     log_prob = torch.zeros(B, device=device)
     gen = torch.Generator(device=device).manual_seed(s.seed) if s.sampling else None
     for t in range(int(max_len.max())):
-        logp = constrain(decoder.step(y), t, max_len[active], s, tokens)  # (N, V)
+        logp = constrain(decoder.step(y), t, max_len[active], s, tokens,
+                         forced_tokens(prefix, t, active))  # (N, V)
         if gen is None:
             best_lp, y_t = logp.max(dim=-1)  # (N,)
         else:
@@ -200,11 +266,14 @@ def greedy_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings) -> l
 
 
 @torch.no_grad()
-def beam_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings) -> list[list[Hypothesis]]:
+def beam_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings,
+                prefix: Optional[Tensor] = None) -> list[list[Hypothesis]]:
     """Beam search of width K = s.beam; returns the s.nbest best per sentence, best first.
 
     The decoder starts with one row per sentence; rows are expanded to K
-    beams (row n*K + k) by the first ``select``.
+    beams (row n*K + k) by the first ``select``.  A finished hypothesis scores
+    log p / lp(m), plus the coverage penalty cp when ``s.coverage_penalty`` > 0;
+    ``prefix`` (B, P) forces each sentence's first tokens (-1 padded).
     """
     K, device = s.beam, max_len.device
     B = max_len.size(0)
@@ -220,11 +289,18 @@ def beam_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings) -> lis
     fin_len = torch.zeros((B, K), dtype=torch.long, device=device)
     fin_tokens = torch.zeros((B, K, L), dtype=torch.long, device=device)
     y = torch.full((B * K, 1), s.bos_id, dtype=torch.long, device=device)
+    beta = s.coverage_penalty
+    attn_sum: Optional[Tensor] = None  # (N*K, S) attention received so far, per row
 
     for t in range(L):
         N = active.size(0)
         sent_max = max_len[active]  # (N,)
-        logp = constrain(decoder.step(y), t, sent_max.repeat_interleave(K), s, tokens)  # (N*K, V)
+        logp = constrain(decoder.step(y), t, sent_max.repeat_interleave(K), s, tokens,
+                         forced_tokens(prefix, t, active.repeat_interleave(K)))  # (N*K, V)
+        if beta:
+            a = decoder.attention()  # (N*K, S): this step's attention of each row
+            attn_sum = a if attn_sum is None else attn_sum + a
+            cp_row = coverage_penalty(attn_sum, decoder.source_mask(), beta)  # (N*K,)
         V = logp.size(-1)
         cand = (scores.view(N * K, 1) + logp).view(N, K * V)
         cand_scores, cand_idx = cand.topk(2 * K, dim=-1)  # (N, 2K), best first
@@ -237,8 +313,10 @@ def beam_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings) -> lis
         is_eos = (cand_tok == s.eos_id) & torch.isfinite(cand_scores)
         is_eos[:, K:] = False
         if bool(is_eos.any()):
-            new_norm = torch.where(is_eos, cand_scores / length_penalty(float(m), s.alpha,
-                                                                          s.length_penalty), NEG_INF)
+            norm = cand_scores / length_penalty(float(m), s.alpha, s.length_penalty)
+            if beta:
+                norm = norm + cp_row[cand_row]  # cp <= 0: the live-beam bound below stays valid
+            new_norm = torch.where(is_eos, norm, NEG_INF)
             new_tokens = torch.zeros((N, 2 * K, L), dtype=torch.long, device=device)
             new_tokens[:, :, :t] = tokens[cand_row.flatten()].view(N, 2 * K, t)
             all_scores = torch.cat([fin_scores, new_norm], dim=1)  # (N, 3K)
@@ -256,6 +334,8 @@ def beam_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings) -> lis
         y_t = cand_tok.gather(1, pick).flatten()
         tokens = torch.cat([tokens[rows], y_t[:, None]], dim=1)  # (N*K, t+1)
         decoder.select(rows)
+        if beta:
+            attn_sum = attn_sum[rows]
 
         # 3. stop a sentence when no live beam can beat its n-best finished ones:
         #    for log p <= 0 the best a live beam can reach is max over m' of s/lp(m')
@@ -284,14 +364,17 @@ def beam_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings) -> lis
             fin_scores, fin_logp, fin_len = fin_scores[keep], fin_logp[keep], fin_len[keep]
             fin_tokens = fin_tokens[keep]
             tokens, y_t = tokens[keep_rows], y_t[keep_rows]
+            if beta:
+                attn_sum = attn_sum[keep_rows]
         y = y_t[:, None]
     return results
 
 
-def search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings) -> list[list[Hypothesis]]:
+def search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings,
+           prefix: Optional[Tensor] = None) -> list[list[Hypothesis]]:
     """Greedy (or sampling) when beam = 1, else beam search."""
     if s.sampling and s.beam != 1:
         raise ValueError("sampling draws one token per step: use beam = 1")
     if s.beam == 1:
-        return greedy_search(decoder, max_len, s)
-    return beam_search(decoder, max_len, s)
+        return greedy_search(decoder, max_len, s, prefix)
+    return beam_search(decoder, max_len, s, prefix)

@@ -21,7 +21,7 @@ from s2s.config import DecodeConfig, replace
 from s2s.data import pad_sequences, truncate
 from s2s.errors import S2SError
 from s2s.model import Seq2SeqTransformer
-from s2s.search import Hypothesis, ModelDecoder, SearchSettings, search
+from s2s.search import EnsembleDecoder, Hypothesis, ModelDecoder, SearchSettings, search
 from s2s.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
 log = logging.getLogger("s2s")
@@ -82,15 +82,36 @@ class Translator:
         self.trained_src_tokens = trained_src_tokens
         self.alignments = False  # also align each hypothesis to its source (Pharaoh pairs)
         self.precision = "fp32"  # or bf16: autocast while searching
+        self.extra_models: list[Seq2SeqTransformer] = []  # an ensemble's other members
 
     @classmethod
     def from_dir(cls, directory: str | Path, device: str = "cpu", **decode_overrides) -> "Translator":
         """Load a model directory; ``decode_overrides`` replace its decode settings."""
-        from s2s.modeldir import load_model_dir
+        return cls.from_dirs([directory], device, **decode_overrides)
 
-        loaded = load_model_dir(directory, device)
-        decode = replace(loaded.cfg.decode, "decode.", **decode_overrides)
-        return cls(loaded.model, loaded.tokenizer, decode, device, loaded.cfg.data.max_src_tokens)
+    @classmethod
+    def from_dirs(cls, directories: Sequence[str | Path], device: str = "cpu",
+                  **decode_overrides) -> "Translator":
+        """An ensemble of model directories that share one tokenizer (the first one's
+        config gives the decode settings); one directory is a single model."""
+        from s2s.modeldir import load_model_dir
+        from s2s.textio import file_sha256
+
+        loaded = [load_model_dir(d, device) for d in directories]
+        first = loaded[0]
+
+        def tokenizer_files(m):
+            return [file_sha256(m.directory / p.name)
+                    for p in Tokenizer.files(m.directory, m.cfg.data, m.cfg.tokenizer.joint)]
+
+        for other in loaded[1:]:
+            if tokenizer_files(other) != tokenizer_files(first):
+                raise S2SError(f"{other.directory}: another tokenizer than {first.directory}; "
+                               "an ensemble needs models trained with the same SentencePiece model(s)")
+        decode = replace(first.cfg.decode, "decode.", **decode_overrides)
+        translator = cls(first.model, first.tokenizer, decode, device, first.cfg.data.max_src_tokens)
+        translator.extra_models = [m.model.eval() for m in loaded[1:]]
+        return translator
 
     def quantize_int8(self) -> None:
         """Dynamic int8 quantization of every linear layer (weights int8, activations
@@ -104,6 +125,8 @@ class Translator:
         with warnings.catch_warnings():  # torch 2.13 flags its quantized tensor API as deprecated
             warnings.simplefilter("ignore", UserWarning)
             self.model = quantize_dynamic(self.model, {torch.nn.Linear}, dtype=torch.qint8)
+            self.extra_models = [quantize_dynamic(m, {torch.nn.Linear}, dtype=torch.qint8)
+                                 for m in self.extra_models]
 
     def autocast(self):
         """bf16 autocast for --precision bf16 (weights stay fp32; matmuls run in bf16)."""
@@ -116,18 +139,28 @@ class Translator:
                               length_penalty=d.length_penalty, min_len=d.min_len,
                               no_repeat_ngram=d.no_repeat_ngram, sampling=d.sampling,
                               temperature=d.temperature, top_k=d.top_k, top_p=d.top_p, seed=d.seed,
+                              coverage_penalty=d.coverage_penalty,
                               bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID)
 
     # ------------------------------------------------------------------ #
     @torch.inference_mode()
-    def search_ids(self, src_ids: Sequence[Sequence[int]]) -> list[list[Hypothesis]]:
-        """Search one batch of encoded sources (each ending in </s>)."""
+    def search_ids(self, src_ids: Sequence[Sequence[int]],
+                   prefix_ids: Optional[Sequence[Sequence[int]]] = None) -> list[list[Hypothesis]]:
+        """Search one batch of encoded sources (each ending in </s>); ``prefix_ids``
+        are target tokens each output must start with."""
         src = pad_sequences(src_ids).to(self.device)  # (B, S)
         src_lens = torch.tensor([len(s) - 1 for s in src_ids], device=self.device)
         max_len = max_output_lengths(src_lens, self.decode.max_len_a, self.decode.max_len_b,
                                      self.position_cap)
+        prefix = None
+        if prefix_ids is not None and any(prefix_ids):
+            prefix = pad_sequences(prefix_ids, pad_id=-1).to(self.device)  # (B, P)
+            max_len = torch.maximum(max_len, (prefix >= 0).sum(1) + 1)  # room for the prefix and </s>
+        track = self.decode.coverage_penalty > 0
+        decoders = [ModelDecoder(m, src, track) for m in [self.model, *self.extra_models]]
+        decoder = decoders[0] if len(decoders) == 1 else EnsembleDecoder(decoders)
         with self.autocast():
-            found = search(ModelDecoder(self.model, src), max_len, self.settings)
+            found = search(decoder, max_len, self.settings, prefix)
         if self.alignments:
             self.align(src, [len(s) - 1 for s in src_ids], found)
         return found
@@ -142,7 +175,8 @@ class Translator:
         for r, (i, h) in enumerate(rows):
             h.alignment = hard_alignment(A[r], src_lens[i], len(h.tokens))
 
-    def search_sorted(self, src_ids: Sequence[Sequence[int]]) -> list[list[Hypothesis]]:
+    def search_sorted(self, src_ids: Sequence[Sequence[int]],
+                      prefix_ids: Optional[Sequence[Sequence[int]]] = None) -> list[list[Hypothesis]]:
         """Search many sources: sorted by length into token-bounded batches, order restored."""
         order = sorted(range(len(src_ids)), key=lambda i: len(src_ids[i]), reverse=True)
         results: list[list[Hypothesis]] = [[] for _ in src_ids]
@@ -153,7 +187,8 @@ class Translator:
             while end < len(order) and width * (end - start + 1) <= self.decode.batch_tokens:
                 end += 1
             batch = [src_ids[i] for i in order[start:end]]
-            for i, hyps in zip(order[start:end], self.search_ids(batch)):
+            prefixes = None if prefix_ids is None else [prefix_ids[i] for i in order[start:end]]
+            for i, hyps in zip(order[start:end], self.search_ids(batch, prefixes)):
                 results[i] = hyps
             start = end
         return results
@@ -174,25 +209,35 @@ class Translator:
             out[i] = ids
         return out
 
-    def translate_chunk(self, lines: Sequence[str], first_line_no: int = 1) -> list[Translation]:
+    def translate_chunk(self, lines: Sequence[str], first_line_no: int = 1,
+                        prefixes: Optional[Sequence[str]] = None) -> list[Translation]:
         ids = self.encode_lines(lines, first_line_no)
         todo = [i for i, x in enumerate(ids) if x is not None]
-        found = self.search_sorted([ids[i] for i in todo])
+        prefix_ids = None
+        if prefixes is not None:  # target pieces without </s>; an empty prefix forces nothing
+            wanted = [prefixes[i].strip() for i in todo]
+            prefix_ids = [x[:-1] if p else [] for x, p in zip(self.tok.encode_tgt(wanted), wanted)]
+        found = self.search_sorted([ids[i] for i in todo], prefix_ids)
         hyps: list[list[Hypothesis]] = [[] for _ in lines]
         for i, h in zip(todo, found):
             hyps[i] = h
         return [Translation(first_line_no + i, h, [self.tok.decode_tgt(x.tokens) for x in h])
                 for i, h in enumerate(hyps)]
 
-    def translate_lines(self, lines: Iterable[str], chunk_lines: int = 1000) -> Iterator[Translation]:
-        """Translate a (possibly endless) stream of lines, yielding them in input order."""
-        it = iter(lines)
+    def translate_lines(self, lines: Iterable[str], chunk_lines: int = 1000,
+                        prefixes: Optional[Iterable[str]] = None) -> Iterator[Translation]:
+        """Translate a (possibly endless) stream of lines, yielding them in input order;
+        ``prefixes``, one line per input line, are forced as each output's start."""
+        it = iter(lines) if prefixes is None else _paired(lines, prefixes)
         line_no = 1
         while True:
             chunk = list(itertools.islice(it, chunk_lines))
             if not chunk:
                 return
-            yield from self.translate_chunk(chunk, line_no)
+            if prefixes is None:
+                yield from self.translate_chunk(chunk, line_no)
+            else:
+                yield from self.translate_chunk([x for x, _ in chunk], line_no, [p for _, p in chunk])
             line_no += len(chunk)
 
     def translate(self, lines: Sequence[str]) -> list[str]:
@@ -200,8 +245,18 @@ class Translator:
         return [t.text for t in self.translate_lines(lines)]
 
 
+def _paired(lines: Iterable[str], prefixes: Iterable[str]) -> Iterator[tuple[str, str]]:
+    """(line, prefix) pairs; an error when one stream ends before the other."""
+    sentinel = object()
+    for n, (line, prefix) in enumerate(itertools.zip_longest(lines, prefixes, fillvalue=sentinel), 1):
+        if line is sentinel or prefix is sentinel:
+            short = "the input" if line is sentinel else "the prefix file"
+            raise S2SError(f"--prefix-file: {short} ends at line {n - 1}, the other goes on")
+        yield line, prefix
+
+
 def write_translations(translator: Translator, lines: Iterable[str], out: TextIO, nbest: bool = False,
-                       line_by_line: bool = False) -> None:
+                       line_by_line: bool = False, prefixes: Optional[Iterable[str]] = None) -> None:
     """Translate ``lines`` into ``out``: one line per input line, or with ``nbest``
     the hypotheses as ``LINE ||| TEXT ||| SCORE`` (LINE from 0, as Moses n-best
     lists; an empty input line gives one empty hypothesis scored 0, log 1).
@@ -215,7 +270,7 @@ def write_translations(translator: Translator, lines: Iterable[str], out: TextIO
             return ""
         return " ||| " + " ".join(f"{j}-{t}" for j, t in (h.alignment or [] if h else []))
 
-    for t in translator.translate_lines(lines, chunk_lines=chunk):
+    for t in translator.translate_lines(lines, chunk_lines=chunk, prefixes=prefixes):
         if not nbest:
             out.write(t.text + aligned(t.hypotheses[0] if t.hypotheses else None) + "\n")
         elif t.hypotheses:

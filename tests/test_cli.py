@@ -264,3 +264,23 @@ def test_int8_and_bf16_decoding(model_dir, corpus):
         assert r.returncode == 0 and len(r.stdout.splitlines()) == 4, r.stderr
     r = s2s("translate", "-m", model_dir, "--quantize", "int4", input="x\n")
     assert r.returncode == 1 and "--quantize: 'int4' is not int8" in r.stderr
+
+
+def test_ensemble_prefix_and_coverage_penalty_options(model_dir, corpus, tmp_path):
+    src = (corpus / "dev.en").read_text().splitlines()[:3]
+    text = "\n".join(src) + "\n"
+    single = s2s("translate", "-m", model_dir, "--beam", "2", input=text)
+    twice = s2s("translate", "-m", model_dir, "-m", model_dir, "--beam", "2", input=text)
+    assert twice.returncode == 0, twice.stderr
+    assert twice.stdout == single.stdout  # an ensemble of one model twice is that model
+    prefixes = tmp_path / "prefix.txt"
+    prefixes.write_text("Die\n\nEin Paket\n")
+    r = s2s("translate", "-m", model_dir, "--prefix-file", prefixes, "--beam", "2", input=text)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    assert out[0].startswith("Die") and out[2].startswith("Ein Paket")
+    prefixes.write_text("Die\n")
+    r = s2s("translate", "-m", model_dir, "--prefix-file", prefixes, input=text)
+    assert r.returncode == 1 and "--prefix-file: the prefix file ends at line 1" in r.stderr
+    r = s2s("translate", "-m", model_dir, "--coverage-penalty", "0.2", "--beam", "3", input=text)
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 3, r.stderr

@@ -287,3 +287,77 @@ def test_sampling_draws_from_p_and_is_seeded():
                          settings(beam=1, nbest=1, sampling=True, top_k=1))
     assert top1[0][0].tokens == greedy_search(ScriptedDecoder(SCRIPT), torch.full((1,), 5),
                                               settings(beam=1, nbest=1))[0][0].tokens
+
+
+# --------------------------------------------------------------------------- #
+# coverage penalty, forced prefixes, ensembles
+# --------------------------------------------------------------------------- #
+
+def _random_model(seed=0, vocab=12):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(d_model=32, heads=2, enc_layers=1, dec_layers=2, d_ff=64, dropout=0.0)
+    return Seq2SeqTransformer(cfg, vocab, vocab, PAD).eval()
+
+
+def test_coverage_penalty_formula():
+    from s2s.search import coverage_penalty
+
+    attn = torch.tensor([[0.5, 1.5, 0.0, 0.7]])
+    mask = torch.tensor([[True, True, True, False]])
+    expected = 0.4 * (math.log(0.5) + math.log(1.0) + math.log(1e-9))
+    assert float(coverage_penalty(attn, mask, 0.4)) == pytest.approx(expected)
+
+
+def test_beam_scores_include_the_coverage_penalty():
+    """Each finished hypothesis scores log p / lp(m) + beta sum_j log min(sum_t A_tj, 1), with A
+    the last layer's head-mean cross-attention of that very hypothesis (teacher-forced)."""
+    from s2s.translate import cross_attention
+
+    model = _random_model()
+    src = torch.tensor([[5, 6, 7, 8, EOS], [9, 10, EOS, PAD, PAD]])
+    s = settings(beam=3, nbest=3, alpha=0.6, coverage_penalty=0.5)
+    hyps = beam_search(ModelDecoder(model, src, track_attention=True), torch.tensor([6, 6]), s)
+    for b, sent in enumerate(hyps):
+        for h in sent:
+            tgt = torch.tensor([h.tokens + [EOS]])
+            A = cross_attention(model, src[b:b + 1], tgt, -1)[0]  # (m, S)
+            real = src[b] != PAD
+            cp = 0.5 * A.sum(0)[real].clamp(1e-9, 1.0).log().sum()
+            lp = length_penalty(len(h.tokens) + 1, 0.6)
+            assert h.score == pytest.approx(h.log_prob / lp + float(cp), abs=1e-4)
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_forced_prefix_starts_every_hypothesis(beam):
+    model = _random_model(1)
+    src = torch.tensor([[5, 6, 7, EOS], [8, 9, EOS, PAD]])
+    prefix = torch.tensor([[10, 11, 4], [7, -1, -1]])
+    s = settings(beam=beam, nbest=beam, alpha=0.0)
+    hyps = search(ModelDecoder(model, src), torch.tensor([8, 8]), s, prefix)
+    for sent, want in zip(hyps, ([10, 11, 4], [7])):
+        assert sent
+        for h in sent:
+            assert h.tokens[:len(want)] == want
+            # the forced tokens are scored by the model like any other
+            tgt = torch.tensor([[2] + h.tokens])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(src[:1] if want[0] == 10 else src[1:], tgt), -1)[0]
+            total = sum(float(logp[t, y]) for t, y in enumerate(h.tokens + [EOS]))
+            assert h.log_prob == pytest.approx(total, abs=1e-4)
+
+
+def test_ensemble_averages_probabilities():
+    from s2s.search import EnsembleDecoder
+
+    a, b = _random_model(2), _random_model(3)
+    src = torch.tensor([[5, 6, 7, EOS]])
+    y = torch.full((1, 1), BOS)
+    ens = EnsembleDecoder([ModelDecoder(a, src), ModelDecoder(b, src)])
+    got = ens.step(y)
+    pa = ModelDecoder(a, src).step(y).exp()
+    pb = ModelDecoder(b, src).step(y).exp()
+    torch.testing.assert_close(got, ((pa + pb) / 2).log())
+    same = EnsembleDecoder([ModelDecoder(a, src), ModelDecoder(a, src)])
+    s = settings(beam=2, nbest=1)
+    assert (beam_search(same, torch.tensor([6]), s)[0][0].tokens
+            == beam_search(ModelDecoder(a, src), torch.tensor([6]), s)[0][0].tokens)

@@ -218,14 +218,14 @@ class Seq2SeqTransformer(nn.Module):
             cache.coverage = h_enc.new_zeros(h_enc.shape[:2], dtype=torch.float32)
         return cache
 
-    def decode_step(self, y_prev: Tensor, cache: DecoderCache,
-                    need_weights: bool = False) -> tuple[Tensor, list]:
+    def decode_step(self, y_prev: Tensor, cache: DecoderCache, need_weights: bool = False,
+                    need_last: bool = False) -> tuple[Tensor, list]:
         """One incremental step.
 
         y_prev (B, 1): the token at position t = cache.step (bos at t = 0).
         Returns the scores (B, V) for position t+1 (logits, or log P with copy)
         and, with ``need_weights``, the cross-attention weights of every layer
-        [(B, heads, 1, S)].  The cache's self-attention K/V grow by one
+        [(B, heads, 1, S)] (with ``need_last``, the last layer's only).  The cache's self-attention K/V grow by one
         position; the cross K/V are reused; the coverage adds this step's attention.
         """
         t = cache.step
@@ -233,7 +233,8 @@ class Seq2SeqTransformer(nn.Module):
         x_in = self._embed(y_prev, self.tgt_embed, self.dec_positions, start=t)  # (B, 1, d_model)
         cross_kv = [(lc.cross_k, lc.cross_v) for lc in cache.layers]
         h, weights, cache.coverage = self._decoder_stack(x_in, cross_kv, self_mask, cache.src_mask,
-                                                         cache.layers, need_weights, self.needs_attention,
+                                                         cache.layers, need_weights,
+                                                         need_last or self.needs_attention,
                                                          cache.coverage)
         cache.step += 1
         return self._scores(h, x_in, weights[-1], cache.h_enc, cache.src)[:, -1], weights
