@@ -23,6 +23,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="
                   help="Train and run encoder-decoder transformers for translation and summarization.")
 tokenizer_app = typer.Typer(no_args_is_help=True, help="SentencePiece tokenizers.")
 app.add_typer(tokenizer_app, name="tokenizer")
+export_app = typer.Typer(no_args_is_help=True, help="Write a model for another engine.")
+app.add_typer(export_app, name="export")
 
 log = logging.getLogger("s2s")
 _DEBUG = {"on": False}
@@ -298,6 +300,20 @@ def score(hyp: str = typer.Argument(..., help="Hypotheses file; - reads stdin.")
         for s in results:
             label = {"rouge1": "ROUGE-1", "rouge2": "ROUGE-2", "rougeL": "ROUGE-L"}.get(s.name, s.name.upper())
             typer.echo(f"{label:7s} {s.score:6.2f}   {s.details}   [{s.signature}]")
+
+
+@export_app.command("ct2")
+def export_ct2(model: Path = typer.Option(..., "-m", "--model", help="Model directory."),
+               output: Path = typer.Option(..., "-o", "--output", help="The CTranslate2 model directory."),
+               quantization: Optional[str] = typer.Option(None, help="int8, int8_float32, int16, float16 "
+                                                                     "or bfloat16 weights (default: float32).")):
+    """Write a CTranslate2 model (through CTranslate2's spec API) that serves the same translations.
+
+    Example: `s2s export ct2 -m exp/qs -o exp/qs-ct2 --quantization int8`
+    """
+    from s2s.export import export_ct2 as run_export
+
+    typer.echo(str(run_export(model, output, quantization)))
 
 
 @app.command()

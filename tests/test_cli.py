@@ -284,3 +284,24 @@ def test_ensemble_prefix_and_coverage_penalty_options(model_dir, corpus, tmp_pat
     assert r.returncode == 1 and "--prefix-file: the prefix file ends at line 1" in r.stderr
     r = s2s("translate", "-m", model_dir, "--coverage-penalty", "0.2", "--beam", "3", input=text)
     assert r.returncode == 0 and len(r.stdout.splitlines()) == 3, r.stderr
+
+
+def test_ctranslate2_export_gives_the_same_greedy_output(model_dir, corpus, tmp_path):
+    ctranslate2 = pytest.importorskip("ctranslate2", reason="ctranslate2 is not installed")
+    import sentencepiece as spm
+
+    from s2s.translate import Translator
+
+    out = tmp_path / "ct2"
+    r = s2s("export", "ct2", "-m", model_dir, "-o", out)
+    assert r.returncode == 0, r.stderr
+    lines = (corpus / "dev.en").read_text().splitlines()[:6]
+    ours = Translator.from_dir(model_dir, beam=1, max_len_a=0.0, max_len_b=20).translate_chunk(lines)
+    sp = spm.SentencePieceProcessor(model_file=str(out / "spm.model"))
+    theirs = ctranslate2.Translator(str(out), device="cpu").translate_batch(
+        [sp.encode(x, out_type=str) for x in lines], beam_size=1, max_decoding_length=19,
+        suppress_sequences=[["<s>"], ["<pad>"]])  # s2s never generates these (a barely trained model would)
+    for o, t in zip(ours, theirs):
+        assert [sp.id_to_piece(i) for i in o.hypotheses[0].tokens] == t.hypotheses[0]
+    r = s2s("export", "ct2", "-m", model_dir, "-o", tmp_path / "q", "--quantization", "int3")
+    assert r.returncode == 1 and "--quantization: 'int3'" in r.stderr
