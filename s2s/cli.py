@@ -157,6 +157,7 @@ def translate(
     top_p: Optional[float] = typer.Option(None, help="Sampling: among the smallest set of mass >= p."),
     seed: Optional[int] = typer.Option(None, help="Sampling: the same seed draws the same outputs."),
     batch_tokens: Optional[int] = typer.Option(None, help="Source tokens per batch."),
+    batch_size: Optional[int] = typer.Option(None, help="At most this many sentences per batch."),
     threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
     precision: str = typer.Option("fp32", help="fp32, or bf16 (autocast; fast only with native bf16 matmuls)."),
     quantize: Optional[str] = typer.Option(None, help="int8: dynamic int8 quantization of the linear layers (CPU)."),
@@ -172,7 +173,7 @@ def translate(
     import torch
 
     from s2s.textio import atomic_write, read_lines
-    from s2s.translate import Translator, write_translations
+    from s2s.translate import TranslateProgress, Translator, write_translations
 
     if errors not in ("strict", "replace"):
         raise S2SError(f"--errors: {errors!r} is not strict or replace")
@@ -182,7 +183,7 @@ def translate(
         torch.set_num_threads(threads)
     overrides = {k: v for k, v in dict(beam=beam, alpha=alpha, length_penalty=length_penalty,
                                        nbest=nbest, max_len_a=max_len_a, max_len_b=max_len_b,
-                                       min_len=min_len, batch_tokens=batch_tokens,
+                                       min_len=min_len, batch_tokens=batch_tokens, batch_size=batch_size,
                                        no_repeat_ngram=no_repeat_ngram, coverage_penalty=coverage_penalty,
                                        temperature=temperature,
                                        top_k=top_k, top_p=top_p, seed=seed).items()
@@ -215,11 +216,16 @@ def translate(
     lines = read_lines(input, errors)
     prefixes = None if prefix_file is None else read_lines(prefix_file, errors)
     show_nbest = translator.decode.nbest > 1 or nbest is not None
-    if output is not None:
-        with atomic_write(output) as f:
-            write_translations(translator, lines, f, show_nbest, interactive, prefixes)
-    else:
-        write_translations(translator, lines, sys.stdout, show_nbest, interactive, prefixes)
+    progress = None if interactive else TranslateProgress()  # shows only when stderr is a terminal
+    try:
+        if output is not None:
+            with atomic_write(output) as f:
+                write_translations(translator, lines, f, show_nbest, interactive, prefixes, progress)
+        else:
+            write_translations(translator, lines, sys.stdout, show_nbest, interactive, prefixes, progress)
+    finally:
+        if progress is not None:
+            progress.close()
 
 
 app.command("summarize", help=(

@@ -208,6 +208,7 @@ class DecodeConfig:
     top_p: float = 1.0  # sampling: among the smallest set with mass >= top_p (nucleus)
     seed: int = 0  # sampling: the same seed draws the same outputs
     batch_tokens: int = 4096  # source tokens per decoding batch
+    batch_size: int = 0  # at most this many sentences per decoding batch (0: only batch_tokens limits)
     max_input_tokens: int = 1024  # longer inputs are truncated with a warning
 
     def __post_init__(self) -> None:
@@ -224,6 +225,7 @@ class DecodeConfig:
         _check(self.top_k >= 0, "decode.top_k", "must be >= 0")
         _check(0 < self.top_p <= 1, "decode.top_p", "must be in (0, 1]")
         _check(self.batch_tokens >= 1, "decode.batch_tokens", "must be >= 1")
+        _check(self.batch_size >= 0, "decode.batch_size", "must be >= 0")
         _check(self.max_input_tokens >= 1, "decode.max_input_tokens", "must be >= 1")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence, TextIO
@@ -184,7 +185,9 @@ class Translator:
         while start < len(order):
             end = start + 1
             width = len(src_ids[order[start]])  # longest first: the first sets the width
-            while end < len(order) and width * (end - start + 1) <= self.decode.batch_tokens:
+            cap = self.decode.batch_size or len(order)
+            while (end < len(order) and end - start < cap
+                   and width * (end - start + 1) <= self.decode.batch_tokens):
                 end += 1
             batch = [src_ids[i] for i in order[start:end]]
             prefixes = None if prefix_ids is None else [prefix_ids[i] for i in order[start:end]]
@@ -245,6 +248,38 @@ class Translator:
         return [t.text for t in self.translate_lines(lines)]
 
 
+class TranslateProgress:
+    """Lines/s and output tokens/s on stderr while translating (when stderr is a
+    terminal; in a pipe or a log file, nothing), updated at most 4 times a second."""
+
+    def __init__(self, console=None):
+        from rich.console import Console
+
+        self.console = console or Console(stderr=True)
+        self.lines = self.tokens = 0
+        self.started = self.shown = time.time()
+        self._status = self.console.status("translating", spinner="dots") if self.console.is_terminal else None
+        if self._status is not None:
+            self._status.start()
+
+    def text(self) -> str:
+        dt = max(time.time() - self.started, 1e-9)
+        return (f"{self.lines:,} lines | {self.lines / dt:,.1f} lines/s | "
+                f"{self.tokens / dt:,.0f} tokens/s")
+
+    def update(self, t: Translation) -> None:
+        self.lines += 1
+        self.tokens += len(t.hypotheses[0].tokens) + 1 if t.hypotheses else 0
+        if self._status is not None and time.time() - self.shown >= 0.25:
+            self.shown = time.time()
+            self._status.update(self.text())
+
+    def close(self) -> None:
+        if self._status is not None:
+            self._status.stop()
+            self.console.print(f"s2s: {self.text()}", highlight=False)
+
+
 def _paired(lines: Iterable[str], prefixes: Iterable[str]) -> Iterator[tuple[str, str]]:
     """(line, prefix) pairs; an error when one stream ends before the other."""
     sentinel = object()
@@ -256,7 +291,8 @@ def _paired(lines: Iterable[str], prefixes: Iterable[str]) -> Iterator[tuple[str
 
 
 def write_translations(translator: Translator, lines: Iterable[str], out: TextIO, nbest: bool = False,
-                       line_by_line: bool = False, prefixes: Optional[Iterable[str]] = None) -> None:
+                       line_by_line: bool = False, prefixes: Optional[Iterable[str]] = None,
+                       progress: Optional[TranslateProgress] = None) -> None:
     """Translate ``lines`` into ``out``: one line per input line, or with ``nbest``
     the hypotheses as ``LINE ||| TEXT ||| SCORE`` (LINE from 0, as Moses n-best
     lists; an empty input line gives one empty hypothesis scored 0, log 1).
@@ -271,6 +307,8 @@ def write_translations(translator: Translator, lines: Iterable[str], out: TextIO
         return " ||| " + " ".join(f"{j}-{t}" for j, t in (h.alignment or [] if h else []))
 
     for t in translator.translate_lines(lines, chunk_lines=chunk, prefixes=prefixes):
+        if progress is not None:
+            progress.update(t)
         if not nbest:
             out.write(t.text + aligned(t.hypotheses[0] if t.hypotheses else None) + "\n")
         elif t.hypotheses:

@@ -305,3 +305,27 @@ def test_ctranslate2_export_gives_the_same_greedy_output(model_dir, corpus, tmp_
         assert [sp.id_to_piece(i) for i in o.hypotheses[0].tokens] == t.hypotheses[0]
     r = s2s("export", "ct2", "-m", model_dir, "-o", tmp_path / "q", "--quantization", "int3")
     assert r.returncode == 1 and "--quantization: 'int3'" in r.stderr
+
+
+def test_translate_progress_on_a_terminal_only(model_dir, corpus):
+    import io
+
+    from rich.console import Console
+
+    from s2s.translate import TranslateProgress, Translator, write_translations
+
+    tr = Translator.from_dir(model_dir, beam=1)
+    src = (corpus / "dev.en").read_text().splitlines()[:5]
+    tty = io.StringIO()
+    progress = TranslateProgress(Console(file=tty, force_terminal=True))
+    out = io.StringIO()
+    write_translations(tr, src, out, progress=progress)
+    progress.close()
+    assert progress.lines == 5 and progress.tokens > 0
+    assert "5 lines |" in tty.getvalue() and "lines/s" in tty.getvalue()
+    pipe = io.StringIO()
+    quiet = TranslateProgress(Console(file=pipe, force_terminal=False))
+    write_translations(tr, src, io.StringIO(), progress=quiet)
+    quiet.close()
+    assert pipe.getvalue() == ""  # nothing in a pipe or a log
+    assert out.getvalue().count("\n") == 5
