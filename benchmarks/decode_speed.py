@@ -1,0 +1,148 @@
+"""Decoding speed side by side: s2s (fp32, bf16, int8) against CTranslate2 (fp32, int8)
+on the same weights, the same sentences, batches and threads, in one run.
+
+Each engine runs as its own process (the whole process is timed: start-up,
+model loading, reading, decoding, writing), so peak RSS is per engine.  On
+the ddtp-en-de test set, beam 5 and greedy, batches of 64 sentences, 2
+threads, the s2s model's decode settings for the length cap, and the same
+length penalty everywhere (m^alpha with alpha = 1, the form CTranslate2 has).
+Not a timed test: the machines are shared and noisy; only ratios within one
+run mean something.
+
+Prints a table and, last, one JSON line with "<engine>_<search>_sent_s",
+"<engine>_<search>_tok_s", "<engine>_<search>_rss_mib" and "<engine>_<search>_bleu"
+for each engine (s2s_fp32, s2s_bf16, s2s_int8, ct2_fp32, ct2_int8, hf) and
+search (beam5, greedy).  Hugging Face generate needs a Hugging Face export of
+the model, which s2s does not write yet: its keys are null.
+
+    python benchmarks/decode_speed.py --model exp/ddtp-en-de
+    python benchmarks/decode_speed.py --model exp/qs --quick      # 200 sentences
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "data" / "ddtp-en-de"
+
+CT2_SCRIPT = """
+import sys, ctranslate2, sentencepiece as spm
+model, src, out, beam, batch, threads, cap_a, cap_b = sys.argv[1:9]
+sp = spm.SentencePieceProcessor(model_file=model + "/spm.model")
+tr = ctranslate2.Translator(model, device="cpu", inter_threads=1, intra_threads=int(threads))
+lines = open(src, encoding="utf-8").read().splitlines()
+pieces = [sp.encode(x, out_type=str) for x in lines]
+cap = max(int(float(cap_a) * len(p) + int(cap_b)) for p in pieces)
+res = tr.translate_batch(pieces, max_batch_size=int(batch), beam_size=int(beam), length_penalty=1.0,
+                         max_decoding_length=cap, suppress_sequences=[["<s>"], ["<pad>"]])
+with open(out, "w", encoding="utf-8") as f:
+    for r in res:
+        f.write(sp.decode(r.hypotheses[0]) + "\\n")
+"""
+
+
+def run_timed(cmd: list[str]) -> tuple[float, float]:
+    """Run ``cmd``; return (seconds, peak RSS in MiB) of the whole process."""
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.time() - t0
+    if os.waitstatus_to_exitcode(status):
+        sys.exit(f"decode_speed: `{' '.join(cmd)}` failed:\n{proc.stderr.read().decode()}")
+    return seconds, usage.ru_maxrss / 1024
+
+
+def count_tokens(sp, path: Path) -> int:
+    return sum(len(sp.encode(line)) + 1 for line in path.read_text(encoding="utf-8").splitlines())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True, help="a trained s2s model directory")
+    ap.add_argument("--sentences", type=int, default=1000)
+    ap.add_argument("--quick", action="store_true", help="200 sentences")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=64, help="sentences per batch")
+    args = ap.parse_args()
+    n = 200 if args.quick else args.sentences
+
+    import sacrebleu
+    import sentencepiece as spm
+
+    from s2s.modeldir import load_model_dir
+
+    decode = load_model_dir(args.model).cfg.decode
+    with tempfile.TemporaryDirectory(prefix="s2s-decode-") as tmp:
+        work = Path(tmp)
+        src, ref = work / "test.en", work / "test.de"
+        for path, name in ((src, "test.en.gz"), (ref, "test.de.gz")):
+            with gzip.open(DATA / name, "rt", encoding="utf-8") as f:
+                path.write_text("".join(line for _, line in zip(range(n), f)), encoding="utf-8")
+        refs = ref.read_text(encoding="utf-8").splitlines()
+        sp = spm.SentencePieceProcessor(model_file=str(args.model / "spm.model"))
+
+        engines: dict[str, object] = {}
+        try:
+            import ctranslate2  # noqa: F401
+
+            for q in ("fp32", "int8"):
+                out = work / f"ct2-{q}"
+                subprocess.run([sys.executable, "-m", "s2s", "export", "ct2", "-m", str(args.model), "-o", str(out),
+                                *(["--quantization", "int8"] if q == "int8" else [])], check=True,
+                               capture_output=True)
+                engines[f"ct2_{q}"] = out
+        except ImportError:
+            print("decode_speed: ctranslate2 is not installed; its rows are skipped", file=sys.stderr)
+
+        results: dict[str, object] = {}
+        rows = []
+        for search, beam in (("beam5", 5), ("greedy", 1)):
+            runs = {}
+            for mode, flags in (("s2s_fp32", []), ("s2s_bf16", ["--precision", "bf16"]),
+                                ("s2s_int8", ["--quantize", "int8"])):
+                hyp = work / f"{mode}-{search}.txt"
+                runs[mode] = (hyp, [sys.executable, "-m", "s2s", "-q", "translate", "-m", str(args.model),
+                                    "--input", str(src), "-o", str(hyp), "--beam", str(beam),
+                                    "--threads", str(args.threads), "--batch-size", str(args.batch),
+                                    "--batch-tokens", "1000000", "--length-penalty", "power",
+                                    "--alpha", "1.0", *flags])
+            for mode, model_dir in engines.items():
+                hyp = work / f"{mode}-{search}.txt"
+                runs[mode] = (hyp, [sys.executable, "-c", CT2_SCRIPT, str(model_dir), str(src), str(hyp),
+                                    str(beam), str(args.batch), str(args.threads), str(decode.max_len_a),
+                                    str(decode.max_len_b)])
+            for mode, (hyp, cmd) in runs.items():
+                print(f"decode_speed: {mode} {search} ...", file=sys.stderr)
+                seconds, rss = run_timed(cmd)
+                hyps = hyp.read_text(encoding="utf-8").splitlines()
+                bleu = sacrebleu.corpus_bleu(hyps, [refs]).score
+                tokens = count_tokens(sp, hyp)
+                key = f"{mode}_{search}"
+                results.update({f"{key}_sent_s": round(n / seconds, 1), f"{key}_tok_s": round(tokens / seconds),
+                                f"{key}_rss_mib": round(rss), f"{key}_bleu": round(bleu, 2)})
+                rows.append((mode, search, n / seconds, tokens / seconds, rss, bleu))
+            for key in ("sent_s", "tok_s", "rss_mib", "bleu"):
+                results[f"hf_{search}_{key}"] = None  # no Hugging Face export of s2s models yet
+
+    print(f"{'engine':10s} {'search':7s} {'sent/s':>8s} {'tok/s':>8s} {'RSS MiB':>8s} {'BLEU':>6s}")
+    for mode, search, sent_s, tok_s, rss, bleu in rows:
+        print(f"{mode:10s} {search:7s} {sent_s:8.1f} {tok_s:8.0f} {rss:8.0f} {bleu:6.2f}")
+    for search in ("beam5", "greedy"):
+        base = results.get(f"ct2_fp32_{search}_sent_s")
+        if base:
+            results[f"s2s_fp32_vs_ct2_fp32_{search}"] = round(results[f"s2s_fp32_{search}_sent_s"] / base, 3)
+    results.update({"sentences": n, "threads": args.threads, "batch": args.batch, "model": str(args.model)})
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
