@@ -200,16 +200,7 @@ def translate(
     except ConfigError as e:
         raise S2SError(f"translate options: {e}") from None
     translator.alignments = alignments
-    if precision not in ("fp32", "bf16"):
-        raise S2SError(f"--precision: {precision!r} is not fp32 or bf16")
-    translator.precision = precision
-    if precision == "bf16" and not torch.cuda.is_available() and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        log.warning("--precision bf16: this CPU has no native bf16 matmul (AVX-512 BF16 or AMX); "
-                    "expect it to be much slower than fp32")
-    if quantize is not None:
-        if quantize != "int8":
-            raise S2SError(f"--quantize: {quantize!r} is not int8")
-        translator.quantize_int8()
+    translator.set_arithmetic(precision, quantize)
     if input != "-" and not Path(input).exists():
         raise S2SError(f"{input}: no such file")
     interactive = unbuffered or (input == "-" and sys.stdin.isatty())

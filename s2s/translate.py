@@ -114,6 +114,20 @@ class Translator:
         translator.extra_models = [m.model.eval() for m in loaded[1:]]
         return translator
 
+    def set_arithmetic(self, precision: str = "fp32", quantize: Optional[str] = None) -> None:
+        """``precision``: fp32, or bf16 autocast; ``quantize``: None, or int8 (see :meth:`quantize_int8`)."""
+        if precision not in ("fp32", "bf16"):
+            raise S2SError(f"--precision: {precision!r} is not fp32 or bf16")
+        if quantize not in (None, "int8"):
+            raise S2SError(f"--quantize: {quantize!r} is not int8")
+        self.precision = precision
+        if (precision == "bf16" and self.device.type == "cpu"
+                and not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            log.warning("--precision bf16: this CPU has no native bf16 matmul (AVX-512 BF16 or AMX); "
+                        "expect it to be much slower than fp32")
+        if quantize == "int8":
+            self.quantize_int8()
+
     def quantize_int8(self) -> None:
         """Dynamic int8 quantization of every linear layer (weights int8, activations
         quantized per batch), CPU only; the tied output projection and embeddings stay fp32."""
