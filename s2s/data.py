@@ -256,6 +256,15 @@ class Batch:
         return Batch(self.src.to(device), self.tgt_in.to(device), self.tgt_out.to(device),
                      self.n_src_tokens, self.n_tgt_tokens)
 
+    def halves(self) -> tuple["Batch", "Batch"]:
+        """The first and the second half of the sentences (for a batch too big for memory)."""
+        k = len(self) // 2
+
+        def part(rows: slice) -> "Batch":
+            src, tgt_in, tgt_out = self.src[rows], self.tgt_in[rows], self.tgt_out[rows]
+            return Batch(src, tgt_in, tgt_out, int((src != PAD_ID).sum()), int((tgt_out != PAD_ID).sum()))
+        return part(slice(0, k)), part(slice(k, None))
+
 
 def token_batches(src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int,
                   rng: Optional[np.random.Generator] = None) -> list[np.ndarray]:

@@ -324,17 +324,7 @@ class Trainer:
         n_tokens = sum(b.n_tgt_tokens for b in batches)
         total = torch.zeros((), device=self.device)
         for b in batches:
-            b = b.to(self.device)
-            lam = self.tc.coverage_weight
-            with self.autocast():
-                if lam:
-                    logits, a = self.model(b.src, b.tgt_in, return_attention=True)  # a (B, T, S)
-                else:
-                    logits = self.model(b.src, b.tgt_in)  # (B, T, V)
-            loss = label_smoothed_nll(logits, b.tgt_out, self.tc.label_smoothing)
-            objective = loss + lam * coverage_loss(a.float(), b.tgt_out != PAD_ID) if lam else loss
-            (objective / n_tokens).backward()
-            total += loss.detach()
+            total += self.forward_backward(b.to(self.device), n_tokens)
         lr = inverse_sqrt_lr(self.state.step + 1, self.tc.lr, self.tc.warmup_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -345,6 +335,38 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total, ok
+
+    def forward_backward(self, b: Batch, n_tokens: int) -> Tensor:
+        """Loss and gradients of one batch (gradients scaled by 1/n_tokens of the update).
+
+        A batch that runs out of memory is split in two halves with a warning
+        naming its size (recursively; one sentence that does not fit is an error).
+        """
+        try:
+            lam = self.tc.coverage_weight
+            with self.autocast():
+                if lam:
+                    logits, a = self.model(b.src, b.tgt_in, return_attention=True)  # a (B, T, S)
+                else:
+                    logits = self.model(b.src, b.tgt_in)  # (B, T, V)
+            loss = label_smoothed_nll(logits, b.tgt_out, self.tc.label_smoothing)
+            objective = loss + lam * coverage_loss(a.float(), b.tgt_out != PAD_ID) if lam else loss
+            (objective / n_tokens).backward()
+            return loss.detach()
+        except RuntimeError as e:  # torch.OutOfMemoryError on a GPU; a failed allocation on the CPU
+            if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+                raise
+            logits = a = loss = objective = None  # drop the references before retrying
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            shape = f"{len(b)} sentences x {b.src.size(1)} source / {b.tgt_in.size(1)} target tokens"
+            if len(b) == 1:
+                raise S2SError(f"step {self.state.step + 1}: out of memory on one sentence ({shape}); "
+                               "lower data.max_tokens_per_sentence") from None
+            log.warning("step %d: a batch of %s ran out of memory; splitting it in two",
+                        self.state.step + 1, shape)
+            first, second = b.halves()
+            return self.forward_backward(first, n_tokens) + self.forward_backward(second, n_tokens)
 
     # ---- validation -------------------------------------------------- #
     @torch.inference_mode()

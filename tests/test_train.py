@@ -240,3 +240,35 @@ def test_non_finite_weights_are_never_written(prepared, tmp_path):
         save_checkpoint(tmp_path / "run", model, opt, TrainState(step=99), keep=5)
     assert list_checkpoints(tmp_path / "run") == before
     assert not [p for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_a_batch_out_of_memory_is_split(prepared, tmp_path, monkeypatch, caplog):
+    """A batch that does not fit is split in halves with a warning; the gradient is the same."""
+    from s2s.model import Seq2SeqTransformer
+    from s2s.trainer import Trainer
+
+    trainer = Trainer(load_config(prepared, ["model.dropout=0"]), tmp_path / "run", show_progress=False)
+    batch = trainer.train_data.batch(trainer.epoch_batches(0)[0])
+    assert len(batch) > 3
+    trainer.model.train()
+    whole = trainer.forward_backward(batch, batch.n_tgt_tokens)
+    grads = [p.grad.clone() for p in trainer.model.parameters()]
+    trainer.optimizer.zero_grad()
+    real = Seq2SeqTransformer.forward
+
+    def small_batches_only(self, src, tgt_in, return_attention=False):
+        if src.size(0) > 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(self, src, tgt_in, return_attention)
+
+    monkeypatch.setattr(Seq2SeqTransformer, "forward", small_batches_only)
+    split = trainer.forward_backward(batch, batch.n_tgt_tokens)
+    assert "ran out of memory; splitting it in two" in caplog.text
+    assert float(split) == pytest.approx(float(whole), rel=1e-5)
+    for g, p in zip(grads, trainer.model.parameters()):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
+    one = trainer.train_data.batch(trainer.epoch_batches(0)[0][:1])
+    monkeypatch.setattr(Seq2SeqTransformer, "forward", lambda *a, **k: (_ for _ in ()).throw(
+        torch.OutOfMemoryError("simulated")))
+    with pytest.raises(S2SError, match="out of memory on one sentence"):
+        trainer.forward_backward(one, one.n_tgt_tokens)
