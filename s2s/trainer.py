@@ -294,11 +294,28 @@ class Trainer:
             eps=self.tc.adam_eps, weight_decay=self.tc.weight_decay, **fused)
         self.state = TrainState()
         self._signal: Optional[int] = None
+        self.tensorboard = None  # a SummaryWriter while running, when tensorboard is installed
 
     # ---- bookkeeping ------------------------------------------------- #
     def write_metrics(self, record: dict) -> None:
+        """One line of metrics.jsonl; the numbers also go to TensorBoard when it is installed."""
         with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.tensorboard.add_scalar(f"{'dev' if key.startswith('dev') else 'train'}/{key}",
+                                                value, record["step"])
+            self.tensorboard.flush()
+
+    @staticmethod
+    def open_tensorboard(run_dir: Path):
+        """A SummaryWriter on RUN_DIR/tensorboard, or None when tensorboard is not installed."""
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            return None
+        return SummaryWriter(str(run_dir / "tensorboard"))
 
     def batching(self) -> dict:
         return {"seed": self.cfg.seed, "train.max_tokens": self.tc.max_tokens,
@@ -504,6 +521,7 @@ class Trainer:
 
     def run(self, resume: bool = False) -> Path:
         self.start(resume)
+        self.tensorboard = self.open_tensorboard(self.run_dir)
         tc, st = self.tc, self.state
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         progress = Progress(tc.max_steps or None, tc.max_seconds, self.show_progress)
@@ -552,6 +570,8 @@ class Trainer:
             self.checkpoint()
         finally:
             progress.close()
+            if self.tensorboard is not None:
+                self.tensorboard.close()
             for s, h in handlers.items():
                 signal.signal(s, h)
         if self._signal is not None:

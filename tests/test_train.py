@@ -272,3 +272,29 @@ def test_a_batch_out_of_memory_is_split(prepared, tmp_path, monkeypatch, caplog)
         torch.OutOfMemoryError("simulated")))
     with pytest.raises(S2SError, match="out of memory on one sentence"):
         trainer.forward_backward(one, one.n_tgt_tokens)
+
+
+def test_metrics_go_to_tensorboard_when_installed(prepared, tmp_path, monkeypatch):
+    """With a SummaryWriter available, every logged number is a scalar (a stand-in writer here:
+    tensorboard is an optional package)."""
+    from s2s.trainer import Trainer
+
+    scalars = []
+
+    class Writer:
+        def __init__(self, log_dir):
+            assert log_dir == str(tmp_path / "run" / "tensorboard")
+
+        def add_scalar(self, tag, value, step):
+            scalars.append((tag, step))
+
+        def flush(self):
+            pass
+
+        def close(self):
+            scalars.append("closed")
+
+    monkeypatch.setattr(Trainer, "open_tensorboard", staticmethod(lambda run_dir: Writer(str(run_dir / "tensorboard"))))
+    train(load_config(prepared), tmp_path / "run", show_progress=False)
+    assert ("train/loss", 1) in scalars and ("dev/dev_loss", 3) in scalars and ("train/lr", 6) in scalars
+    assert scalars[-1] == "closed"
