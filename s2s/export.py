@@ -17,7 +17,6 @@ suppressing them makes CTranslate2 search the same space.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -25,9 +24,8 @@ import torch
 
 from s2s.errors import S2SError
 from s2s.model.positions import sinusoidal_table
-from s2s.modeldir import load_model_dir
+from s2s.modeldir import copy_tokenizer, load_model_dir
 from s2s.textio import atomic_dir
-from s2s.tokenizer import Tokenizer
 
 QUANTIZATIONS = ("int8", "int8_float32", "int16", "float16", "bfloat16")
 
@@ -113,6 +111,5 @@ def export_ct2(model_dir: str | Path, out: str | Path, quantization: Optional[st
     target = Path(out)
     with atomic_dir(target) as tmp:
         spec.save(str(tmp))
-        for p in sorted(set(Tokenizer.files(loaded.directory, loaded.cfg.data, loaded.cfg.tokenizer.joint))):
-            shutil.copyfile(loaded.directory / p.name, tmp / p.name)  # to cut text into pieces
+        copy_tokenizer(loaded.cfg, loaded.directory, tmp)  # to cut text into pieces
     return target

@@ -19,7 +19,7 @@ from typing import Iterable, Iterator, Optional, Sequence, TextIO
 import torch
 
 from s2s.config import DecodeConfig, replace
-from s2s.data import pad_sequences, truncate
+from s2s.data import pad_sequences, tokenizer_fingerprint, truncate
 from s2s.errors import S2SError
 from s2s.model import Seq2SeqTransformer
 from s2s.search import EnsembleDecoder, Hypothesis, ModelDecoder, SearchSettings, search
@@ -96,17 +96,12 @@ class Translator:
         """An ensemble of model directories that share one tokenizer (the first one's
         config gives the decode settings); one directory is a single model."""
         from s2s.modeldir import load_model_dir
-        from s2s.textio import file_sha256
 
         loaded = [load_model_dir(d, device) for d in directories]
         first = loaded[0]
-
-        def tokenizer_files(m):
-            return [file_sha256(m.directory / p.name)
-                    for p in Tokenizer.files(m.directory, m.cfg.data, m.cfg.tokenizer.joint)]
-
+        wanted = tokenizer_fingerprint(first.cfg, first.directory)  # sha256 of the SentencePiece files
         for other in loaded[1:]:
-            if tokenizer_files(other) != tokenizer_files(first):
+            if tokenizer_fingerprint(other.cfg, other.directory) != wanted:
                 raise S2SError(f"{other.directory}: another tokenizer than {first.directory}; "
                                "an ensemble needs models trained with the same SentencePiece model(s)")
         decode = replace(first.cfg.decode, "decode.", **decode_overrides)
