@@ -240,7 +240,6 @@ def align(model: Path = typer.Option(..., "-m", "--model", help="Model directory
     import torch
 
     from s2s.plot import plot_attention
-    from s2s.tokenizer import EOS_ID
     from s2s.translate import Translator, cross_attention
 
     translator = Translator.from_dir(model)
@@ -251,14 +250,15 @@ def align(model: Path = typer.Option(..., "-m", "--model", help="Model directory
         raise S2SError("--src: empty sentence")
     src_ids = translator.encode_lines([src], 1)[0]
     if tgt is None:
-        tgt_ids = translator.search_sorted([src_ids])[0][0].tokens + [EOS_ID]
+        tgt_ids = translator.search_sorted([src_ids])[0][0].tokens + [translator.tok.eos_id]
     else:
         tgt_ids = translator.tok.encode_tgt([tgt.strip()])[0]
-    A = cross_attention(translator.model, torch.tensor([src_ids]), torch.tensor([tgt_ids]), layer)[0]
-    pieces = translator.tok.src.id_to_piece
+    A = cross_attention(translator.model, torch.tensor([src_ids]), torch.tensor([tgt_ids]), layer,
+                        translator.tok.bos_id)[0]
+    tok = translator.tok
     which = "mean over layers" if layer is None else f"layer {layer}"
-    path = plot_attention(A.numpy(), [pieces(i) for i in src_ids],
-                          [translator.tok.tgt.id_to_piece(i) for i in tgt_ids], output,
+    path = plot_attention(A.numpy(), [tok.piece(i, "src") for i in src_ids],
+                          [tok.piece(i) for i in tgt_ids], output,
                           f"cross-attention ({which}, mean over heads)")
     typer.echo(str(path))
 

@@ -48,9 +48,23 @@ class TokenizerConfig:
     normalization: Literal["nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity"] = "nmt_nfkc"
     sentinels: int = 0  # <extra_id_0> .. <extra_id_{n-1}> reserved for denoising
     max_sentences: int = 2_000_000  # sentences sampled for training the model
+    # The model's ids of the special symbols.  `s2s tokenizer train` reserves 0-3;
+    # an imported checkpoint keeps its own (T5: pad 0, eos 1, unk 2, decoder start = pad).
+    pad_id: int = 0
+    unk_id: int = 1
+    bos_id: int = 2  # the decoder's start symbol (y_0); may equal pad_id or eos_id
+    eos_id: int = 3
+    # "": model ids are the SentencePiece ids; else a JSON file (piece -> id) beside the
+    # SentencePiece models that maps pieces to the model's ids (Marian's vocab.json)
+    vocab_file: str = ""
 
     def __post_init__(self) -> None:
         _check(self.vocab_size >= 16, "tokenizer.vocab_size", "must be >= 16")
+        for key in ("pad_id", "unk_id", "bos_id", "eos_id"):
+            _check(getattr(self, key) >= 0, f"tokenizer.{key}", "must be >= 0")
+        _check(self.eos_id != self.pad_id, "tokenizer.eos_id", "must differ from tokenizer.pad_id")
+        _check(self.unk_id not in (self.pad_id, self.bos_id, self.eos_id), "tokenizer.unk_id",
+               "must differ from pad_id, bos_id and eos_id")
         _check(0.9 <= self.character_coverage <= 1.0, "tokenizer.character_coverage",
                "must be in [0.9, 1.0]")
         _check(self.sentinels >= 0, "tokenizer.sentinels", "must be >= 0")
@@ -99,15 +113,26 @@ class ModelConfig:
     enc_layers: int = 3
     dec_layers: int = 3
     d_ff: int = 1024
-    activation: Literal["relu", "gelu"] = "relu"
+    head_dim: int = 0  # d_head of every attention head; 0: d_model / heads
+    activation: Literal["relu", "gelu", "gelu_tanh", "silu"] = "relu"
+    gated_ffn: bool = False  # FFN(x) = W_2 (act(W_1 x) * W_3 x)  (T5 v1.1's gated-GELU)
+    bias: bool = True  # biases in the attention and FFN projections (T5 has none)
+    attention_scale: bool = True  # scores divided by sqrt(d_head) (T5 folds it into W_Q)
     norm: Literal["pre", "post"] = "pre"  # pre: formula sheet; post: decoder.txt
+    norm_type: Literal["layernorm", "rmsnorm"] = "layernorm"  # rmsnorm: x / rms(x) * g (T5)
+    norm_eps: float = 1e-5  # epsilon inside every norm
+    embed_norm: bool = False  # a norm on the (scaled, position-added) embeddings (BART)
     positions: Literal["sinusoidal", "learned", "t5_bias"] = "sinusoidal"
     max_positions: int = 1024  # learned positions table size
+    position_offset: int = 0  # learned positions: position p reads row p + offset (BART: 2)
     rel_buckets: int = 32  # t5_bias: number of buckets
     rel_max_distance: int = 128  # t5_bias: distance mapped to the last bucket
     scale_embeddings: bool = True  # multiply embeddings by sqrt(d_model)
     tie_output: bool = True  # W_U = E^T
     share_embeddings: bool = True  # one embedding for source and target
+    output_bias: bool = False  # z_t = h_t W_U + b_U (the final logits bias of Marian and BART)
+    scale_output: bool = False  # z_t = (h_t / sqrt(d_model)) W_U (T5 v1.0, tied)
+    vocab_size: int = 0  # rows of the embedding and output tables; 0: the tokenizer's vocabulary
     dropout: float = 0.1
     attention_dropout: float = 0.0
     # pointer-generator (formula sheet, Lesson 9): P(w) = p_gen P_vocab(w) + (1 - p_gen) sum_{j: x_j = w} A_tj,
@@ -119,10 +144,13 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for key in ("d_model", "heads", "d_ff", "max_positions", "rel_buckets", "rel_max_distance"):
             _check(getattr(self, key) >= 1, f"model.{key}", "must be >= 1")
+        for key in ("head_dim", "position_offset", "vocab_size"):
+            _check(getattr(self, key) >= 0, f"model.{key}", "must be >= 0")
+        _check(0 < self.norm_eps < 1, "model.norm_eps", "must be in (0, 1)")
         _check(self.enc_layers >= 1, "model.enc_layers", "must be >= 1")
         _check(self.dec_layers >= 1, "model.dec_layers", "must be >= 1")
-        _check(self.d_model % self.heads == 0, "model.d_model",
-               f"d_model={self.d_model} is not divisible by heads={self.heads}")
+        _check(self.head_dim > 0 or self.d_model % self.heads == 0, "model.d_model",
+               f"d_model={self.d_model} is not divisible by heads={self.heads} (or set model.head_dim)")
         _check(self.rel_buckets >= 4, "model.rel_buckets", "must be >= 4")
         _check(self.rel_max_distance > self.rel_buckets // 4, "model.rel_max_distance",
                "must exceed rel_buckets / 4 (the last exactly-represented distance)")
@@ -133,7 +161,7 @@ class ModelConfig:
 
     @property
     def d_head(self) -> int:
-        return self.d_model // self.heads
+        return self.head_dim or self.d_model // self.heads
 
 
 @dataclass(frozen=True)

@@ -116,7 +116,7 @@ def write_ids(directory: Path, split: str, side: str, seqs: Sequence[list[int]],
 
 
 def tokenizer_fingerprint(cfg: ExperimentConfig, directory: Path) -> str:
-    files = sorted(set(Tokenizer.files(directory, cfg.data, cfg.tokenizer.joint)))
+    files = Tokenizer.all_files(directory, cfg.tokenizer, cfg.data)
     return hashlib.sha256("".join(file_sha256(p) for p in files).encode()).hexdigest()[:16]
 
 
@@ -141,7 +141,7 @@ def prepare(cfg: ExperimentConfig) -> dict[str, CleanStats]:
     corpora = {split: (resolve_corpus(prefix, cfg.data.src_lang), resolve_corpus(prefix, cfg.data.tgt_lang))
                for split in SPLITS if (prefix := getattr(cfg.data, split))}
     cfg = resolve_tokenizer_config(cfg)
-    tok = Tokenizer.load(out, cfg.data, cfg.tokenizer.joint)
+    tok = Tokenizer.load(out, cfg.tokenizer, cfg.data)
     (out / "meta.json").unlink(missing_ok=True)  # written last: its presence means complete
     all_stats: dict[str, CleanStats] = {}
     sizes = {}
@@ -177,8 +177,9 @@ def prepare(cfg: ExperimentConfig) -> dict[str, CleanStats]:
 class BinDataset:
     """One binarized split, memory-mapped."""
 
-    def __init__(self, directory: str | Path, split: str):
+    def __init__(self, directory: str | Path, split: str, pad_id: int = PAD_ID, bos_id: int = BOS_ID):
         d = Path(directory)
+        self.pad_id, self.bos_id = pad_id, bos_id
         try:
             self.src = np.load(d / f"{split}.src.ids.npy", mmap_mode="r")
             self.src_off = np.load(d / f"{split}.src.idx.npy")
@@ -202,7 +203,7 @@ class BinDataset:
 
     def batch(self, indices: Sequence[int]) -> "Batch":
         pairs = [self.pair(int(i)) for i in indices]
-        return Batch.from_ids([p[0] for p in pairs], [p[1] for p in pairs])
+        return Batch.from_ids([p[0] for p in pairs], [p[1] for p in pairs], self.pad_id, self.bos_id)
 
 
 # --------------------------------------------------------------------------- #
@@ -240,21 +241,23 @@ class Batch:
     tgt_out: Tensor  # (B, T)
     n_src_tokens: int
     n_tgt_tokens: int
+    pad_id: int = PAD_ID
 
     @classmethod
-    def from_ids(cls, src: Sequence[Sequence[int]], tgt: Sequence[Sequence[int]]) -> "Batch":
-        return cls(src=pad_sequences(src),
-                   tgt_in=pad_sequences(tgt, prefix=BOS_ID, drop_last=True),
-                   tgt_out=pad_sequences(tgt),
+    def from_ids(cls, src: Sequence[Sequence[int]], tgt: Sequence[Sequence[int]], pad_id: int = PAD_ID,
+                 bos_id: int = BOS_ID) -> "Batch":
+        return cls(src=pad_sequences(src, pad_id),
+                   tgt_in=pad_sequences(tgt, pad_id, prefix=bos_id, drop_last=True),
+                   tgt_out=pad_sequences(tgt, pad_id),
                    n_src_tokens=sum(len(s) for s in src),
-                   n_tgt_tokens=sum(len(t) for t in tgt))
+                   n_tgt_tokens=sum(len(t) for t in tgt), pad_id=pad_id)
 
     def __len__(self) -> int:
         return self.src.size(0)
 
     def to(self, device: torch.device) -> "Batch":
         return Batch(self.src.to(device), self.tgt_in.to(device), self.tgt_out.to(device),
-                     self.n_src_tokens, self.n_tgt_tokens)
+                     self.n_src_tokens, self.n_tgt_tokens, self.pad_id)
 
     def halves(self) -> tuple["Batch", "Batch"]:
         """The first and the second half of the sentences (for a batch too big for memory)."""
@@ -262,7 +265,8 @@ class Batch:
 
         def part(rows: slice) -> "Batch":
             src, tgt_in, tgt_out = self.src[rows], self.tgt_in[rows], self.tgt_out[rows]
-            return Batch(src, tgt_in, tgt_out, int((src != PAD_ID).sum()), int((tgt_out != PAD_ID).sum()))
+            pad = self.pad_id
+            return Batch(src, tgt_in, tgt_out, int((src != pad).sum()), int((tgt_out != pad).sum()), pad)
         return part(slice(0, k)), part(slice(k, None))
 
 

@@ -62,8 +62,13 @@ def export_ct2(model_dir: str | Path, out: str | Path, quantization: Optional[st
         raise S2SError(f"--quantization: {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
     loaded = load_model_dir(model_dir)
     model, cfg = loaded.model, loaded.cfg.model
-    unsupported = [name for name, on in (("model.positions: t5_bias", cfg.positions == "t5_bias"),
-                                         ("model.copy", cfg.copy), ("model.coverage", cfg.coverage)) if on]
+    unsupported = [name for name, on in (
+        ("model.positions: t5_bias", cfg.positions == "t5_bias"), ("model.copy", cfg.copy),
+        ("model.coverage", cfg.coverage), (f"model.activation: {cfg.activation}", cfg.activation not in ("relu", "gelu")),
+        ("model.gated_ffn", cfg.gated_ffn), ("model.bias: false", not cfg.bias),
+        ("model.attention_scale: false", not cfg.attention_scale), ("model.norm_type: rmsnorm", cfg.norm_type == "rmsnorm"),
+        ("model.embed_norm", cfg.embed_norm), ("model.output_bias", cfg.output_bias),
+        ("model.scale_output", cfg.scale_output), ("model.head_dim", cfg.d_head * cfg.heads != cfg.d_model)) if on]
     if unsupported:
         raise S2SError(f"{model_dir}: {', '.join(unsupported)} has no CTranslate2 counterpart")
     activation = {"relu": common_spec.Activation.RELU, "gelu": common_spec.Activation.GELU}[cfg.activation]
@@ -72,7 +77,7 @@ def export_ct2(model_dir: str | Path, out: str | Path, quantization: Optional[st
 
     def positions(module) -> object:
         if cfg.positions == "learned":
-            return _numpy(module.table.weight)
+            return _numpy(module.table.weight[module.offset:])
         return _numpy(sinusoidal_table(torch.arange(cfg.max_positions), cfg.d_model))
 
     enc, dec = spec.encoder, spec.decoder

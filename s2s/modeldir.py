@@ -28,7 +28,7 @@ from s2s.config import ExperimentConfig, load_config, to_yaml
 from s2s.errors import S2SError
 from s2s.model import Seq2SeqTransformer
 from s2s.textio import atomic_write, file_sha256
-from s2s.tokenizer import PAD_ID, Tokenizer
+from s2s.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
@@ -37,10 +37,20 @@ CONFIG = "config.yaml"
 CHECKPOINT_STATE = "state.json"  # in checkpoints/step-N/, beside model.safetensors
 
 
+def vocab_sizes(cfg: ExperimentConfig, tok: Tokenizer) -> tuple[int, int]:
+    """Rows of the source and target tables: model.vocab_size, else the tokenizer's sizes."""
+    if cfg.model.vocab_size:
+        if max(tok.src_vocab_size, tok.tgt_vocab_size) > cfg.model.vocab_size:
+            raise S2SError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
+                           f"{max(tok.src_vocab_size, tok.tgt_vocab_size)} ids")
+        return cfg.model.vocab_size, cfg.model.vocab_size
+    return tok.src_vocab_size, tok.tgt_vocab_size
+
+
 def build_model(cfg: ExperimentConfig, tok: Tokenizer) -> Seq2SeqTransformer:
     """The model a config describes, sized to the tokenizer's vocabularies."""
     if cfg.model.arch == "encoder_decoder":
-        return Seq2SeqTransformer(cfg.model, tok.src_vocab_size, tok.tgt_vocab_size, PAD_ID)
+        return Seq2SeqTransformer(cfg.model, *vocab_sizes(cfg, tok), tok.pad_id)
     raise S2SError(f"model.arch: {cfg.model.arch!r} is not supported")
 
 
@@ -50,7 +60,7 @@ def write_config(directory: Path, cfg: ExperimentConfig) -> None:
 
 
 def copy_tokenizer(cfg: ExperimentConfig, src_dir: Path, directory: Path) -> None:
-    for p in sorted(set(Tokenizer.files(src_dir, cfg.data, cfg.tokenizer.joint))):
+    for p in Tokenizer.all_files(src_dir, cfg.tokenizer, cfg.data):
         target = directory / p.name
         if p.resolve() != target.resolve():
             with atomic_write(target, "wb") as f:
@@ -168,7 +178,7 @@ def recorded_sha256(directory: Path) -> str:
 def load_spec(directory: Path) -> tuple[ExperimentConfig, Tokenizer]:
     """The config and tokenizer a model or run directory holds."""
     cfg = load_config(directory / CONFIG)
-    return cfg, Tokenizer.load(directory, cfg.data, cfg.tokenizer.joint)
+    return cfg, Tokenizer.load(directory, cfg.tokenizer, cfg.data)
 
 
 def load_model_dir(directory: str | Path, device: str | torch.device = "cpu") -> LoadedModel:
@@ -200,12 +210,12 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
     if p.is_dir():
         meta = read_meta(p)
         cfg, tok = load_spec(p)
-        src_v, tgt_v = tok.src_vocab_size, tok.tgt_vocab_size
+        src_v, tgt_v = vocab_sizes(cfg, tok)
     else:
         cfg = load_config(p)
-        src_v = tgt_v = cfg.tokenizer.vocab_size
+        src_v = tgt_v = cfg.model.vocab_size or cfg.tokenizer.vocab_size
     with torch.device("meta"):  # count without allocating
-        model = Seq2SeqTransformer(cfg.model, src_v, tgt_v, PAD_ID)
+        model = Seq2SeqTransformer(cfg.model, src_v, tgt_v, cfg.tokenizer.pad_id)
     m = cfg.model
     n = count_parameters(model)
     budget = parameter_budget(m, tgt_v)

@@ -168,7 +168,7 @@ def constrain(logp: Tensor, t: int, max_len: Tensor, s: SearchSettings,
               tokens: Optional[Tensor] = None, forced: Optional[Tensor] = None) -> Tensor:
     """Apply the search rules to step t's log-probs (N, V), in place.
 
-    pad and <s> are never generated; </s> is blocked while t < min_len and is
+    pad and the start symbol are never generated (unless it is </s> itself); </s> is blocked while t < min_len and is
     the only choice at t = max_len - 1, so every hypothesis has m <= max_len;
     with ``no_repeat_ngram`` and the hypotheses so far (``tokens`` (N, t)),
     no n-gram repeats; ``forced`` (N,) a token id per row (-1: free) is the
@@ -178,7 +178,8 @@ def constrain(logp: Tensor, t: int, max_len: Tensor, s: SearchSettings,
         rows = (forced >= 0).nonzero().flatten()
         kept = logp[rows, forced[rows]].clone()
     logp[:, s.pad_id] = NEG_INF
-    logp[:, s.bos_id] = NEG_INF
+    if s.bos_id != s.eos_id:  # BART starts the decoder with </s>
+        logp[:, s.bos_id] = NEG_INF
     if t < s.min_len:
         logp[:, s.eos_id] = NEG_INF
     if s.no_repeat_ngram and tokens is not None:

@@ -34,35 +34,64 @@ def sentinel(i: int) -> str:
 
 @dataclass
 class Tokenizer:
-    """A source and a target SentencePiece model (the same object when joint)."""
+    """A source and a target SentencePiece model (the same object when joint).
+
+    Model ids are the SentencePiece ids, or with ``vocab`` (piece -> id, an
+    imported Marian vocabulary) the ids that map gives each piece.
+    """
 
     src: spm.SentencePieceProcessor
     tgt: spm.SentencePieceProcessor
     joint: bool
+    pad_id: int = PAD_ID
+    unk_id: int = UNK_ID
+    bos_id: int = BOS_ID  # the decoder's start symbol
+    eos_id: int = EOS_ID
+    vocab: Optional[dict[str, int]] = None
 
-    pad_id = PAD_ID
-    unk_id = UNK_ID
-    bos_id = BOS_ID
-    eos_id = EOS_ID
+    def __post_init__(self) -> None:
+        self._pieces = {i: p for p, i in self.vocab.items()} if self.vocab is not None else None
+
+    @property
+    def specials(self) -> set[int]:
+        return {self.pad_id, self.bos_id, self.eos_id}
 
     @property
     def src_vocab_size(self) -> int:
-        return self.src.get_piece_size()
+        return max(self.vocab.values()) + 1 if self.vocab is not None else self.src.get_piece_size()
 
     @property
     def tgt_vocab_size(self) -> int:
-        return self.tgt.get_piece_size()
+        return max(self.vocab.values()) + 1 if self.vocab is not None else self.tgt.get_piece_size()
+
+    def _encode(self, proc: spm.SentencePieceProcessor, lines: Sequence[str]) -> list[list[int]]:
+        if self.vocab is None:
+            return [ids + [self.eos_id] for ids in proc.encode(list(lines))]
+        get, unk = self.vocab.get, self.unk_id
+        return [[get(p, unk) for p in pieces] + [self.eos_id]
+                for pieces in proc.encode(list(lines), out_type=str)]
 
     def encode_src(self, lines: Sequence[str]) -> list[list[int]]:
         """Source ids end with </s> (the encoder sees where the input stops)."""
-        return [ids + [EOS_ID] for ids in self.src.encode(list(lines))]
+        return self._encode(self.src, lines)
 
     def encode_tgt(self, lines: Sequence[str]) -> list[list[int]]:
         """Target ids y_1..y_m, with y_m = </s>; <s> is added when a Batch shifts them."""
-        return [ids + [EOS_ID] for ids in self.tgt.encode(list(lines))]
+        return self._encode(self.tgt, lines)
 
     def decode_tgt(self, ids: Iterable[int]) -> str:
-        return self.tgt.decode([i for i in ids if i not in (PAD_ID, BOS_ID, EOS_ID)])
+        specials = self.specials
+        ids = [int(i) for i in ids if i not in specials]
+        if self._pieces is None:
+            return self.tgt.decode(ids)
+        return self.tgt.decode_pieces([self._pieces[i] for i in ids if i in self._pieces])
+
+    def piece(self, i: int, side: str = "tgt") -> str:
+        """The subword a model id stands for (for plots and alignments)."""
+        if self._pieces is not None:
+            return self._pieces.get(int(i), "<unk>")
+        proc = self.src if side == "src" else self.tgt
+        return proc.id_to_piece(int(i)) if int(i) < proc.get_piece_size() else f"<id {int(i)}>"
 
     # ------------------------------------------------------------------ #
     @staticmethod
@@ -72,26 +101,58 @@ class Tokenizer:
         return directory / f"spm.{data.src_lang}.model", directory / f"spm.{data.tgt_lang}.model"
 
     @classmethod
-    def load(cls, directory: str | Path, data: DataConfig, joint: bool) -> "Tokenizer":
-        src_path, tgt_path = cls.files(Path(directory), data, joint)
+    def all_files(cls, directory: Path, tok: TokenizerConfig, data: DataConfig) -> list[Path]:
+        """Every file of the tokenizer: the SentencePiece model(s) and the vocabulary map."""
+        files = set(cls.files(directory, data, tok.joint))
+        if tok.vocab_file:
+            files.add(directory / tok.vocab_file)
+        return sorted(files)
+
+    @classmethod
+    def load(cls, directory: str | Path, tok: TokenizerConfig, data: DataConfig) -> "Tokenizer":
+        directory = Path(directory)
+        src_path, tgt_path = cls.files(directory, data, tok.joint)
         for p in {src_path, tgt_path}:
             if not p.is_file():
                 raise S2SError(f"{p}: tokenizer model not found (run `s2s tokenizer train CONFIG`)")
-        src = _load_model(src_path)
-        tgt = src if joint else _load_model(tgt_path)
-        return cls(src=src, tgt=tgt, joint=joint)
+        vocab = _load_vocab(directory / tok.vocab_file, tok) if tok.vocab_file else None
+        src = _load_model(src_path, tok, check_ids=vocab is None)
+        tgt = src if tok.joint else _load_model(tgt_path, tok, check_ids=vocab is None)
+        return cls(src=src, tgt=tgt, joint=tok.joint, pad_id=tok.pad_id, unk_id=tok.unk_id,
+                   bos_id=tok.bos_id, eos_id=tok.eos_id, vocab=vocab)
 
 
-def _load_model(path: Path) -> spm.SentencePieceProcessor:
+def _load_model(path: Path, tok: TokenizerConfig, check_ids: bool = True) -> spm.SentencePieceProcessor:
     proc = spm.SentencePieceProcessor()
     try:
         proc.load(str(path))
     except (OSError, RuntimeError) as e:
         raise S2SError(f"{path}: not a valid SentencePiece model ({str(e).splitlines()[0]})") from None
-    if proc.pad_id() != PAD_ID or proc.eos_id() != EOS_ID or proc.bos_id() != BOS_ID:
-        raise S2SError(f"{path}: SentencePiece model does not use s2s's reserved ids "
-                       f"(pad=0, unk=1, bos=2, eos=3)")
+    if not check_ids:
+        return proc
+    wrong = [f"{name}={want} (the model has {got})" for name, want, got in (
+        ("pad_id", tok.pad_id, proc.pad_id()), ("unk_id", tok.unk_id, proc.unk_id()),
+        ("eos_id", tok.eos_id, proc.eos_id())) if got != want and not (name == "pad_id" and got < 0)]
+    if wrong:
+        raise S2SError(f"{path}: SentencePiece ids disagree with tokenizer.{', '.join(wrong)}")
     return proc
+
+
+def _load_vocab(path: Path, tok: TokenizerConfig) -> dict[str, int]:
+    """A piece -> id JSON map; every special id must be in it."""
+    try:
+        vocab = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise S2SError(f"{path}: vocabulary file not found (tokenizer.vocab_file)") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise S2SError(f"{path}: not a JSON vocabulary ({e})") from None
+    if not isinstance(vocab, dict) or not all(isinstance(i, int) and i >= 0 for i in vocab.values()):
+        raise S2SError(f"{path}: expected a JSON object mapping pieces to ids >= 0")
+    ids = set(vocab.values())
+    missing = [k for k in ("pad_id", "unk_id", "bos_id", "eos_id") if getattr(tok, k) not in ids]
+    if missing:
+        raise S2SError(f"{path}: no piece has tokenizer.{missing[0]}={getattr(tok, missing[0])}")
+    return vocab
 
 
 def _sample(lines: Iterable[str], limit: int, seed: int) -> tuple[list[str], int]:
@@ -151,6 +212,10 @@ def train_tokenizer(tok: TokenizerConfig, data: DataConfig, out_dir: Optional[st
         if not lines:
             raise S2SError(f"{path}: no text to train the tokenizer on (the file is empty)")
     src_path, tgt_path = Tokenizer.files(out, data, tok.joint)
+    reserved = (tok.pad_id, tok.unk_id, tok.bos_id, tok.eos_id, tok.vocab_file)
+    if reserved != (PAD_ID, UNK_ID, BOS_ID, EOS_ID, ""):
+        raise S2SError("tokenizer: s2s trains SentencePiece with pad_id 0, unk_id 1, bos_id 2, eos_id 3 "
+                       "and no vocab_file; leave those keys at their defaults")
     if tok.joint:
         _train_one(src_lines + tgt_lines, src_path, tok)
         written = [src_path]

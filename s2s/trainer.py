@@ -281,9 +281,10 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         check_prepared(cfg)
         self.data_dir = Path(cfg.data.dir)
-        self.tok = Tokenizer.load(self.data_dir, cfg.data, cfg.tokenizer.joint)
-        self.train_data = BinDataset(self.data_dir, "train")
-        self.dev_data = BinDataset(self.data_dir, "dev") if cfg.data.dev else None
+        self.tok = Tokenizer.load(self.data_dir, cfg.tokenizer, cfg.data)
+        ids = {"pad_id": self.tok.pad_id, "bos_id": self.tok.bos_id}
+        self.train_data = BinDataset(self.data_dir, "train", **ids)
+        self.dev_data = BinDataset(self.data_dir, "dev", **ids) if cfg.data.dev else None
         self.model = build_model(cfg, self.tok).to(self.device)
         if self.tc.init_from:
             init = Path(self.tc.init_from)
@@ -366,8 +367,8 @@ class Trainer:
                     logits, a = self.model(b.src, b.tgt_in, return_attention=True)  # a (B, T, S)
                 else:
                     logits = self.model(b.src, b.tgt_in)  # (B, T, V)
-            loss = label_smoothed_nll(logits, b.tgt_out, self.tc.label_smoothing)
-            objective = loss + lam * coverage_loss(a.float(), b.tgt_out != PAD_ID) if lam else loss
+            loss = label_smoothed_nll(logits, b.tgt_out, self.tc.label_smoothing, self.tok.pad_id)
+            objective = loss + lam * coverage_loss(a.float(), b.tgt_out != self.tok.pad_id) if lam else loss
             (objective / n_tokens).backward()
             return loss.detach()
         except RuntimeError as e:  # torch.OutOfMemoryError on a GPU; a failed allocation on the CPU
@@ -395,7 +396,7 @@ class Trainer:
             b = self.dev_data.batch(idx).to(self.device)
             with self.autocast():
                 logits = self.model(b.src, b.tgt_in)
-            nll += float(label_smoothed_nll(logits, b.tgt_out, 0.0))
+            nll += float(label_smoothed_nll(logits, b.tgt_out, 0.0, self.tok.pad_id))
             n += b.n_tgt_tokens
         return nll / max(n, 1)
 
@@ -468,7 +469,7 @@ class Trainer:
                 for key in now:
                     if before[key] != now[key]:
                         raise S2SError(f"{old}: model.{key} differs from the run being resumed")
-            for p in set(Tokenizer.files(self.data_dir, self.cfg.data, self.cfg.tokenizer.joint)):
+            for p in Tokenizer.all_files(self.data_dir, self.cfg.tokenizer, self.cfg.data):
                 mine = self.run_dir / p.name
                 if mine.is_file() and file_sha256(mine) != file_sha256(p):
                     raise S2SError(f"{p}: the tokenizer changed since {self.run_dir} started; "

@@ -23,7 +23,7 @@ from s2s.data import pad_sequences, tokenizer_fingerprint, truncate
 from s2s.errors import S2SError
 from s2s.model import Seq2SeqTransformer
 from s2s.search import EnsembleDecoder, Hypothesis, ModelDecoder, SearchSettings, search
-from s2s.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from s2s.tokenizer import BOS_ID, Tokenizer
 
 log = logging.getLogger("s2s")
 
@@ -41,12 +41,12 @@ class Translation:
 
 @torch.inference_mode()
 def cross_attention(model: Seq2SeqTransformer, src: torch.Tensor, tgt: torch.Tensor,
-                    layer: Optional[int] = -1) -> torch.Tensor:
+                    layer: Optional[int] = -1, bos_id: int = BOS_ID) -> torch.Tensor:
     """Cross-attention of a target over its source by teacher forcing, averaged over heads:
     src (B, S), tgt (B, T) target tokens y_1..y_T -> A (B, T, S), row t = where y_t looked.
     ``layer``: a decoder layer index (-1: the last, the one copy and coverage use) or
     None for the mean over all layers."""
-    tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS_ID), tgt[:, :-1]], dim=1)
+    tgt_in = torch.cat([torch.full_like(tgt[:, :1], bos_id), tgt[:, :-1]], dim=1)
     h_enc, src_mask = model.encode(src)
     _, weights = model.decode(tgt_in, h_enc, src_mask, need_weights=True, src=src)
     per_layer = torch.stack([w.float().mean(1) for w in weights])  # (layers, B, T, S)
@@ -150,7 +150,8 @@ class Translator:
                               no_repeat_ngram=d.no_repeat_ngram, sampling=d.sampling,
                               temperature=d.temperature, top_k=d.top_k, top_p=d.top_p, seed=d.seed,
                               coverage_penalty=d.coverage_penalty,
-                              bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID)
+                              bos_id=self.tok.bos_id, eos_id=self.tok.eos_id,
+                              pad_id=self.tok.pad_id)
 
     # ------------------------------------------------------------------ #
     @torch.inference_mode()
@@ -158,7 +159,7 @@ class Translator:
                    prefix_ids: Optional[Sequence[Sequence[int]]] = None) -> list[list[Hypothesis]]:
         """Search one batch of encoded sources (each ending in </s>); ``prefix_ids``
         are target tokens each output must start with."""
-        src = pad_sequences(src_ids).to(self.device)  # (B, S)
+        src = pad_sequences(src_ids, self.tok.pad_id).to(self.device)  # (B, S)
         src_lens = torch.tensor([len(s) - 1 for s in src_ids], device=self.device)
         max_len = max_output_lengths(src_lens, self.decode.max_len_a, self.decode.max_len_b,
                                      self.position_cap)
@@ -180,8 +181,8 @@ class Translator:
         rows = [(i, h) for i, hyps in enumerate(found) for h in hyps]
         if not rows:
             return
-        tgt = pad_sequences([h.tokens + [EOS_ID] for _, h in rows]).to(src.device)
-        A = cross_attention(self.model, src[[i for i, _ in rows]], tgt)  # (R, T, S)
+        tgt = pad_sequences([h.tokens + [self.tok.eos_id] for _, h in rows], self.tok.pad_id).to(src.device)
+        A = cross_attention(self.model, src[[i for i, _ in rows]], tgt, bos_id=self.tok.bos_id)  # (R, T, S)
         for r, (i, h) in enumerate(rows):
             h.alignment = hard_alignment(A[r], src_lens[i], len(h.tokens))
 

@@ -96,8 +96,9 @@ def _tokenizer(corpus, out, **settings):
     from s2s.tokenizer import Tokenizer, train_tokenizer
 
     data = DataConfig(src_lang="en", tgt_lang="de", train=str(corpus / "train"), dir=str(out))
-    train_tokenizer(TokenizerConfig(vocab_size=400, **settings), data)
-    return Tokenizer.load(out, data, joint=True)
+    tok = TokenizerConfig(vocab_size=400, **settings)
+    train_tokenizer(tok, data)
+    return Tokenizer.load(out, tok, data)
 
 
 @pytest.fixture(scope="module")

@@ -69,7 +69,7 @@ def test_p_gen_one_is_the_vocabulary_distribution():
         model.p_gen_proj.bias.fill_(1e4)
     src, tgt_in = batch()
     h_enc, src_mask = model.encode(src)
-    x = model._embed(tgt_in, model.tgt_embed, model.dec_positions)
+    x = model._embed(tgt_in, model.tgt_embed, model.dec_positions, model.dec_embed_norm)
     cross = [layer.cross_attn.project_kv(h_enc) for layer in model.decoder_layers]
     h, _, _ = model._decoder_stack(x, cross, model._self_mask(4, 4, 0, None), src_mask, [None] * 2,
                                    False, True, None)

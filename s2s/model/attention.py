@@ -81,18 +81,22 @@ class MultiHeadAttention(nn.Module):
     fused (d, 2d) matmul over H_enc, so the K/V cache can be built once.
     """
 
-    def __init__(self, d_model: int, heads: int, dropout: float = 0.0, cross: bool = False):
+    def __init__(self, d_model: int, heads: int, dropout: float = 0.0, cross: bool = False,
+                 d_head: Optional[int] = None, bias: bool = True, scale: bool = True):
         super().__init__()
         self.heads = heads
-        self.d_head = d_model // heads
+        self.d_head = d_head or d_model // heads
         self.cross = cross
         self.dropout = dropout
+        # scale=False: scores q.k without 1/sqrt(d_head) (T5 folds the scale into W_Q)
+        self.scale = scale
+        inner = heads * self.d_head  # d_model unless model.head_dim says otherwise
         if cross:
-            self.q_proj = nn.Linear(d_model, d_model)
-            self.kv_proj = nn.Linear(d_model, 2 * d_model)
+            self.q_proj = nn.Linear(d_model, inner, bias=bias)
+            self.kv_proj = nn.Linear(d_model, 2 * inner, bias=bias)
         else:
-            self.qkv_proj = nn.Linear(d_model, 3 * d_model)
-        self.out_proj = nn.Linear(d_model, d_model)
+            self.qkv_proj = nn.Linear(d_model, 3 * inner, bias=bias)
+        self.out_proj = nn.Linear(inner, d_model, bias=bias)
 
     # ---- shape helpers --------------------------------------------------- #
     def split_heads(self, x: Tensor) -> Tensor:
@@ -128,10 +132,11 @@ class MultiHeadAttention(nn.Module):
         """
         p = self.dropout if self.training else 0.0
         if need_weights:
-            out, A = attention(q, k, v, mask, dropout_p=p)
+            out, A = attention(q, k, v, mask, scale=self.scale, dropout_p=p)
         else:
             if mask is not None:
                 mask = mask.to(q.dtype)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                                 scale=None if self.scale else 1.0)
             A = None
         return self.out_proj(self.merge_heads(out)), A

@@ -6,42 +6,73 @@ post-norm (decoder.txt, the 2017 paper): x <- Norm(x + Dropout(Sublayer(x)))
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from s2s.config import ModelConfig
 from s2s.model.attention import MultiHeadAttention, attention
 from s2s.model.cache import LayerCache
 
 
-class FeedForward(nn.Module):
-    """FFN(x) = W_2 act(W_1 x + b_1) + b_2,  act = ReLU or GELU."""
+ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,  # exact: x Phi(x)
+    "gelu_tanh": partial(F.gelu, approximate="tanh"),  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+    "silu": F.silu,  # x sigmoid(x), "swish"
+}
 
-    def __init__(self, d_model: int, d_ff: int, activation: str, dropout: float):
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    """LayerNorm(x) = (x - mean) / sqrt(var + eps) * g + b,  or  RMSNorm(x) = x / sqrt(mean(x^2) + eps) * g."""
+    if cfg.norm_type == "rmsnorm":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+
+
+class FeedForward(nn.Module):
+    """FFN(x) = W_2 act(W_1 x + b_1) + b_2,   or gated (``model.gated_ffn``):
+    FFN(x) = W_2 (act(W_1 x) * W_3 x)   (GLU variants; T5 v1.1's gated-GELU)."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: str, dropout: float, bias: bool = True,
+                 gated: bool = False):
         super().__init__()
-        self.w_1 = nn.Linear(d_model, d_ff)
-        self.w_2 = nn.Linear(d_ff, d_model)
-        self.act = F.relu if activation == "relu" else F.gelu
+        self.w_1 = nn.Linear(d_model, d_ff, bias=bias)
+        self.w_3 = nn.Linear(d_model, d_ff, bias=bias) if gated else None
+        self.w_2 = nn.Linear(d_ff, d_model, bias=bias)
+        self.act = ACTIVATIONS[activation]
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w_2(self.dropout(self.act(self.w_1(x))))
+        h = self.act(self.w_1(x))
+        if self.w_3 is not None:
+            h = h * self.w_3(x)
+        return self.w_2(self.dropout(h))
+
+
+def _attention(cfg: ModelConfig, cross: bool = False) -> MultiHeadAttention:
+    return MultiHeadAttention(cfg.d_model, cfg.heads, cfg.attention_dropout, cross=cross,
+                              d_head=cfg.d_head, bias=cfg.bias, scale=cfg.attention_scale)
+
+
+def _ffn(cfg: ModelConfig) -> FeedForward:
+    return FeedForward(cfg.d_model, cfg.d_ff, cfg.activation, cfg.dropout, cfg.bias, cfg.gated_ffn)
 
 
 class EncoderLayer(nn.Module):
     """H' = H + MHA_bidir(Norm(H));  H_out = H' + FFN(Norm(H'))   (pre-norm form)."""
 
-    def __init__(self, d_model: int, heads: int, d_ff: int, activation: str, dropout: float,
-                 attention_dropout: float, pre_norm: bool):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.pre_norm = pre_norm
-        self.self_attn = MultiHeadAttention(d_model, heads, attention_dropout)
-        self.norm1 = nn.LayerNorm(d_model)
-        self.ffn = FeedForward(d_model, d_ff, activation, dropout)
-        self.norm2 = nn.LayerNorm(d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.pre_norm = cfg.norm == "pre"
+        self.self_attn = _attention(cfg)
+        self.norm1 = make_norm(cfg)
+        self.ffn = _ffn(cfg)
+        self.norm2 = make_norm(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
 
     def _self_attn(self, x: Tensor, mask: Optional[Tensor]) -> Tensor:
         q, k, v = self.self_attn.project_qkv(x)  # (B, heads, S, d_head)
@@ -66,19 +97,18 @@ class DecoderLayer(nn.Module):
     H2 = H1 + CrossAttn(Norm(H1), H_enc)
     H3 = H2 + FFN(Norm(H2))                    (pre-norm form)."""
 
-    def __init__(self, d_model: int, heads: int, d_ff: int, activation: str, dropout: float,
-                 attention_dropout: float, pre_norm: bool, coverage: bool = False):
+    def __init__(self, cfg: ModelConfig, coverage: bool = False):
         super().__init__()
-        self.pre_norm = pre_norm
-        self.self_attn = MultiHeadAttention(d_model, heads, attention_dropout)
-        self.norm1 = nn.LayerNorm(d_model)
-        self.cross_attn = MultiHeadAttention(d_model, heads, attention_dropout, cross=True)
+        self.pre_norm = cfg.norm == "pre"
+        self.self_attn = _attention(cfg)
+        self.norm1 = make_norm(cfg)
+        self.cross_attn = _attention(cfg, cross=True)
         # coverage-aware cross-attention: w_cov[h] * c^t_j added to head h's scores (0 at the start)
-        self.w_cov = nn.Parameter(torch.zeros(heads)) if coverage else None
-        self.norm2 = nn.LayerNorm(d_model)
-        self.ffn = FeedForward(d_model, d_ff, activation, dropout)
-        self.norm3 = nn.LayerNorm(d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.w_cov = nn.Parameter(torch.zeros(cfg.heads)) if coverage else None
+        self.norm2 = make_norm(cfg)
+        self.ffn = _ffn(cfg)
+        self.norm3 = make_norm(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
 
     def _self_attn(self, x: Tensor, self_mask: Optional[Tensor], cache: Optional[LayerCache]) -> Tensor:
         q, k, v = self.self_attn.project_qkv(x)  # (B, heads, T, d_head)
@@ -108,7 +138,8 @@ class DecoderLayer(nn.Module):
         outs, weights = [], []
         for t in range(q.size(2)):
             bias = self.w_cov[None, :, None, None] * c[:, None, None, :].to(q.dtype)  # (B, heads, 1, S)
-            out_t, A_t = attention(q[:, :, t:t + 1], k, v, src_mask + bias, dropout_p=p)
+            out_t, A_t = attention(q[:, :, t:t + 1], k, v, src_mask + bias, scale=self.cross_attn.scale,
+                                   dropout_p=p)
             c = c + A_t.mean(1)[:, 0].to(c.dtype)  # (B, S)
             outs.append(out_t)
             weights.append(A_t)

@@ -37,16 +37,21 @@ class SinusoidalPositions(nn.Module):
 
 
 class LearnedPositions(nn.Module):
-    def __init__(self, max_positions: int, d_model: int):
+    """P(pos) = table[pos + offset]; the first ``offset`` rows are never read
+    (BART keeps 2 there, a relic of fairseq's padding-based position ids)."""
+
+    def __init__(self, max_positions: int, d_model: int, offset: int = 0):
         super().__init__()
         self.max_positions = max_positions
-        self.table = nn.Embedding(max_positions, d_model)
+        self.offset = offset
+        self.table = nn.Embedding(max_positions + offset, d_model)
         nn.init.normal_(self.table.weight, std=d_model ** -0.5)
 
     def forward(self, L: int, start: int = 0, device=None) -> Tensor:
         if start + L > self.max_positions:
             raise ValueError(f"position {start + L - 1} exceeds model.max_positions={self.max_positions}")
-        return self.table(torch.arange(start, start + L, device=device))  # (L, d_model)
+        pos = torch.arange(start + self.offset, start + L + self.offset, device=device)
+        return self.table(pos)  # (L, d_model)
 
 
 def relative_position_bucket(distance: Tensor, bidirectional: bool, num_buckets: int,

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from s2s.config import ModelConfig
 from s2s.model.attention import causal_mask, padding_mask
 from s2s.model.cache import DecoderCache, LayerCache
-from s2s.model.layers import DecoderLayer, EncoderLayer
+from s2s.model.layers import DecoderLayer, EncoderLayer, make_norm
 from s2s.model.positions import LearnedPositions, RelativePositionBias, SinusoidalPositions
 
 
@@ -46,8 +46,8 @@ class Seq2SeqTransformer(nn.Module):
         if cfg.positions == "sinusoidal":
             self.enc_positions = self.dec_positions = SinusoidalPositions(d)
         elif cfg.positions == "learned":
-            self.enc_positions = LearnedPositions(cfg.max_positions, d)
-            self.dec_positions = LearnedPositions(cfg.max_positions, d)
+            self.enc_positions = LearnedPositions(cfg.max_positions, d, cfg.position_offset)
+            self.dec_positions = LearnedPositions(cfg.max_positions, d, cfg.position_offset)
         elif cfg.positions == "t5_bias":
             self.enc_rel_bias = RelativePositionBias(cfg.heads, cfg.rel_buckets,
                                                      cfg.rel_max_distance, bidirectional=True)
@@ -56,21 +56,23 @@ class Seq2SeqTransformer(nn.Module):
         else:
             raise ValueError(f"unknown positions {cfg.positions!r}")
 
+        # BART: a norm on the embeddings (one per stack)
+        self.enc_embed_norm = make_norm(cfg) if cfg.embed_norm else None
+        self.dec_embed_norm = make_norm(cfg) if cfg.embed_norm else None
         pre_norm = cfg.norm == "pre"
-        self.encoder_layers = nn.ModuleList(
-            EncoderLayer(d, cfg.heads, cfg.d_ff, cfg.activation, cfg.dropout, cfg.attention_dropout,
-                         pre_norm) for _ in range(cfg.enc_layers))
+        self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.enc_layers))
         self.decoder_layers = nn.ModuleList(
-            DecoderLayer(d, cfg.heads, cfg.d_ff, cfg.activation, cfg.dropout, cfg.attention_dropout,
-                         pre_norm, coverage=cfg.coverage and i == cfg.dec_layers - 1)
+            DecoderLayer(cfg, coverage=cfg.coverage and i == cfg.dec_layers - 1)
             for i in range(cfg.dec_layers))
         # pointer-generator: p_gen = sigmoid(w_p . [h_t; ctx_t; x_t] + b_p)
         self.p_gen_proj = nn.Linear(3 * d, 1) if cfg.copy else None
         # pre-norm stacks end with a norm (their residual stream is never normalized otherwise)
-        self.enc_final_norm = nn.LayerNorm(d) if pre_norm else nn.Identity()
-        self.dec_final_norm = nn.LayerNorm(d) if pre_norm else nn.Identity()
+        self.enc_final_norm = make_norm(cfg) if pre_norm else nn.Identity()
+        self.dec_final_norm = make_norm(cfg) if pre_norm else nn.Identity()
         self.dropout = nn.Dropout(cfg.dropout)
         self.output_proj = None if cfg.tie_output else nn.Linear(d, tgt_vocab, bias=False)
+        self.output_bias = nn.Parameter(torch.zeros(tgt_vocab)) if cfg.output_bias else None
+        self.output_scale = d ** -0.5 if cfg.scale_output else 1.0
         self.reset_parameters()
 
     # ------------------------------------------------------------------ #
@@ -91,10 +93,13 @@ class Seq2SeqTransformer(nn.Module):
 
     # ------------------------------------------------------------------ #
     def _embed(self, tokens: Tensor, table: nn.Embedding, positions: Optional[nn.Module],
-               start: int = 0) -> Tensor:
+               norm: Optional[nn.Module], start: int = 0) -> Tensor:
+        """x = Dropout(Norm(E[tokens] * scale + P[start:start+L])), Norm only with model.embed_norm."""
         x = table(tokens) * self.embed_scale  # (B, L, d_model)
         if positions is not None:
             x = x + positions(tokens.size(1), start, device=tokens.device).to(x.dtype)
+        if norm is not None:
+            x = norm(x)
         return self.dropout(x)
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
@@ -104,7 +109,7 @@ class Seq2SeqTransformer(nn.Module):
         if self.enc_rel_bias is not None:
             S = src.size(1)
             mask = src_mask + self.enc_rel_bias(S, S, device=src.device)  # (B, heads, S, S)
-        x = self._embed(src, self.src_embed, self.enc_positions)
+        x = self._embed(src, self.src_embed, self.enc_positions, self.enc_embed_norm)
         for layer in self.encoder_layers:
             x = layer(x, mask)
         return self.enc_final_norm(x), src_mask
@@ -121,10 +126,12 @@ class Seq2SeqTransformer(nn.Module):
         return mask
 
     def logits(self, h: Tensor) -> Tensor:
-        """z_t = h_t W_U, with W_U = E^T when tied.   (B, T, d) -> (B, T, V)."""
-        if self.output_proj is None:
-            return h @ self.tgt_embed.weight.t()
-        return self.output_proj(h)
+        """z_t = (s h_t) W_U + b_U, with W_U = E^T when tied, s = 1/sqrt(d) with
+        model.scale_output (else 1), b_U with model.output_bias.   (B, T, d) -> (B, T, V)."""
+        if self.output_scale != 1.0:
+            h = h * self.output_scale
+        z = h @ self.tgt_embed.weight.t() if self.output_proj is None else self.output_proj(h)
+        return z if self.output_bias is None else z + self.output_bias
 
     def copy_log_probs(self, z: Tensor, h: Tensor, x_in: Tensor, a: Tensor, h_enc: Tensor,
                        src: Tensor) -> Tensor:
@@ -176,7 +183,7 @@ class Seq2SeqTransformer(nn.Module):
         """
         B, T = tgt_in.shape
         self_mask = self._self_mask(T, T, 0, tgt_in.device)
-        x_in = self._embed(tgt_in, self.tgt_embed, self.dec_positions)
+        x_in = self._embed(tgt_in, self.tgt_embed, self.dec_positions, self.dec_embed_norm)
         cross_kv = [layer.cross_attn.project_kv(h_enc) for layer in self.decoder_layers]  # (B, heads, S, d_head)
         coverage = h_enc.new_zeros(B, h_enc.size(1), dtype=torch.float32) if self.cfg.coverage else None
         h, weights, _ = self._decoder_stack(x_in, cross_kv, self_mask, src_mask, [None] * len(cross_kv),
@@ -230,7 +237,7 @@ class Seq2SeqTransformer(nn.Module):
         """
         t = cache.step
         self_mask = self._self_mask(1, t + 1, t, y_prev.device)
-        x_in = self._embed(y_prev, self.tgt_embed, self.dec_positions, start=t)  # (B, 1, d_model)
+        x_in = self._embed(y_prev, self.tgt_embed, self.dec_positions, self.dec_embed_norm, start=t)  # (B, 1, d_model)
         cross_kv = [(lc.cross_k, lc.cross_v) for lc in cache.layers]
         h, weights, cache.coverage = self._decoder_stack(x_in, cross_kv, self_mask, cache.src_mask,
                                                          cache.layers, need_weights,
