@@ -25,6 +25,8 @@ tokenizer_app = typer.Typer(no_args_is_help=True, help="SentencePiece tokenizers
 app.add_typer(tokenizer_app, name="tokenizer")
 export_app = typer.Typer(no_args_is_help=True, help="Write a model for another engine.")
 app.add_typer(export_app, name="export")
+import_app = typer.Typer(no_args_is_help=True, help="Read a model of another toolkit.")
+app.add_typer(import_app, name="import")
 
 log = logging.getLogger("s2s")
 _DEBUG = {"on": False}
@@ -86,6 +88,9 @@ def tokenizer_train(
     if joint is False:
         overrides.append("model.share_embeddings=false")  # two vocabularies, two embeddings
     cfg = _load(config, overrides)
+    if cfg.train.init_from:
+        raise S2SError(f"{config}: train.init_from is set, so the tokenizer is {cfg.train.init_from}'s "
+                       "(`s2s prepare` copies it); there is none to train")
     for path in train_tokenizer(cfg.tokenizer, cfg.data, seed=cfg.seed):
         typer.echo(str(path))
 
@@ -311,6 +316,33 @@ def export_ct2(model: Path = typer.Option(..., "-m", "--model", help="Model dire
     from s2s.export import export_ct2 as run_export
 
     typer.echo(str(run_export(model, output, quantization)))
+
+
+@export_app.command("hf")
+def export_hf(model: Path = typer.Option(..., "-m", "--model", help="Model directory."),
+              output: Path = typer.Option(..., "-o", "--output", help="The Hugging Face model directory.")):
+    """Write a Hugging Face directory (MarianMT, BART, mBART or T5, whichever the architecture is)
+    that transformers' AutoModelForSeq2SeqLM.from_pretrained loads.
+
+    Example: `s2s export hf -m exp/opus-ft -o exp/opus-ft-hf`
+    """
+    from s2s.hf import export_hf as run_export
+
+    typer.echo(str(run_export(model, output)))
+
+
+@import_app.command("hf")
+def import_hf(path: Path = typer.Argument(..., help="A local Hugging Face model directory."),
+              output: Path = typer.Option(..., "-o", "--output", help="The s2s model directory to write.")):
+    """Turn a Hugging Face MarianMT, BART, mBART or T5 checkpoint (config.json, safetensors or
+    .bin weights, tokenizer files) into an s2s model directory for translate, score and
+    fine-tuning (train.init_from).
+
+    Example: `s2s import hf ~/models/opus-mt-en-de -o exp/opus-en-de`
+    """
+    from s2s.hf import import_hf as run_import
+
+    typer.echo(str(run_import(path, output)))
 
 
 @app.command()

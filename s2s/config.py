@@ -38,7 +38,9 @@ def _check(cond: bool, key: str, msg: str) -> None:
 class TokenizerConfig:
     """SentencePiece settings (``s2s tokenizer train``)."""
 
-    type: Literal["unigram", "bpe"] = "unigram"
+    # unigram | bpe: SentencePiece models s2s trains; byte_bpe: GPT-2's byte-level BPE of an
+    # imported BART (merges.txt + vocab.json, read through the tokenizers package)
+    type: Literal["unigram", "bpe", "byte_bpe"] = "unigram"
     joint: bool = True  # one vocabulary for source and target
     vocab_size: int = 8000  # per vocabulary; includes the special symbols
     character_coverage: float = 1.0
@@ -57,8 +59,11 @@ class TokenizerConfig:
     # "": model ids are the SentencePiece ids; else a JSON file (piece -> id) beside the
     # SentencePiece models that maps pieces to the model's ids (Marian's vocab.json)
     vocab_file: str = ""
+    prefix_id: int = -1  # an id put before every source and target (BART's <s>); -1: none
 
     def __post_init__(self) -> None:
+        _check(self.type != "byte_bpe" or (self.vocab_file and self.joint), "tokenizer.type",
+               "byte_bpe needs tokenizer.vocab_file and tokenizer.joint: true")
         _check(self.vocab_size >= 16, "tokenizer.vocab_size", "must be >= 16")
         for key in ("pad_id", "unk_id", "bos_id", "eos_id"):
             _check(getattr(self, key) >= 0, f"tokenizer.{key}", "must be >= 0")
@@ -276,7 +281,7 @@ class ExperimentConfig:
                               "(learned positions)")
         if self.train.early_stopping and not self.data.dev:
             raise ConfigError("train.early_stopping: needs a dev split (data.dev)")
-        if self.model.share_embeddings and not self.tokenizer.joint:
+        if self.model.share_embeddings and not (self.tokenizer.joint or self.tokenizer.vocab_file):
             raise ConfigError("model.share_embeddings: needs a joint vocabulary "
                               "(tokenizer.joint: true) or share_embeddings: false")
 

@@ -229,7 +229,9 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
         ("parameters", f"{n:,}"),
         ("budget 12·N_enc·d² + 16·N_dec·d² + V·d", f"{budget:,}  (actual/budget = {n / budget:.3f})"),
     ]
-    if meta:
+    if meta and meta.get("imported_from"):
+        rows.append(("imported", f"{meta.get('family')} checkpoint {meta['imported_from']}"))
+    if meta and "step" in meta:
         rows.append(("trained", ", ".join(f"{k} {v}" for k, v in meta.items()
                                           if k in ("step", "dev_bleu", "dev_loss"))))
     return rows

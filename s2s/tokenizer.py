@@ -48,13 +48,15 @@ class Tokenizer:
     bos_id: int = BOS_ID  # the decoder's start symbol
     eos_id: int = EOS_ID
     vocab: Optional[dict[str, int]] = None
+    prefix_id: int = -1  # put before every sequence (BART's <s>); -1: none
 
     def __post_init__(self) -> None:
         self._pieces = {i: p for p, i in self.vocab.items()} if self.vocab is not None else None
+        self._prefix = [self.prefix_id] if self.prefix_id >= 0 else []
 
     @property
     def specials(self) -> set[int]:
-        return {self.pad_id, self.bos_id, self.eos_id}
+        return {self.pad_id, self.bos_id, self.eos_id, *self._prefix}
 
     @property
     def src_vocab_size(self) -> int:
@@ -66,9 +68,9 @@ class Tokenizer:
 
     def _encode(self, proc: spm.SentencePieceProcessor, lines: Sequence[str]) -> list[list[int]]:
         if self.vocab is None:
-            return [ids + [self.eos_id] for ids in proc.encode(list(lines))]
+            return [self._prefix + ids + [self.eos_id] for ids in proc.encode(list(lines))]
         get, unk = self.vocab.get, self.unk_id
-        return [[get(p, unk) for p in pieces] + [self.eos_id]
+        return [self._prefix + [get(p, unk) for p in pieces] + [self.eos_id]
                 for pieces in proc.encode(list(lines), out_type=str)]
 
     def encode_src(self, lines: Sequence[str]) -> list[list[int]]:
@@ -95,7 +97,9 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ #
     @staticmethod
-    def files(directory: Path, data: DataConfig, joint: bool) -> tuple[Path, Path]:
+    def files(directory: Path, data: DataConfig, joint: bool, kind: str = "unigram") -> tuple[Path, Path]:
+        if kind == "byte_bpe":
+            return directory / "merges.txt", directory / "merges.txt"
         if joint:
             return directory / "spm.model", directory / "spm.model"
         return directory / f"spm.{data.src_lang}.model", directory / f"spm.{data.tgt_lang}.model"
@@ -103,7 +107,7 @@ class Tokenizer:
     @classmethod
     def all_files(cls, directory: Path, tok: TokenizerConfig, data: DataConfig) -> list[Path]:
         """Every file of the tokenizer: the SentencePiece model(s) and the vocabulary map."""
-        files = set(cls.files(directory, data, tok.joint))
+        files = set(cls.files(directory, data, tok.joint, tok.type))
         if tok.vocab_file:
             files.add(directory / tok.vocab_file)
         return sorted(files)
@@ -111,15 +115,41 @@ class Tokenizer:
     @classmethod
     def load(cls, directory: str | Path, tok: TokenizerConfig, data: DataConfig) -> "Tokenizer":
         directory = Path(directory)
-        src_path, tgt_path = cls.files(directory, data, tok.joint)
+        src_path, tgt_path = cls.files(directory, data, tok.joint, tok.type)
         for p in {src_path, tgt_path}:
             if not p.is_file():
                 raise S2SError(f"{p}: tokenizer model not found (run `s2s tokenizer train CONFIG`)")
         vocab = _load_vocab(directory / tok.vocab_file, tok) if tok.vocab_file else None
-        src = _load_model(src_path, tok, check_ids=vocab is None)
-        tgt = src if tok.joint else _load_model(tgt_path, tok, check_ids=vocab is None)
+        if tok.type == "byte_bpe":
+            src = tgt = ByteLevelBPE(directory / tok.vocab_file, src_path)
+        else:
+            src = _load_model(src_path, tok, check_ids=vocab is None)
+            tgt = src if tok.joint else _load_model(tgt_path, tok, check_ids=vocab is None)
         return cls(src=src, tgt=tgt, joint=tok.joint, pad_id=tok.pad_id, unk_id=tok.unk_id,
-                   bos_id=tok.bos_id, eos_id=tok.eos_id, vocab=vocab)
+                   bos_id=tok.bos_id, eos_id=tok.eos_id, vocab=vocab, prefix_id=tok.prefix_id)
+
+
+class ByteLevelBPE:
+    """GPT-2's byte-level BPE (BART's tokenizer) through the tokenizers package: the
+    calls of a SentencePieceProcessor that a Tokenizer with a vocabulary map makes."""
+
+    def __init__(self, vocab: Path, merges: Path):
+        try:
+            from tokenizers import ByteLevelBPETokenizer, decoders
+        except ImportError:
+            raise S2SError(f"{merges}: a byte-level BPE tokenizer needs the tokenizers package "
+                           "(pip install tokenizers)") from None
+        try:
+            self._tok = ByteLevelBPETokenizer(str(vocab), str(merges), add_prefix_space=False)
+        except Exception as e:  # the Rust side raises its own exception type
+            raise S2SError(f"{merges}: not a byte-level BPE merges file ({str(e).splitlines()[0]})") from None
+        self._decoder = decoders.ByteLevel()
+
+    def encode(self, lines: list[str], out_type=str) -> list[list[str]]:
+        return [e.tokens for e in self._tok.encode_batch(lines, add_special_tokens=False)]
+
+    def decode_pieces(self, pieces: list[str]) -> str:
+        return self._decoder.decode(pieces)
 
 
 def _load_model(path: Path, tok: TokenizerConfig, check_ids: bool = True) -> spm.SentencePieceProcessor:
@@ -212,10 +242,10 @@ def train_tokenizer(tok: TokenizerConfig, data: DataConfig, out_dir: Optional[st
         if not lines:
             raise S2SError(f"{path}: no text to train the tokenizer on (the file is empty)")
     src_path, tgt_path = Tokenizer.files(out, data, tok.joint)
-    reserved = (tok.pad_id, tok.unk_id, tok.bos_id, tok.eos_id, tok.vocab_file)
-    if reserved != (PAD_ID, UNK_ID, BOS_ID, EOS_ID, ""):
-        raise S2SError("tokenizer: s2s trains SentencePiece with pad_id 0, unk_id 1, bos_id 2, eos_id 3 "
-                       "and no vocab_file; leave those keys at their defaults")
+    reserved = (tok.pad_id, tok.unk_id, tok.bos_id, tok.eos_id, tok.vocab_file, tok.prefix_id)
+    if reserved != (PAD_ID, UNK_ID, BOS_ID, EOS_ID, "", -1) or tok.type == "byte_bpe":
+        raise S2SError("tokenizer: s2s trains SentencePiece (unigram or bpe) with pad_id 0, unk_id 1, "
+                       "bos_id 2, eos_id 3, no vocab_file and no prefix_id; leave those keys at their defaults")
     if tok.joint:
         _train_one(src_lines + tgt_lines, src_path, tok)
         written = [src_path]
@@ -234,7 +264,10 @@ def resolve_tokenizer_config(cfg: ExperimentConfig) -> ExperimentConfig:
     ``s2s tokenizer train`` flags may override the YAML (``--separate``,
     ``--vocab-size``); what was trained is recorded in ``data.dir/tokenizer.json``
     and wins downstream, so prepare, train and the saved run config agree with it.
+    With ``train.init_from`` the tokenizer and the model are the starting model's.
     """
+    if cfg.train.init_from:
+        return config_from_init(cfg)
     path = Path(cfg.data.dir) / SETTINGS
     if not path.is_file():
         return cfg
@@ -252,3 +285,31 @@ def resolve_tokenizer_config(cfg: ExperimentConfig) -> ExperimentConfig:
     if not trained.get("joint", True):
         raw["model"]["share_embeddings"] = False  # two vocabularies cannot share one table
     return config_from_dict(raw, str(path))
+
+
+def config_from_init(cfg: ExperimentConfig) -> ExperimentConfig:
+    """Fine-tuning: the config with the ``tokenizer`` and ``model`` sections of the model
+    directory ``train.init_from``, whose tokenizer files are copied into ``data.dir``."""
+    from s2s.config import load_config
+
+    init = Path(cfg.train.init_from)
+    if not (init / "config.yaml").is_file():
+        raise S2SError(f"train.init_from: {init} is not a model directory (no config.yaml)")
+    start = load_config(init / "config.yaml")
+    out = Path(cfg.data.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pairs = list(zip(Tokenizer.files(init, start.data, start.tokenizer.joint, start.tokenizer.type),
+                     Tokenizer.files(out, cfg.data, start.tokenizer.joint, start.tokenizer.type)))
+    if start.tokenizer.vocab_file:
+        pairs.append((init / start.tokenizer.vocab_file, out / start.tokenizer.vocab_file))
+    for src, dst in dict(pairs).items():
+        if not src.is_file():
+            raise S2SError(f"{src}: not found (train.init_from's tokenizer)")
+        if not dst.is_file() or dst.read_bytes() != src.read_bytes():
+            with atomic_write(dst, "wb") as f:
+                f.write(src.read_bytes())
+    raw = to_dict(cfg)
+    if raw["tokenizer"] != to_dict(start)["tokenizer"] or raw["model"] != to_dict(start)["model"]:
+        log.info("train.init_from: tokenizer and model settings of %s", init)
+    raw["tokenizer"], raw["model"] = to_dict(start)["tokenizer"], to_dict(start)["model"]
+    return config_from_dict(raw, f"{init}/config.yaml")

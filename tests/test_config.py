@@ -88,3 +88,19 @@ def test_exponent_without_dot_is_a_number(tmp_path):
     # PyYAML reads `1e-3` as a string (YAML 1.1); a float key must still take it
     cfg = load_config(write(tmp_path, "train: {lr: 1e-3, adam_eps: 1e-9}\n"))
     assert cfg.train.lr == 1e-3 and cfg.train.adam_eps == 1e-9
+
+
+def test_quickstart_recipe_lists_every_key():
+    """The README points to recipes/quickstart.yaml as the commented list of every key."""
+    import dataclasses
+    from pathlib import Path
+
+    import yaml
+
+    from s2s.config import ExperimentConfig
+
+    raw = yaml.safe_load((Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml").read_text())
+    cfg = ExperimentConfig()
+    for section in ("tokenizer", "data", "model", "train", "decode"):
+        keys = {f.name for f in dataclasses.fields(getattr(cfg, section))}
+        assert keys == set(raw[section]), section
