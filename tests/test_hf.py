@@ -314,3 +314,34 @@ def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch, prepared):
     (tmp_path / "config.json").write_text("{not json")
     assert_error(cli(capsys, monkeypatch, "import", "hf", tmp_path, "-o", tmp_path / "x"), "config.json", "JSON")
     assert not (tmp_path / "x").exists()
+
+
+def test_bin_and_sharded_checkpoints_load_the_same(tmp_path):
+    """pytorch_model.bin (read with weights_only, no code runs) and sharded safetensors."""
+    torch.manual_seed(5)
+    hf = small("marian")
+    hf.save_pretrained(tmp_path / "one")
+    reference, _ = model_from_hf(tmp_path / "one")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "config.json").write_text((tmp_path / "one" / "config.json").read_text())
+    torch.save(hf.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    for variant in ("bin", "sharded"):
+        model, _ = model_from_hf(tmp_path / variant)
+        for (name, a), b in zip(reference.state_dict().items(), model.state_dict().values()):
+            assert torch.equal(a, b), (variant, name)
+
+
+def test_pickled_code_in_a_bin_file_is_refused(tmp_path):
+    import pickle
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("ran",))
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "marian", "vocab_size": 8}))
+    with open(tmp_path / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"x": Evil()}, f)
+    with pytest.raises(S2SError, match="cannot read as plain weights"):
+        model_from_hf(tmp_path)
