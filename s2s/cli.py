@@ -134,6 +134,43 @@ def train(config: Path = typer.Argument(..., help="Experiment YAML."),
     typer.echo(str(run_dir))
 
 
+@app.command()
+def pretrain(config: Path = typer.Argument(..., help="Experiment YAML (its pretrain section)."),
+             output: Optional[Path] = typer.Option(None, "-o", "--output",
+                                                   help="Run directory (default: output_dir of the config)."),
+             resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint."),
+             set_: Optional[List[str]] = SetOption):
+    """Denoising pretraining (pretrain.objective: span_corruption or bart) on both sides of the
+    prepared training text; fine-tune from the run with train.init_from.
+
+    Example: `s2s pretrain recipes/quickstart.yaml -o exp/pre --set pretrain.objective=bart`
+    """
+    from s2s.pretrain import pretrain as run_pretrain
+
+    cfg = _load(config, set_)
+    typer.echo(str(run_pretrain(cfg, output, resume=resume)))
+
+
+@app.command()
+def distill(config: Path = typer.Argument(..., help="Experiment YAML whose data.train the teacher translates."),
+            model: Path = typer.Option(..., "-m", "--model", help="The teacher's model directory."),
+            output: str = typer.Option(..., "-o", "--output", help="Prefix of the distilled corpus: "
+                                                                   "writes OUT.{src_lang} and OUT.{tgt_lang}."),
+            beam: Optional[int] = typer.Option(None, "--beam", "-b", help="Beam size (default: the teacher's)."),
+            set_: Optional[List[str]] = SetOption):
+    """Sequence-level knowledge distillation: the teacher's beam-search translations of the
+    training sources become the targets of a new corpus for a student (data.train: OUT).
+
+    Example: `s2s distill recipes/quickstart.yaml -m exp/teacher -o prepared/kd/train`
+    """
+    from s2s.translate import distill_corpus
+
+    cfg = _load(config, set_)
+    overrides = {"beam": beam} if beam is not None else {}
+    for path in distill_corpus(model, cfg, output, **overrides):
+        typer.echo(str(path))
+
+
 # `s2s summarize` = translate with these, for each decode key the model's config leaves at its default
 SUMMARIZE_DEFAULTS = {"no_repeat_ngram": 3, "min_len": 3, "alpha": 1.0}
 

@@ -170,6 +170,22 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class DistillConfig:
+    """Word-level knowledge distillation (formula sheet, Lesson 10):
+    L_KD = (1 - lambda) CE(y, p^s) + lambda T^2 KL(p^t_T || p^s_T)."""
+
+    YAML_KEYS = {"lambda": "lambda_"}  # YAML name -> field (lambda is a Python keyword)
+
+    teacher: str = ""  # a model directory with the student's tokenizer; "" = no distillation
+    lambda_: float = 0.5  # weight of the softened teacher term (YAML key: lambda)
+    temperature: float = 1.0  # T: both distributions softened as softmax(z / T)
+
+    def __post_init__(self) -> None:
+        _check(0.0 <= self.lambda_ <= 1.0, "train.distill.lambda", "must be in [0, 1]")
+        _check(self.temperature > 0, "train.distill.temperature", "must be > 0")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Teacher-forced training (formula sheet, Lesson 8)."""
 
@@ -197,6 +213,7 @@ class TrainConfig:
     early_stopping: int = 0  # stop after this many validations without a new best (0: never)
     keep_checkpoints: int = 3  # last N checkpoints kept
     init_from: str = ""  # model directory whose weights start training
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self) -> None:
         for key in ("max_tokens", "update_freq", "log_every", "validate_every", "keep_checkpoints",
@@ -263,6 +280,30 @@ class DecodeConfig:
 
 
 @dataclass(frozen=True)
+class PretrainConfig:
+    """Denoising pretraining (``s2s pretrain``; formula sheet, Lesson 7)."""
+
+    objective: Literal["span_corruption", "bart"] = "span_corruption"
+    noise_density: float = 0.15  # span_corruption: fraction of tokens in noise spans
+    mean_span: float = 3.0  # span_corruption: mean noise span length
+    mask_rate: float = 0.0  # bart: token masking
+    delete_rate: float = 0.0  # bart: token deletion
+    infill_rate: float = 0.3  # bart: text infilling, fraction of tokens in spans
+    poisson_lambda: float = 3.0  # bart: infilling span lengths ~ Poisson(lambda)
+    permute_rate: float = 1.0  # bart: probability of shuffling a document's sentences
+    rotate_rate: float = 0.0  # bart: probability of rotating a document
+
+    def __post_init__(self) -> None:
+        _check(0 < self.noise_density < 1, "pretrain.noise_density", "must be in (0, 1)")
+        _check(self.mean_span >= 1, "pretrain.mean_span", "must be >= 1")
+        for key in ("mask_rate", "delete_rate", "infill_rate", "permute_rate", "rotate_rate"):
+            _check(0 <= getattr(self, key) <= 1, f"pretrain.{key}", "must be in [0, 1]")
+        _check(self.mask_rate + self.delete_rate + self.infill_rate < 1, "pretrain.mask_rate",
+               "mask_rate + delete_rate + infill_rate must stay below 1")
+        _check(self.poisson_lambda >= 0.5, "pretrain.poisson_lambda", "must be >= 0.5")
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     name: str = "experiment"
     seed: int = 1
@@ -272,6 +313,7 @@ class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
 
     def __post_init__(self) -> None:
         if self.model.positions == "learned" and (
@@ -347,19 +389,27 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix[:-1] or 'config'}: expected a mapping of keys, got {type(raw).__name__}")
     hints = typing.get_type_hints(cls)
+    aliases = getattr(cls, "YAML_KEYS", {})
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    names = {**{f: f for f in fields}, **aliases}  # YAML name (or field name) -> field
     kwargs = {}
     for key, value in raw.items():
         full = f"{prefix}{key}"
-        if key not in fields:
+        if key not in names:
+            valid = [_yaml_name(cls, f) for f in fields]
             raise ConfigError(f"{full}: unknown key (valid keys{' in ' + prefix[:-1] if prefix else ''}: "
-                              f"{', '.join(fields)})")
-        tp = hints[key]
+                              f"{', '.join(valid)})")
+        name = names[key]
+        tp = hints[name]
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value, f"{full}.")
+            kwargs[name] = _build(tp, value, f"{full}.")
         else:
-            kwargs[key] = _coerce(value, tp, full)
+            kwargs[name] = _coerce(value, tp, full)
     return cls(**kwargs)
+
+
+def _yaml_name(cls: type, field_name: str) -> str:
+    return {f: y for y, f in getattr(cls, "YAML_KEYS", {}).items()}.get(field_name, field_name)
 
 
 def config_from_dict(raw: dict, source: str = "<config>") -> ExperimentConfig:
@@ -435,8 +485,10 @@ def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> Expe
     return config_from_dict(raw, str(path))
 
 
-def to_dict(cfg: ExperimentConfig) -> dict:
-    return dataclasses.asdict(cfg)
+def to_dict(cfg: Any) -> dict:
+    """The config as plain nested dicts, keys named as in YAML."""
+    return {_yaml_name(type(cfg), f.name): to_dict(v) if dataclasses.is_dataclass(v := getattr(cfg, f.name))
+            else v for f in dataclasses.fields(cfg)}
 
 
 def to_yaml(cfg: ExperimentConfig) -> str:
@@ -446,4 +498,4 @@ def to_yaml(cfg: ExperimentConfig) -> str:
 def replace(section: Any, prefix: str = "", **changes: Any) -> Any:
     """A copy of a config section with ``changes``, type-checked and validated like
     a loaded one; errors name the key as ``{prefix}{key}`` (e.g. prefix "decode.")."""
-    return _build(type(section), {**dataclasses.asdict(section), **changes}, prefix)
+    return _build(type(section), {**to_dict(section), **changes}, prefix)

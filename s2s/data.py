@@ -177,6 +177,8 @@ def prepare(cfg: ExperimentConfig) -> dict[str, CleanStats]:
 class BinDataset:
     """One binarized split, memory-mapped."""
 
+    epoch = 0  # the epoch being read (the trainer sets it; denoising datasets seed their noise with it)
+
     def __init__(self, directory: str | Path, split: str, pad_id: int = PAD_ID, bos_id: int = BOS_ID):
         d = Path(directory)
         self.pad_id, self.bos_id = pad_id, bos_id

@@ -88,6 +88,16 @@ class Tokenizer:
             return self.tgt.decode(ids)
         return self.tgt.decode_pieces([self._pieces[i] for i in ids if i in self._pieces])
 
+    def sentinel_ids(self) -> list[int]:
+        """Ids of <extra_id_0>, <extra_id_1>, ... as far as the vocabulary has them."""
+        ids = []
+        for n in range(10_000):
+            i = self.vocab.get(sentinel(n), -1) if self.vocab is not None else self.src.piece_to_id(sentinel(n))
+            if i < 0 or i == self.unk_id:
+                break
+            ids.append(i)
+        return ids
+
     def piece(self, i: int, side: str = "tgt") -> str:
         """The subword a model id stands for (for plots and alignments)."""
         if self._pieces is not None:

@@ -41,7 +41,7 @@ from s2s.config import ExperimentConfig, replace, to_dict
 from s2s.data import BinDataset, Batch, data_signature, token_batches, tokenizer_fingerprint
 from s2s.errors import S2SError
 from s2s.metrics import corpus_bleu
-from s2s.modeldir import (CHECKPOINT_STATE, CONFIG, META, WEIGHTS, build_model, copy_tokenizer,
+from s2s.modeldir import (CHECKPOINT_STATE, CONFIG, META, WEIGHTS, build_model, copy_tokenizer, load_model_dir,
                           load_weights, read_meta, save_model_dir, save_weights, write_config)
 from s2s.textio import atomic_dir, atomic_write, file_sha256, read_lines
 from s2s.tokenizer import PAD_ID, Tokenizer, resolve_tokenizer_config
@@ -87,6 +87,23 @@ def label_smoothed_nll(logits: Tensor, target: Tensor, epsilon: float, pad_id: i
     V = logits.size(-1)
     return F.cross_entropy(logits.reshape(-1, V).float(), target.reshape(-1), ignore_index=pad_id,
                            reduction="sum", label_smoothing=epsilon)
+
+
+def distillation_loss(student: Tensor, teacher: Tensor, target: Tensor, lam: float, T: float,
+                      epsilon: float = 0.0, pad_id: int = PAD_ID) -> Tensor:
+    """L_KD = (1 - lam) CE(y, p^s) + lam T^2 KL(p^t_T || p^s_T)   (formula sheet, Lesson 10),
+
+    p_T = softmax(z / T), summed over non-pad target positions.  student and
+    teacher (B, T, V) scores, target (B, T) -> scalar sum.  CE is the label-smoothed
+    NLL with ``epsilon`` (0: plain); lam = 0 gives exactly CE.
+    """
+    ce = label_smoothed_nll(student, target, epsilon, pad_id)
+    if lam == 0:
+        return ce
+    log_ps = torch.log_softmax(student.float() / T, dim=-1)
+    log_pt = torch.log_softmax(teacher.float() / T, dim=-1)
+    kl = (log_pt.exp() * (log_pt - log_ps)).sum(-1)  # (B, T)
+    return (1 - lam) * ce + lam * T * T * kl[target != pad_id].sum()
 
 
 def coverage_loss(a: Tensor, tgt_mask: Tensor) -> Tensor:
@@ -289,6 +306,7 @@ class Trainer:
         if self.tc.init_from:
             init = Path(self.tc.init_from)
             load_weights(self.model, init / WEIGHTS, read_meta(init).get("sha256"))
+        self.teacher = self.load_teacher() if self.tc.distill.teacher else None
         fused = {"fused": True} if self.device.type == "cuda" else {"foreach": True}
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.tc.lr, betas=(self.tc.adam_beta1, self.tc.adam_beta2),
@@ -296,6 +314,21 @@ class Trainer:
         self.state = TrainState()
         self._signal: Optional[int] = None
         self.tensorboard = None  # a SummaryWriter while running, when tensorboard is installed
+
+    def load_teacher(self) -> torch.nn.Module:
+        """The distillation teacher: frozen, in eval mode, with the student's tokenizer."""
+        from s2s.config import load_config
+
+        directory = Path(self.tc.distill.teacher)
+        read_meta(directory)  # a model directory, or a one-line error saying what it is not
+        theirs = load_config(directory / CONFIG)
+        if tokenizer_fingerprint(theirs, directory) != tokenizer_fingerprint(self.cfg, self.data_dir):
+            raise S2SError(f"train.distill.teacher: {directory} has another tokenizer than "
+                           f"{self.data_dir}; the student must use the teacher's vocabulary")
+        teacher = load_model_dir(directory, self.device)
+        for p in teacher.model.parameters():
+            p.requires_grad_(False)
+        return teacher.model.eval()
 
     # ---- bookkeeping ------------------------------------------------- #
     def write_metrics(self, record: dict) -> None:
@@ -325,6 +358,7 @@ class Trainer:
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
         """The batch order of an epoch: a pure function of (seed, epoch)."""
         rng = np.random.default_rng([self.cfg.seed, epoch])
+        self.train_data.epoch = epoch
         return token_batches(self.train_data.src_lens, self.train_data.tgt_lens, self.tc.max_tokens, rng)
 
     def autocast(self):
@@ -367,7 +401,14 @@ class Trainer:
                     logits, a = self.model(b.src, b.tgt_in, return_attention=True)  # a (B, T, S)
                 else:
                     logits = self.model(b.src, b.tgt_in)  # (B, T, V)
-            loss = label_smoothed_nll(logits, b.tgt_out, self.tc.label_smoothing, self.tok.pad_id)
+            if self.teacher is None:
+                loss = label_smoothed_nll(logits, b.tgt_out, self.tc.label_smoothing, self.tok.pad_id)
+            else:
+                with torch.no_grad(), self.autocast():
+                    teacher_logits = self.teacher(b.src, b.tgt_in)
+                kd = self.tc.distill
+                loss = distillation_loss(logits, teacher_logits, b.tgt_out, kd.lambda_, kd.temperature,
+                                         self.tc.label_smoothing, self.tok.pad_id)
             objective = loss + lam * coverage_loss(a.float(), b.tgt_out != self.tok.pad_id) if lam else loss
             (objective / n_tokens).backward()
             return loss.detach()

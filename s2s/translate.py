@@ -18,7 +18,7 @@ from typing import Iterable, Iterator, Optional, Sequence, TextIO
 
 import torch
 
-from s2s.config import DecodeConfig, replace
+from s2s.config import DecodeConfig, ExperimentConfig, replace
 from s2s.data import pad_sequences, tokenizer_fingerprint, truncate
 from s2s.errors import S2SError
 from s2s.model import Seq2SeqTransformer
@@ -329,3 +329,23 @@ def write_translations(translator: Translator, lines: Iterable[str], out: TextIO
         if t.line_no % chunk == 0:
             out.flush()
     out.flush()
+
+
+def distill_corpus(teacher: str | Path, cfg: ExperimentConfig, out_prefix: str | Path,
+                   **decode_overrides) -> tuple[Path, Path]:
+    """Sequence-level knowledge distillation (Kim and Rush 2016): the teacher translates the
+    source side of ``data.train`` with beam search into ``OUT.{tgt_lang}``, beside a copy of
+    the sources as ``OUT.{src_lang}``; a student recipe then trains on ``data.train: OUT``."""
+    from s2s.textio import atomic_write, read_lines, resolve_corpus
+
+    if not cfg.data.train:
+        raise S2SError("data.train: no training corpus configured")
+    src_file = resolve_corpus(cfg.data.train, cfg.data.src_lang)
+    translator = Translator.from_dir(teacher, **decode_overrides)
+    out_src = Path(f"{out_prefix}.{cfg.data.src_lang}")
+    out_tgt = Path(f"{out_prefix}.{cfg.data.tgt_lang}")
+    with atomic_write(out_tgt) as f:
+        write_translations(translator, read_lines(src_file), f)
+    with atomic_write(out_src) as f:
+        f.writelines(line + "\n" for line in read_lines(src_file))
+    return out_src, out_tgt

@@ -101,6 +101,6 @@ def test_quickstart_recipe_lists_every_key():
 
     raw = yaml.safe_load((Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml").read_text())
     cfg = ExperimentConfig()
-    for section in ("tokenizer", "data", "model", "train", "decode"):
+    for section in ("tokenizer", "data", "model", "train", "decode", "pretrain"):
         keys = {f.name for f in dataclasses.fields(getattr(cfg, section))}
         assert keys == set(raw[section]), section
