@@ -241,6 +241,8 @@ def translate(
         translator.decode = replace(translator.decode, "decode.", **overrides)
     except ConfigError as e:
         raise S2SError(f"translate options: {e}") from None
+    if alignments and translator.model.cfg.arch != "encoder_decoder":
+        raise S2SError(f"--alignments: model.arch {translator.model.cfg.arch} has no cross-attention to align with")
     translator.alignments = alignments
     translator.set_arithmetic(precision, quantize)
     if input != "-" and not Path(input).exists():
@@ -285,6 +287,8 @@ def align(model: Path = typer.Option(..., "-m", "--model", help="Model directory
     from s2s.translate import Translator, cross_attention
 
     translator = Translator.from_dir(model)
+    if translator.model.cfg.arch != "encoder_decoder":
+        raise S2SError(f"{model}: model.arch {translator.model.cfg.arch} has no cross-attention to draw")
     n_layers = translator.model.cfg.dec_layers
     if layer is not None and not -n_layers <= layer < n_layers:
         raise S2SError(f"--layer: {layer} is not a layer of this {n_layers}-layer decoder")

@@ -112,7 +112,8 @@ class DataConfig:
 class ModelConfig:
     """The encoder-decoder transformer (formula sheet, Lessons 2-5)."""
 
-    arch: Literal["encoder_decoder"] = "encoder_decoder"
+    # encoder_decoder; prefix_lm or decoder_only: one stack of enc_layers + dec_layers blocks over [x; y]
+    arch: Literal["encoder_decoder", "prefix_lm", "decoder_only"] = "encoder_decoder"
     d_model: int = 256
     heads: int = 4
     enc_layers: int = 3
@@ -161,6 +162,12 @@ class ModelConfig:
                "must exceed rel_buckets / 4 (the last exactly-represented distance)")
         _check(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
         _check(0.0 <= self.attention_dropout < 1.0, "model.attention_dropout", "must be in [0, 1)")
+        if self.arch != "encoder_decoder":
+            _check(self.share_embeddings, "model.arch", f"{self.arch} reads x and y with one embedding table; "
+                   "needs model.share_embeddings: true (and a joint tokenizer)")
+            for key, on in (("copy", self.copy), ("coverage", self.coverage),
+                            ("positions", self.positions == "t5_bias")):
+                _check(not on, f"model.{key}", f"not available with model.arch: {self.arch}")
         _check(not self.copy or self.share_embeddings, "model.copy",
                "copying source tokens needs one shared vocabulary (model.share_embeddings: true)")
 

@@ -63,6 +63,7 @@ def export_ct2(model_dir: str | Path, out: str | Path, quantization: Optional[st
     loaded = load_model_dir(model_dir)
     model, cfg = loaded.model, loaded.cfg.model
     unsupported = [name for name, on in (
+        (f"model.arch: {cfg.arch}", cfg.arch != "encoder_decoder"),
         ("model.positions: t5_bias", cfg.positions == "t5_bias"), ("model.copy", cfg.copy),
         ("model.coverage", cfg.coverage), (f"model.activation: {cfg.activation}", cfg.activation not in ("relu", "gelu")),
         ("model.gated_ffn", cfg.gated_ffn), ("model.bias: false", not cfg.bias),

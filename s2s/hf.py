@@ -184,6 +184,8 @@ def hf_family(cfg: ExperimentConfig) -> str:
     }
     have = {**to_dict(cfg)["model"], "head_dim_default": m.d_head * m.heads == m.d_model}
     misses = {f: [k for k, v in w.items() if have[k] != v] for f, w in wants.items()}
+    if m.arch != "encoder_decoder":
+        raise S2SError(f"export hf: model.arch {m.arch} is not an encoder-decoder family of Hugging Face's")
     for feature in ("copy", "coverage"):
         if getattr(m, feature):
             raise S2SError(f"export hf: model.{feature} has no counterpart in Hugging Face's families")

@@ -26,7 +26,7 @@ from safetensors.torch import save_model as st_save_model
 from s2s import __version__
 from s2s.config import ExperimentConfig, load_config, to_yaml
 from s2s.errors import S2SError
-from s2s.model import Seq2SeqTransformer
+from s2s.model import Seq2SeqTransformer, make_model
 from s2s.textio import atomic_write, file_sha256
 from s2s.tokenizer import Tokenizer
 
@@ -49,9 +49,7 @@ def vocab_sizes(cfg: ExperimentConfig, tok: Tokenizer) -> tuple[int, int]:
 
 def build_model(cfg: ExperimentConfig, tok: Tokenizer) -> Seq2SeqTransformer:
     """The model a config describes, sized to the tokenizer's vocabularies."""
-    if cfg.model.arch == "encoder_decoder":
-        return Seq2SeqTransformer(cfg.model, *vocab_sizes(cfg, tok), tok.pad_id)
-    raise S2SError(f"model.arch: {cfg.model.arch!r} is not supported")
+    return make_model(cfg.model, *vocab_sizes(cfg, tok), tok.pad_id)
 
 
 def write_config(directory: Path, cfg: ExperimentConfig) -> None:
@@ -215,19 +213,21 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
         cfg = load_config(p)
         src_v = tgt_v = cfg.model.vocab_size or cfg.tokenizer.vocab_size
     with torch.device("meta"):  # count without allocating
-        model = Seq2SeqTransformer(cfg.model, src_v, tgt_v, cfg.tokenizer.pad_id)
+        model = make_model(cfg.model, src_v, tgt_v, cfg.tokenizer.pad_id)
     m = cfg.model
     n = count_parameters(model)
     budget = parameter_budget(m, tgt_v)
     rows = [
         ("architecture", f"{m.arch}, {m.norm}-norm, {m.activation} FFN, {m.positions} positions"),
-        ("layers", f"{m.enc_layers} encoder + {m.dec_layers} decoder"),
+        ("layers", f"{m.enc_layers} encoder + {m.dec_layers} decoder" if m.arch == "encoder_decoder"
+         else f"{m.enc_layers + m.dec_layers} blocks over [x; y]"),
         ("d_model / heads / d_head / d_ff", f"{m.d_model} / {m.heads} / {m.d_head} / {m.d_ff}"),
         ("vocabulary (src / tgt)", f"{src_v} / {tgt_v}"
                                    f"{', shared embeddings' if m.share_embeddings else ''}"
                                    f"{', tied output' if m.tie_output else ''}"),
         ("parameters", f"{n:,}"),
-        ("budget 12·N_enc·d² + 16·N_dec·d² + V·d", f"{budget:,}  (actual/budget = {n / budget:.3f})"),
+        ("budget 12·N_enc·d² + 16·N_dec·d² + V·d" if m.arch == "encoder_decoder"
+         else "budget 12·(N_enc + N_dec)·d² + V·d", f"{budget:,}  (actual/budget = {n / budget:.3f})"),
     ]
     if meta and meta.get("imported_from"):
         rows.append(("imported", f"{meta.get('family')} checkpoint {meta['imported_from']}"))

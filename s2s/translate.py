@@ -76,10 +76,12 @@ class Translator:
         self.decode = decode
         self.device = torch.device(device)
         learned = model.cfg.positions == "learned"
-        self.position_cap = model.cfg.max_positions - 1 if learned else None
+        # one stack over [x; y] (prefix_lm, decoder_only) fits x and y in one position table: half each
+        table = model.cfg.max_positions // (1 if model.cfg.arch == "encoder_decoder" else 2)
+        self.position_cap = table - 1 if learned else None
         self.max_input = decode.max_input_tokens
         if learned:
-            self.max_input = min(self.max_input, model.cfg.max_positions)
+            self.max_input = min(self.max_input, table)
         self.trained_src_tokens = trained_src_tokens
         self.alignments = False  # also align each hypothesis to its source (Pharaoh pairs)
         self.precision = "fp32"  # or bf16: autocast while searching

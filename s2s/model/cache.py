@@ -21,13 +21,13 @@ from torch import Tensor
 
 @dataclass
 class LayerCache:
-    cross_k: Tensor  # (B, heads, S, d_head)
-    cross_v: Tensor  # (B, heads, S, d_head)
+    cross_k: Optional[Tensor]  # (B, heads, S, d_head); None in a decoder-only stack
+    cross_v: Optional[Tensor]  # (B, heads, S, d_head)
     self_k: Optional[Tensor] = None  # (B, heads, t, d_head)
     self_v: Optional[Tensor] = None  # (B, heads, t, d_head)
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Add this step's self-attention K/V (B, heads, 1, d_head); return all of them."""
+        """Add these positions' self-attention K/V (B, heads, n, d_head); return all of them."""
         if self.self_k is None:
             self.self_k, self.self_v = k, v
         else:
@@ -44,6 +44,7 @@ class DecoderCache:
     src: Optional[Tensor] = None  # (B, S) source ids, for copying (model.copy)
     h_enc: Optional[Tensor] = None  # (B, S, d_model), for the copy context vector (model.copy)
     coverage: Optional[Tensor] = None  # (B, S) c^t = sum of the attention so far (model.coverage)
+    src_len: Optional[Tensor] = None  # (B,) real prefix lengths (one stack over [x; y]: y's positions)
 
     @property
     def batch_size(self) -> int:
@@ -57,9 +58,12 @@ class DecoderCache:
             self.h_enc = self.h_enc.index_select(0, index)
         if self.coverage is not None:
             self.coverage = self.coverage.index_select(0, index)
+        if self.src_len is not None:
+            self.src_len = self.src_len.index_select(0, index)
         for layer in self.layers:
-            layer.cross_k = layer.cross_k.index_select(0, index)
-            layer.cross_v = layer.cross_v.index_select(0, index)
+            if layer.cross_k is not None:
+                layer.cross_k = layer.cross_k.index_select(0, index)
+                layer.cross_v = layer.cross_v.index_select(0, index)
             if layer.self_k is not None:
                 layer.self_k = layer.self_k.index_select(0, index)
                 layer.self_v = layer.self_v.index_select(0, index)

@@ -74,20 +74,23 @@ class EncoderLayer(nn.Module):
         self.norm2 = make_norm(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def _self_attn(self, x: Tensor, mask: Optional[Tensor]) -> Tensor:
+    def _self_attn(self, x: Tensor, mask: Optional[Tensor], cache: Optional[LayerCache]) -> Tensor:
         q, k, v = self.self_attn.project_qkv(x)  # (B, heads, S, d_head)
+        if cache is not None:
+            k, v = cache.append(k, v)  # the keys so far and these (a decoder-only stack's cache)
         return self.self_attn.attend(q, k, v, mask)[0]
 
-    def forward(self, x: Tensor, mask: Optional[Tensor]) -> Tensor:
-        """x (B, S, d_model); mask: padding (+ relative bias), broadcast to (B, heads, S, S)."""
+    def forward(self, x: Tensor, mask: Optional[Tensor], cache: Optional[LayerCache] = None) -> Tensor:
+        """x (B, S, d_model); mask: padding (+ relative bias), broadcast to (B, heads, S, S).
+        With ``cache`` (one stack over [x; y]) x's K/V are appended to the cached ones first."""
         drop = self.dropout
         if self.pre_norm:
-            # 1. bidirectional self-attention (padding mask only)
-            x = x + drop(self._self_attn(self.norm1(x), mask))
+            # 1. self-attention (bidirectional in an encoder: padding mask only)
+            x = x + drop(self._self_attn(self.norm1(x), mask, cache))
             # 2. position-wise feed-forward
             x = x + drop(self.ffn(self.norm2(x)))
         else:
-            x = self.norm1(x + drop(self._self_attn(x, mask)))
+            x = self.norm1(x + drop(self._self_attn(x, mask, cache)))
             x = self.norm2(x + drop(self.ffn(x)))
         return x
 

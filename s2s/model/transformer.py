@@ -253,6 +253,9 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def parameter_budget(cfg: ModelConfig, vocab: int) -> int:
-    """P ~= 12 N_enc d^2 + 16 N_dec d^2 + V d  (formula sheet, Lesson 5; FFN width 4d)."""
+    """P ~= 12 N_enc d^2 + 16 N_dec d^2 + V d  (formula sheet, Lesson 5; FFN width 4d);
+    one stack over [x; y] (prefix_lm, decoder_only): 12 (N_enc + N_dec) d^2 + V d."""
     d = cfg.d_model
+    if cfg.arch != "encoder_decoder":
+        return 12 * (cfg.enc_layers + cfg.dec_layers) * d * d + vocab * d
     return 12 * cfg.enc_layers * d * d + 16 * cfg.dec_layers * d * d + vocab * d

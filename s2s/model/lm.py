@@ -1,0 +1,162 @@
+"""One decoder stack over [x; y]: the prefix-LM and the decoder-only architectures
+(formula sheet, Lesson 6; the architecture comparison of worked-examples.txt).
+
+    prefix_lm:     M_ij = 0 if j <= n (bidirectional over the prefix x, n = |x|)
+                          0 if n < j <= i (causal over the suffix y)
+                          -inf otherwise
+    decoder_only:  M_ij = 0 if j <= i, else -inf (causal everywhere)
+
+The stack has enc_layers + dec_layers blocks of self-attention and FFN (so the
+three architectures of one config have about the same size; no cross-attention).
+The loss is taken over the suffix only, as for the encoder-decoder, and the
+entry points are the encoder-decoder's, so training, search and scoring run
+unchanged:
+
+    encode(src)                        -> the prefix's K/V in every layer (one pass)
+    start_decoding(prefix, src_mask)   -> DecoderCache holding them
+    decode_step(y_prev, cache)         -> logits (B, V); the cache grows by one position
+    forward(src, tgt_in)               -> logits (B, T, V), teacher forcing over [x; y]
+
+A padded prefix leaves pads between x and y; they are masked as keys, and
+positions count real tokens only (y_t sits at position n_b + t in row b), so
+a sentence's output never depends on what it is batched with.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from s2s.config import ModelConfig
+from s2s.model.attention import NEG_INF, padding_mask
+from s2s.model.cache import DecoderCache, LayerCache
+from s2s.model.layers import EncoderLayer, make_norm
+from s2s.model.positions import sinusoidal_table
+
+
+def prefix_lm_mask(n: int, L: int, device=None) -> Tensor:
+    """M^prefix (L, L) for a prefix of n positions (Lesson 6): 0 where j < n or j <= i (0-based)."""
+    i = torch.arange(L, device=device)[:, None]
+    j = torch.arange(L, device=device)[None, :]
+    return torch.zeros(L, L, device=device).masked_fill((j > i) & (j >= n), NEG_INF)
+
+
+def lm_mask(arch: str, n: int, L: int, device=None) -> Tensor:
+    """The self-attention mask of ``arch`` over [x; y] with |x| = n (padding aside)."""
+    return prefix_lm_mask(n if arch == "prefix_lm" else 0, L, device)
+
+
+class DecoderOnlyLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, vocab: int, pad_id: int = 0):
+        super().__init__()
+        unsupported = [k for k, on in (("model.copy", cfg.copy), ("model.coverage", cfg.coverage),
+                                       ("model.positions: t5_bias", cfg.positions == "t5_bias")) if on]
+        if unsupported:
+            raise ValueError(f"model.arch: {cfg.arch} does not support {', '.join(unsupported)}")
+        self.cfg = cfg
+        self.pad_id = pad_id
+        d = cfg.d_model
+        self.tgt_embed = nn.Embedding(vocab, d, padding_idx=pad_id)
+        self.src_embed = self.tgt_embed  # one vocabulary, one table for x and y
+        self.embed_scale = math.sqrt(d) if cfg.scale_embeddings else 1.0
+        self.positions = (nn.Embedding(cfg.max_positions + cfg.position_offset, d)
+                          if cfg.positions == "learned" else None)
+        self.embed_norm = make_norm(cfg) if cfg.embed_norm else None
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.enc_layers + cfg.dec_layers))
+        self.final_norm = make_norm(cfg) if cfg.norm == "pre" else nn.Identity()
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.output_proj = None if cfg.tie_output else nn.Linear(d, vocab, bias=False)
+        self.output_bias = nn.Parameter(torch.zeros(vocab)) if cfg.output_bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for name, p in self.named_parameters():
+            if p.dim() == 2 and "embed" not in name and "positions" not in name:
+                nn.init.xavier_uniform_(p)
+            elif name.endswith("bias") and p.dim() == 1:
+                nn.init.zeros_(p)
+        nn.init.normal_(self.tgt_embed.weight, std=self.cfg.d_model ** -0.5)
+        if self.positions is not None:
+            nn.init.normal_(self.positions.weight, std=self.cfg.d_model ** -0.5)
+        with torch.no_grad():
+            self.tgt_embed.weight[self.pad_id].zero_()
+
+    @property
+    def device(self) -> torch.device:
+        return self.tgt_embed.weight.device
+
+    @property
+    def needs_attention(self) -> bool:
+        return False
+
+    # ------------------------------------------------------------------ #
+    def _embed(self, tokens: Tensor, pos: Tensor) -> Tensor:
+        """x = Dropout(Norm(E[tokens] * scale + P[pos])); pos (B, L) position ids."""
+        x = self.tgt_embed(tokens) * self.embed_scale
+        if self.positions is None:
+            table = sinusoidal_table(pos.reshape(-1), self.cfg.d_model).view(*pos.shape, -1)
+        else:
+            if int(pos.max()) >= self.cfg.max_positions:
+                raise ValueError(f"position {int(pos.max())} exceeds model.max_positions={self.cfg.max_positions}")
+            table = self.positions(pos + self.cfg.position_offset)
+        x = x + table.to(x.dtype)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        return self.dropout(x)
+
+    def logits(self, h: Tensor) -> Tensor:
+        """z_t = h_t W_U (+ b_U), W_U = E^T when tied."""
+        z = h @ self.tgt_embed.weight.t() if self.output_proj is None else self.output_proj(h)
+        return z if self.output_bias is None else z + self.output_bias
+
+    def _stack(self, x: Tensor, mask: Tensor, caches: Optional[list[LayerCache]] = None) -> Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x, mask, caches[i] if caches is not None else None)
+        return self.final_norm(x)
+
+    def forward(self, src: Tensor, tgt_in: Tensor, return_attention: bool = False) -> Tensor:
+        """Teacher forcing over [x; y_in]: logits (B, T, V) of the suffix positions."""
+        if return_attention:
+            raise ValueError(f"model.arch: {self.cfg.arch} has no cross-attention")
+        B, S = src.shape
+        T = tgt_in.size(1)
+        src_len = (src != self.pad_id).sum(1)  # (B,)
+        pos = torch.cat([torch.arange(S, device=src.device).expand(B, S),
+                         src_len[:, None] + torch.arange(T, device=src.device)], dim=1)  # (B, S+T)
+        keys = torch.cat([padding_mask(src, self.pad_id), src.new_zeros(B, 1, 1, T, dtype=torch.float)], -1)
+        mask = lm_mask(self.cfg.arch, S, S + T, src.device) + keys  # (B, 1, S+T, S+T)
+        h = self._stack(self._embed(torch.cat([src, tgt_in], 1), pos), mask)
+        return self.logits(h[:, S:])
+
+    # ------------------------------------------------------------------ #
+    def encode(self, src: Tensor) -> tuple[list[LayerCache], Tensor]:
+        """Run the prefix once: every layer's cache then holds its K/V, which decoding reuses."""
+        B, S = src.shape
+        src_mask = padding_mask(src, self.pad_id)  # (B, 1, 1, S)
+        pos = torch.arange(S, device=src.device).expand(B, S)
+        caches = [LayerCache(cross_k=None, cross_v=None) for _ in self.layers]
+        self._stack(self._embed(src, pos), lm_mask(self.cfg.arch, S, S, src.device) + src_mask, caches)
+        return caches, src_mask
+
+    def start_decoding(self, caches: list[LayerCache], src_mask: Tensor,
+                       src: Optional[Tensor] = None) -> DecoderCache:
+        """The prefix's caches, its padding mask and real lengths (where y's positions start)."""
+        src_len = (src_mask[:, 0, 0, :] == 0).sum(1)  # (B,)
+        return DecoderCache(layers=caches, src_mask=src_mask, src_len=src_len)
+
+    def decode_step(self, y_prev: Tensor, cache: DecoderCache, need_weights: bool = False,
+                    need_last: bool = False) -> tuple[Tensor, list]:
+        """y_prev (B, 1) at suffix position t = cache.step -> logits (B, V) for t + 1."""
+        if need_weights:
+            raise ValueError(f"model.arch: {self.cfg.arch} has no cross-attention to return")
+        t = cache.step
+        B = y_prev.size(0)
+        pos = (cache.src_len + t)[:, None]  # (B, 1)
+        keys = torch.cat([cache.src_mask, cache.src_mask.new_zeros(B, 1, 1, t + 1)], dim=-1)  # (B, 1, 1, S+t+1)
+        h = self._stack(self._embed(y_prev, pos), keys, cache.layers)
+        cache.step += 1
+        return self.logits(h)[:, -1], []
+
