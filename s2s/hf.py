@@ -213,7 +213,9 @@ def hf_config(cfg: ExperimentConfig, family: str, vocab: int) -> dict:
                 "dense_act_fn": act, "is_gated_act": m.gated_ffn, "layer_norm_epsilon": m.norm_eps,
                 "relative_attention_num_buckets": m.rel_buckets,
                 "relative_attention_max_distance": m.rel_max_distance, "dropout_rate": m.dropout,
-                "scale_decoder_outputs": m.scale_output, "tie_word_embeddings": m.scale_output or None}
+                # transformers < 5 reads "tie_word_embeddings: false" as T5 v1.1 (no rescale, own lm_head);
+                # 5.x as no rescale (it always ties)
+                "scale_decoder_outputs": m.scale_output, "tie_word_embeddings": m.scale_output}
     arch = {"marian": "MarianMTModel", "bart": "BartForConditionalGeneration",
             "mbart": "MBartForConditionalGeneration"}[family]
     out = {**common, "architectures": [arch], "encoder_layers": m.enc_layers, "decoder_layers": m.dec_layers,
@@ -505,6 +507,8 @@ def export_hf(model_dir: str | Path, out: str | Path) -> Path:
     vocab = model.tgt_embed.num_embeddings
     config = hf_config(cfg, family, vocab)
     state = hf_state_dict(model, family)
+    if family == "t5" and model.output_proj is None and not cfg.model.scale_output:
+        state["lm_head.weight"] = state["shared.weight"].clone()  # v1.1 layout: lm_head stored
     out = Path(out)
     with atomic_dir(out) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})

@@ -76,10 +76,12 @@ class DenoisingDataset:
 
 
 def pretraining_config(cfg: ExperimentConfig) -> ExperimentConfig:
-    """Pretraining picks its best checkpoint by dev loss; BLEU of noise reconstruction means nothing."""
+    """Lesson 7's loss is the plain NLL (no label smoothing), and the best checkpoint is the one
+    with the lowest dev loss (BLEU of reconstructing noise means nothing)."""
     if not cfg.tokenizer.joint:
         raise S2SError("tokenizer.joint: pretraining treats both sides as one text; needs a joint vocabulary")
-    return dataclasses.replace(cfg, train=replace(cfg.train, "train.", best_metric="loss", dev_bleu_sentences=0))
+    train = replace(cfg.train, "train.", best_metric="loss", dev_bleu_sentences=0, label_smoothing=0.0)
+    return dataclasses.replace(cfg, train=train)
 
 
 def pretrain(cfg: ExperimentConfig, run_dir: Optional[str | Path] = None, resume: bool = False,
