@@ -140,8 +140,9 @@ def pretrain(config: Path = typer.Argument(..., help="Experiment YAML (its pretr
                                                    help="Run directory (default: output_dir of the config)."),
              resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint."),
              set_: Optional[List[str]] = SetOption):
-    """Denoising pretraining (pretrain.objective: span_corruption or bart) on both sides of the
-    prepared training text; fine-tune from the run with train.init_from.
+    """Denoising pretraining (pretrain.objective: span_corruption or bart) on the prepared text.
+
+    Both sides of the training split are the documents; fine-tune from the run with train.init_from.
 
     Example: `s2s pretrain recipes/quickstart.yaml -o exp/pre --set pretrain.objective=bart`
     """
@@ -158,8 +159,9 @@ def distill(config: Path = typer.Argument(..., help="Experiment YAML whose data.
                                                                    "writes OUT.{src_lang} and OUT.{tgt_lang}."),
             beam: Optional[int] = typer.Option(None, "--beam", "-b", help="Beam size (default: the teacher's)."),
             set_: Optional[List[str]] = SetOption):
-    """Sequence-level knowledge distillation: the teacher's beam-search translations of the
-    training sources become the targets of a new corpus for a student (data.train: OUT).
+    """Sequence-level knowledge distillation: the teacher translates the training sources.
+
+    Writes OUT.{src_lang} and OUT.{tgt_lang}, a corpus for a student (data.train: OUT).
 
     Example: `s2s distill recipes/quickstart.yaml -m exp/teacher -o prepared/kd/train`
     """
@@ -362,8 +364,9 @@ def export_ct2(model: Path = typer.Option(..., "-m", "--model", help="Model dire
 @export_app.command("hf")
 def export_hf(model: Path = typer.Option(..., "-m", "--model", help="Model directory."),
               output: Path = typer.Option(..., "-o", "--output", help="The Hugging Face model directory.")):
-    """Write a Hugging Face directory (MarianMT, BART, mBART or T5, whichever the architecture is)
-    that transformers' AutoModelForSeq2SeqLM.from_pretrained loads.
+    """Write a Hugging Face directory that AutoModelForSeq2SeqLM.from_pretrained loads.
+
+    The family (MarianMT, BART, mBART or T5) is the one the model's architecture matches.
 
     Example: `s2s export hf -m exp/opus-ft -o exp/opus-ft-hf`
     """
@@ -375,9 +378,10 @@ def export_hf(model: Path = typer.Option(..., "-m", "--model", help="Model direc
 @import_app.command("hf")
 def import_hf(path: Path = typer.Argument(..., help="A local Hugging Face model directory."),
               output: Path = typer.Option(..., "-o", "--output", help="The s2s model directory to write.")):
-    """Turn a Hugging Face MarianMT, BART, mBART or T5 checkpoint (config.json, safetensors or
-    .bin weights, tokenizer files) into an s2s model directory for translate, score and
-    fine-tuning (train.init_from).
+    """Turn a Hugging Face MarianMT, BART, mBART or T5 checkpoint into an s2s model directory.
+
+    Reads config.json, safetensors or .bin weights (no pickled code runs) and the tokenizer
+    files; the result serves translate, score and fine-tuning (train.init_from).
 
     Example: `s2s import hf ~/models/opus-mt-en-de -o exp/opus-en-de`
     """
