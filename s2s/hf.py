@@ -136,7 +136,8 @@ def s2s_config(hf: dict) -> dict:
             scale_output=hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True) is not False),
             dropout=hf.get("dropout_rate", 0.1))
         pad, eos = hf.get("pad_token_id", 0), hf.get("eos_token_id", 1)
-        ids = dict(pad_id=pad, eos_id=eos, unk_id=2, bos_id=hf.get("decoder_start_token_id", pad))
+        start = hf.get("decoder_start_token_id")
+        ids = dict(pad_id=pad, eos_id=eos, unk_id=2, bos_id=pad if start is None else start)
     else:
         pre = family == "mbart"
         model = dict(
@@ -332,7 +333,12 @@ def model_from_hf(path: str | Path) -> tuple[Seq2SeqTransformer, dict]:
     hf = read_hf_config(path)
     family = hf["model_type"]
     weights = read_hf_weights(path)
-    sections = s2s_config(hf)
+    try:
+        sections = s2s_config(hf)
+    except KeyError as e:
+        raise S2SError(f"{path / 'config.json'}: no {e.args[0]!r} key, which a {family} config has") from None
+    except (TypeError, ValueError) as e:
+        raise S2SError(f"{path / 'config.json'}: a value has the wrong type ({e})") from None
     embed = "shared.weight" if family == "t5" else "model.shared.weight"
     if _untied_output(weights, embed) or (family == "t5" and not sections["model"]["scale_output"]
                                            and "lm_head.weight" in weights and embed not in weights):

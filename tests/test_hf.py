@@ -292,6 +292,16 @@ def test_mismatched_shape_is_named(pair, tmp_path):
         model_from_hf(tmp_path)
 
 
+def test_config_missing_a_key_is_named(pair, tmp_path):
+    hf, _, _, path = pair
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["d_model"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes())
+    with pytest.raises(S2SError, match="no 'd_model' key"):
+        model_from_hf(tmp_path)
+
+
 def test_no_weights_is_an_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "marian", "vocab_size": 8}))
     with pytest.raises(S2SError, match="no model.safetensors or pytorch_model.bin"):
