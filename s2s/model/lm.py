@@ -52,10 +52,6 @@ def lm_mask(arch: str, n: int, L: int, device=None) -> Tensor:
 class DecoderOnlyLM(nn.Module):
     def __init__(self, cfg: ModelConfig, vocab: int, pad_id: int = 0):
         super().__init__()
-        unsupported = [k for k, on in (("model.copy", cfg.copy), ("model.coverage", cfg.coverage),
-                                       ("model.positions: t5_bias", cfg.positions == "t5_bias")) if on]
-        if unsupported:
-            raise ValueError(f"model.arch: {cfg.arch} does not support {', '.join(unsupported)}")
         self.cfg = cfg
         self.pad_id = pad_id
         d = cfg.d_model
