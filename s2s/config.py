@@ -212,6 +212,7 @@ class TrainConfig:
     max_time: str = ""  # wall-clock budget: "900", "15m", "1h"; "" no limit
     precision: Literal["fp32", "bf16"] = "fp32"
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    compile: bool = False  # train through torch.compile(model) (compiles on the first batches)
     log_every: int = 50
     validate_every: int = 1000  # steps between dev loss/BLEU (and checkpoints)
     dev_bleu_sentences: int = 300  # dev sentences translated for BLEU; 0 skips BLEU

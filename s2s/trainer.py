@@ -25,6 +25,7 @@ import re
 import shutil
 import signal
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -38,6 +39,7 @@ from torch import Tensor
 
 from s2s import __version__
 from s2s.config import ExperimentConfig, replace, to_dict
+from s2s.distributed import all_reduce_update, init_world, shard
 from s2s.data import BinDataset, Batch, data_signature, token_batches, tokenizer_fingerprint
 from s2s.errors import S2SError
 from s2s.metrics import corpus_bleu
@@ -287,8 +289,8 @@ class Trainer:
         self.cfg = cfg
         self.tc = cfg.train
         self.run_dir = run_dir
-        self.show_progress = show_progress
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.world, self.device = init_world()
+        self.show_progress = show_progress and self.world.is_main
         if self.tc.threads:
             torch.set_num_threads(self.tc.threads)
         if (self.tc.precision == "bf16" and self.device.type == "cpu"
@@ -306,6 +308,8 @@ class Trainer:
         if self.tc.init_from:
             init = Path(self.tc.init_from)
             load_weights(self.model, init / WEIGHTS, read_meta(init).get("sha256"))
+        # the module that trains: the model itself, or its torch.compile'd graph (same parameters)
+        self.train_model = torch.compile(self.model, dynamic=True) if self.tc.compile else self.model
         self.teacher = self.load_teacher() if self.tc.distill.teacher else None
         fused = {"fused": True} if self.device.type == "cuda" else {"foreach": True}
         self.optimizer = torch.optim.AdamW(
@@ -352,8 +356,18 @@ class Trainer:
         return SummaryWriter(str(run_dir / "tensorboard"))
 
     def batching(self) -> dict:
-        return {"seed": self.cfg.seed, "train.max_tokens": self.tc.max_tokens,
-                "train.update_freq": self.tc.update_freq, "data.dir": str(self.data_dir)}
+        batching = {"seed": self.cfg.seed, "train.max_tokens": self.tc.max_tokens,
+                    "train.update_freq": self.tc.update_freq, "data.dir": str(self.data_dir)}
+        if self.world.size > 1:
+            batching["world_size"] = self.world.size
+        return batching
+
+    def seed_rank(self) -> None:
+        """Ranks other than 0 draw their own dropout masks: a seed of (seed, rank, step).
+        (All ranks built the same initial weights from ``seed`` before this.)"""
+        if self.world.rank:
+            torch.manual_seed(int(np.random.SeedSequence([self.cfg.seed, self.world.rank,
+                                                          self.state.step]).generate_state(1)[0]))
 
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
         """The batch order of an epoch: a pure function of (seed, epoch)."""
@@ -366,17 +380,28 @@ class Trainer:
                               enabled=self.tc.precision == "bf16")
 
     # ---- one update -------------------------------------------------- #
-    def train_step(self, batches: list[Batch]) -> tuple[Tensor, bool]:
-        """Forward/backward over ``update_freq`` batches, one AdamW update.
+    def train_step(self, batches: list[Batch]) -> tuple[Tensor, bool, tuple[int, int]]:
+        """Forward/backward over this rank's batches of the update, one AdamW update.
 
-        Returns the summed label-smoothed loss and whether the update was applied
-        (a non-finite loss or gradient skips it).
+        Returns the summed label-smoothed loss, whether the update was applied
+        (a non-finite loss or gradient skips it), and the update's (target,
+        source + target) token counts; over all ranks when data-parallel.
         """
         self.model.train()
-        n_tokens = sum(b.n_tgt_tokens for b in batches)
+        n_tgt = sum(b.n_tgt_tokens for b in batches)
+        n_all = n_tgt + sum(b.n_src_tokens for b in batches)
         total = torch.zeros((), device=self.device)
+        # one process: gradients of L / n_tokens; data-parallel: of L, divided after the all-reduce
+        scale = n_tgt if self.world.size == 1 else 1
         for b in batches:
-            total += self.forward_backward(b.to(self.device), n_tokens)
+            total += self.forward_backward(b.to(self.device), scale)
+        if self.world.size > 1:
+            summed = all_reduce_update(self.model.parameters(),
+                                       torch.stack([total, torch.tensor(float(n_tgt)), torch.tensor(float(n_all))]))
+            total, n_tgt, n_all = summed[0], int(summed[1]), int(summed[2])
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(max(n_tgt, 1))
         lr = inverse_sqrt_lr(self.state.step + 1, self.tc.lr, self.tc.warmup_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -386,7 +411,7 @@ class Trainer:
         if ok:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total, ok
+        return total, ok, (n_tgt, n_all)
 
     def forward_backward(self, b: Batch, n_tokens: int) -> Tensor:
         """Loss and gradients of one batch (gradients scaled by 1/n_tokens of the update).
@@ -398,9 +423,9 @@ class Trainer:
             lam = self.tc.coverage_weight
             with self.autocast():
                 if lam:
-                    logits, a = self.model(b.src, b.tgt_in, return_attention=True)  # a (B, T, S)
+                    logits, a = self.train_model(b.src, b.tgt_in, return_attention=True)  # a (B, T, S)
                 else:
-                    logits = self.model(b.src, b.tgt_in)  # (B, T, V)
+                    logits = self.train_model(b.src, b.tgt_in)  # (B, T, V)
             if self.teacher is None:
                 loss = label_smoothed_nll(logits, b.tgt_out, self.tc.label_smoothing, self.tok.pad_id)
             else:
@@ -498,7 +523,8 @@ class Trainer:
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise S2SError(f"{self.run_dir}: exists and is not a directory")
         try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if self.world.is_main:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise S2SError(f"{self.run_dir}: cannot create the run directory ({e.strerror})") from None
         if resume and ckpts:
@@ -524,10 +550,12 @@ class Trainer:
         elif resume:
             log.info("%s: no checkpoint to resume from; starting a new run", self.run_dir)
         self.state.batching = self.batching()
-        write_config(self.run_dir, self.cfg)
-        copy_tokenizer(self.cfg, self.data_dir, self.run_dir)
-        with atomic_write(self.run_dir / "env.json") as f:
-            json.dump(package_versions(), f, indent=2)
+        self.seed_rank()
+        if self.world.is_main:
+            write_config(self.run_dir, self.cfg)
+            copy_tokenizer(self.cfg, self.data_dir, self.run_dir)
+            with atomic_write(self.run_dir / "env.json") as f:
+                json.dump(package_versions(), f, indent=2)
 
     def load_newest_intact(self, ckpts: list[Path]) -> TrainState:
         """Resume from the newest checkpoint that loads and matches its checksums;
@@ -561,9 +589,14 @@ class Trainer:
                 or (tc.max_epochs and st.epoch >= tc.max_epochs)
                 or elapsed + last_val_seconds >= tc.max_seconds)
 
+    def should_stop(self, last_val_seconds: float) -> bool:
+        """Stop before the next update: a limit is reached or a signal came (on any rank)."""
+        return self.world.any(self._signal is not None or self.finished(last_val_seconds))
+
     def run(self, resume: bool = False) -> Path:
         self.start(resume)
-        self.tensorboard = self.open_tensorboard(self.run_dir)
+        main = self.world.is_main
+        self.tensorboard = self.open_tensorboard(self.run_dir) if main else None
         tc, st = self.tc, self.state
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         progress = Progress(tc.max_steps or None, tc.max_seconds, self.show_progress)
@@ -572,14 +605,19 @@ class Trainer:
         window = LogWindow()
         bad_steps = 0
         validated_at = st.validations[-1]["step"] if st.validations else -1
+        per_update = tc.update_freq * self.world.size
+        prefetch = Prefetcher(lambda group: [self.train_data.batch(idx) for idx in shard(group, self.world)])
         try:
-            while not self.finished(last_val):
+            while not self.should_stop(last_val):
                 batches = self.epoch_batches(st.epoch)
-                while st.batch < len(batches) and not self.finished(last_val):
-                    group = batches[st.batch:st.batch + tc.update_freq]
+                prefetch.ahead(batches[st.batch:st.batch + per_update])
+                while st.batch < len(batches) and not self.should_stop(last_val):
+                    group = batches[st.batch:st.batch + per_update]
+                    data = prefetch.take(group)
                     st.batch += len(group)
-                    data = [self.train_data.batch(idx) for idx in group]
-                    loss, ok = self.train_step(data)
+                    if st.batch < len(batches):  # built on a thread while this update computes
+                        prefetch.ahead(batches[st.batch:st.batch + per_update])
+                    loss, ok, counts = self.train_step(data)
                     if not ok:
                         bad_steps += 1
                         log.warning("step %d: non-finite loss or gradient (batch %d of epoch %d), "
@@ -588,29 +626,28 @@ class Trainer:
                             raise S2SError(f"{self.run_dir}: {bad_steps} non-finite updates in a row "
                                            f"after step {st.step}; lower train.lr or check the data, "
                                            "then --resume from the last checkpoint")
-                        if self._signal is not None:
-                            break
                         continue
                     bad_steps = 0
                     st.step += 1
-                    window.add(loss, data)
+                    window.add(loss, *counts)
                     if st.step % tc.log_every == 0:
-                        self.log_progress(window, progress)
+                        if main:
+                            self.log_progress(window, progress)
                         window = LogWindow()
                     if st.step % tc.validate_every == 0:
-                        last_val = self.validate()["seconds"]
+                        if main:
+                            last_val = self.validate()["seconds"]
+                            self.checkpoint()
                         validated_at = st.step
-                        self.checkpoint()
-                    if self._signal is not None:
-                        break
-                if self._signal is not None:
-                    break
                 if st.batch >= len(batches):
                     st.epoch, st.batch = st.epoch + 1, 0
-            if self._signal is None and validated_at != st.step:
-                self.validate()
-            self.checkpoint()
+            if main:
+                if self._signal is None and validated_at != st.step:
+                    self.validate()
+                self.checkpoint()
+            self.world.barrier()  # no rank leaves before the last checkpoint is written
         finally:
+            prefetch.close()
             progress.close()
             if self.tensorboard is not None:
                 self.tensorboard.close()
@@ -643,8 +680,37 @@ class Trainer:
         progress.update(st.step, f"loss {mean:.3f} | lr {lr:.2e} | {rate:,.0f} tok/s | ETA {eta}")
 
     def checkpoint(self) -> None:
+        """Rank 0's training state into checkpoints/step-N (atomically)."""
         self.state.elapsed = self.elapsed()
         save_checkpoint(self.run_dir, self.model, self.optimizer, self.state, self.tc.keep_checkpoints)
+
+
+class Prefetcher:
+    """Builds an update's batches on a background thread while the previous update
+    computes (torch releases the GIL inside its kernels).  ``take`` returns the
+    batches ``ahead`` asked for, or builds them now when it asked for others."""
+
+    def __init__(self, build):
+        self._build = build
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s2s-batches")
+        self._key: Optional[tuple] = None
+        self._future: Optional[Future] = None
+
+    @staticmethod
+    def key(group: list[np.ndarray]) -> tuple:
+        return tuple(tuple(idx.tolist()) for idx in group)
+
+    def ahead(self, group: list[np.ndarray]) -> None:
+        self._key, self._future = self.key(group), self._pool.submit(self._build, group)
+
+    def take(self, group: list[np.ndarray]) -> list[Batch]:
+        if self._future is not None and self._key == self.key(group):
+            future, self._future, self._key = self._future, None, None
+            return future.result()
+        return self._build(group)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 @dataclass
@@ -657,10 +723,10 @@ class LogWindow:
     steps: int = 0
     started: float = field(default_factory=time.time)
 
-    def add(self, loss: Tensor, batches: list[Batch]) -> None:
+    def add(self, loss: Tensor, tgt_tokens: int, all_tokens: int) -> None:
         self.loss = self.loss + loss
-        self.tgt_tokens += sum(b.n_tgt_tokens for b in batches)
-        self.all_tokens += sum(b.n_tgt_tokens + b.n_src_tokens for b in batches)
+        self.tgt_tokens += tgt_tokens
+        self.all_tokens += all_tokens
         self.steps += 1
 
 

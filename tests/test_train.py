@@ -298,3 +298,36 @@ def test_metrics_go_to_tensorboard_when_installed(prepared, tmp_path, monkeypatc
     train(load_config(prepared), tmp_path / "run", show_progress=False)
     assert ("train/loss", 1) in scalars and ("dev/dev_loss", 3) in scalars and ("train/lr", 6) in scalars
     assert scalars[-1] == "closed"
+
+
+@pytest.mark.slow
+def test_compiled_training_matches_eager(prepared, tmp_path):
+    """train.compile: the same updates through torch.compile, up to floating-point reordering."""
+    sets = ["train.max_steps=3", "train.validate_every=3", "train.log_every=1", "model.dropout=0",
+            "model.attention_dropout=0", "train.dev_bleu_sentences=0", "train.best_metric=loss"]
+    eager = train(load_config(prepared, sets), tmp_path / "eager", show_progress=False)
+    compiled = train(load_config(prepared, [*sets, "train.compile=true"]), tmp_path / "compiled",
+                     show_progress=False)
+    for step, loss in _losses(eager).items():
+        assert _losses(compiled)[step] == pytest.approx(loss, abs=1e-3)
+
+
+def test_prefetcher_returns_the_batches_asked_for():
+    import numpy as np
+
+    from s2s.trainer import Prefetcher
+
+    built = []
+
+    def build(group):
+        built.append([g.tolist() for g in group])
+        return [g.sum() for g in group]
+
+    p = Prefetcher(build)
+    a, b = [np.array([1, 2])], [np.array([3, 4])]
+    p.ahead(a)
+    assert p.take(a) == [3]  # the one built ahead
+    p.ahead(a)
+    assert p.take(b) == [7]  # asked for other batches: built now, not the stale ones
+    p.close()
+    assert built.count([[3, 4]]) == 1

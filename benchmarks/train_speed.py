@@ -1,0 +1,274 @@
+"""Training speed side by side: s2s fp32 and bf16 against Hugging Face's MarianMTModel
+on the same model shape, the same batches and the same threads, in one run.
+
+The reference model of recipes/ddtp-en-de.yaml (3+3 layers, d_model 256, FFN 1024,
+4 heads, joint vocabulary 8000, tied, dropout 0.1, label smoothing 0.1) on
+ddtp-en-de batches of at most 4096 padded tokens.  Every engine runs as its own
+process on the same batches (saved once by this script) and times whole
+updates: forward, label-smoothed loss, backward, gradient clipping, AdamW.
+s2s runs through its Trainer's own ``train_step``; MarianMTModel (post-norm,
+its only layout) gets the same loss, clipping and AdamW in a plain loop.
+
+Tokens are source + target tokens, padding excluded.  Model FLOPs utilization
+(MFU) = 3 x the matmul FLOPs of the forward pass (output projection included,
+embedding lookups excluded, counted on each sentence's real length) per second,
+divided by the matmul peak this script measures in the same run (best of
+several 4096x1024x1024 matmuls at the same thread count).  Not a timed test:
+only ratios within one run mean something on a shared machine.
+
+Prints a table and, last, one JSON line with "s2s_fp32_tok_s", "s2s_bf16_tok_s",
+"hf_fp32_tok_s", "mfu_fp32", "mfu_bf16", "matmul_peak_gflops_fp32",
+"matmul_peak_gflops_bf16" and the ratios.
+
+    python benchmarks/train_speed.py            # 40 timed updates per engine, 2 rounds
+    python benchmarks/train_speed.py --quick    # under a minute
+
+transformers is not an s2s dependency: when it cannot be imported, the script
+installs it into its own directory (benchmarks/.hf-env, ``pip --target``) that only
+the Hugging Face engine's process adds to its path, after this environment's packages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+RECIPE = REPO / "recipes" / "ddtp-en-de.yaml"
+HF_ENV = REPO / "benchmarks" / ".hf-env"
+ENGINES = ("s2s_fp32", "s2s_bf16", "hf_fp32")
+
+
+# --------------------------------------------------------------------------- #
+# FLOPs and the matmul peak
+# --------------------------------------------------------------------------- #
+
+def forward_matmul_flops(s: int, t: int, d: int, d_ff: int, n_enc: int, n_dec: int, vocab: int) -> int:
+    """Matmul FLOPs (2 per multiply-add) of one sentence pair's forward pass, |x| = s, |y| = t:
+
+        encoder layer  8 s d^2 (Q, K, V, O) + 4 s d d_ff (FFN) + 4 s^2 d (QK^T, AV)
+        decoder layer  8 t d^2 (self Q, K, V, O) + 4 t^2 d (self QK^T, AV)
+                       + 4 t d^2 + 4 s d^2 (cross Q, O; K, V from H_enc) + 4 t s d (cross QK^T, AV)
+                       + 4 t d d_ff (FFN)
+        output         2 t d V (z_t = h_t W_U)
+    """
+    enc = 8 * s * d * d + 4 * s * d * d_ff + 4 * s * s * d
+    dec = 8 * t * d * d + 4 * t * t * d + 4 * t * d * d + 4 * s * d * d + 4 * t * s * d + 4 * t * d * d_ff
+    return n_enc * enc + n_dec * dec + 2 * t * d * vocab
+
+
+def matmul_peak_gflops(dtype: torch.dtype, repeats: int = 10) -> float:
+    """Best GFLOP/s of a (4096 x 1024) @ (1024 x 1024) matmul in ``dtype``."""
+    a = torch.randn(4096, 1024).to(dtype)
+    b = torch.randn(1024, 1024).to(dtype)
+    for _ in range(2):
+        a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 4096 * 1024 * 1024 / best / 1e9
+
+
+# --------------------------------------------------------------------------- #
+# Engines (each in its own process)
+# --------------------------------------------------------------------------- #
+
+def load_batches(path: Path):
+    from s2s.data import Batch
+
+    return [Batch(src, tgt_in, tgt_out, n_src, n_tgt) for src, tgt_in, tgt_out, n_src, n_tgt in torch.load(path)]
+
+
+def run_s2s(precision: str, batches, warmup: int, threads: int) -> float:
+    """Seconds of len(batches) - warmup updates through the s2s Trainer."""
+    from s2s.config import load_config
+    from s2s.trainer import Trainer
+
+    cfg = load_config(RECIPE, [f"train.precision={precision}", f"train.threads={threads}"])
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = Trainer(cfg, Path(tmp) / "run", show_progress=False)
+        return _timed(lambda b: trainer.train_step([b])[0], batches, warmup)
+
+
+def run_hf(batches, warmup: int, threads: int) -> float:
+    """Seconds of len(batches) - warmup updates of MarianMTModel with s2s's loss, clipping and AdamW."""
+    import torch.nn.functional as F
+    from transformers import MarianConfig, MarianMTModel
+
+    from s2s.config import load_config
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(1)
+    cfg = load_config(RECIPE)
+    m, tc = cfg.model, cfg.train
+    config = MarianConfig(
+        vocab_size=cfg.tokenizer.vocab_size, decoder_vocab_size=cfg.tokenizer.vocab_size, d_model=m.d_model,
+        encoder_layers=m.enc_layers, decoder_layers=m.dec_layers, encoder_attention_heads=m.heads,
+        decoder_attention_heads=m.heads, encoder_ffn_dim=m.d_ff, decoder_ffn_dim=m.d_ff,
+        activation_function=m.activation, dropout=m.dropout, attention_dropout=m.attention_dropout,
+        activation_dropout=0.0, max_position_embeddings=1024, scale_embedding=m.scale_embeddings,
+        share_encoder_decoder_embeddings=True, tie_word_embeddings=True, pad_token_id=0, eos_token_id=3,
+        decoder_start_token_id=2)
+    model = MarianMTModel(config)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=(tc.adam_beta1, tc.adam_beta2),
+                            eps=tc.adam_eps, weight_decay=tc.weight_decay, foreach=True)
+
+    def step(b):
+        out = model(input_ids=b.src, attention_mask=(b.src != 0).long(), decoder_input_ids=b.tgt_in,
+                    decoder_attention_mask=(b.tgt_in != 0).long())
+        V = out.logits.size(-1)
+        loss = F.cross_entropy(out.logits.reshape(-1, V), b.tgt_out.reshape(-1), ignore_index=0,
+                               reduction="sum", label_smoothing=tc.label_smoothing)
+        (loss / b.n_tgt_tokens).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return _timed(step, batches, warmup)
+
+
+def _timed(step, batches, warmup: int) -> float:
+    for b in batches[:warmup]:
+        step(b)
+    t0 = time.perf_counter()
+    for b in batches[warmup:]:
+        loss = step(b)
+    float(loss)  # wait for the last update
+    return time.perf_counter() - t0
+
+
+def engine_main(args) -> None:
+    if args.site:
+        sys.path.append(args.site)
+    batches = load_batches(args.batches)
+    if args.engine == "hf_fp32":
+        seconds = run_hf(batches, args.warmup, args.threads)
+    else:
+        seconds = run_s2s(args.engine.split("_")[1], batches, args.warmup, args.threads)
+    print(json.dumps({"seconds": seconds}))
+
+
+def hf_site() -> str:
+    """"" when transformers imports here; else benchmarks/.hf-env, where it is installed on first
+    use (``pip --target``; the engine appends it to sys.path, so this environment's torch is kept)."""
+    try:
+        import transformers  # noqa: F401
+
+        return ""
+    except ImportError:
+        pass
+    if not (HF_ENV / "transformers").is_dir():
+        print(f"train_speed: installing transformers into {HF_ENV}", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(HF_ENV), "transformers"],
+                       check=True)
+    return str(HF_ENV)
+
+
+# --------------------------------------------------------------------------- #
+# The side-by-side run
+# --------------------------------------------------------------------------- #
+
+def ensure_prepared() -> None:
+    from s2s.config import load_config
+
+    cfg = load_config(RECIPE)
+    if not (Path(cfg.data.dir) if Path(cfg.data.dir).is_absolute() else REPO / cfg.data.dir).joinpath(
+            "meta.json").is_file():
+        for stage in (["tokenizer", "train"], ["prepare"]):
+            subprocess.run([sys.executable, "-m", "s2s", *stage, str(RECIPE)], cwd=REPO, check=True)
+
+
+def sample_batches(n: int, seed: int):
+    """n batches of the recipe's training data, as its trainer would cut them (max_tokens 4096)."""
+    from s2s.config import load_config
+    from s2s.data import BinDataset, token_batches
+
+    cfg = load_config(RECIPE)
+    data = BinDataset(REPO / cfg.data.dir, "train")
+    order = token_batches(data.src_lens, data.tgt_lens, cfg.train.max_tokens, np.random.default_rng(seed))
+    return [data.batch(idx) for idx in order[:n]], cfg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="8 timed updates per engine, one round")
+    ap.add_argument("--updates", type=int, default=40, help="timed updates per engine and round")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2, help="engines run in turn this many times; best kept")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)
+    ap.add_argument("--batches", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--site", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.engine:
+        return engine_main(args)
+    if args.quick:
+        args.updates, args.rounds, args.warmup = 8, 1, 2
+    os.chdir(REPO)
+    ensure_prepared()
+    batches, cfg = sample_batches(args.warmup + args.updates, args.seed)
+    timed = batches[args.warmup:]
+    m = cfg.model
+    tokens = sum(b.n_src_tokens + b.n_tgt_tokens for b in timed)
+    tgt_tokens = sum(b.n_tgt_tokens for b in timed)
+    flops = 3 * sum(forward_matmul_flops(int(s), int(t), m.d_model, m.d_ff, m.enc_layers, m.dec_layers,
+                                         cfg.tokenizer.vocab_size)
+                    for b in timed for s, t in zip((b.src != 0).sum(1), (b.tgt_out != 0).sum(1)))
+    torch.set_num_threads(args.threads)
+    peak = {"fp32": matmul_peak_gflops(torch.float32), "bf16": matmul_peak_gflops(torch.bfloat16)}
+    site = {"s2s_fp32": "", "s2s_bf16": "", "hf_fp32": hf_site()}
+    best = {e: float("inf") for e in ENGINES}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "batches.pt"
+        torch.save([(b.src, b.tgt_in, b.tgt_out, b.n_src_tokens, b.n_tgt_tokens) for b in batches], path)
+        for r in range(args.rounds):
+            for engine in ENGINES:
+                proc = subprocess.run([sys.executable, __file__, "--engine", engine, "--batches", str(path),
+                                       "--warmup", str(args.warmup), "--threads", str(args.threads),
+                                       "--site", site[engine]],
+                                      capture_output=True, text=True, env=env)
+                if proc.returncode:
+                    sys.exit(f"train_speed: {engine} failed:\n{proc.stderr[-3000:]}")
+                seconds = json.loads(proc.stdout.strip().splitlines()[-1])["seconds"]
+                print(f"round {r + 1}: {engine} {tokens / seconds:,.0f} tokens/s", file=sys.stderr)
+                best[engine] = min(best[engine], seconds)
+    result = {f"{e}_tok_s": round(tokens / best[e]) for e in ENGINES}
+    result.update({f"{e}_tgt_tok_s": round(tgt_tokens / best[e]) for e in ENGINES})
+    result["mfu_fp32"] = round(flops / best["s2s_fp32"] / 1e9 / peak["fp32"], 3)
+    result["mfu_bf16"] = round(flops / best["s2s_bf16"] / 1e9 / peak["bf16"], 3)
+    result["hf_mfu_fp32"] = round(flops / best["hf_fp32"] / 1e9 / peak["fp32"], 3)
+    result["matmul_peak_gflops_fp32"] = round(peak["fp32"], 1)
+    result["matmul_peak_gflops_bf16"] = round(peak["bf16"], 1)
+    result["s2s_fp32_over_hf"] = round(best["hf_fp32"] / best["s2s_fp32"], 2)
+    result["s2s_bf16_over_hf"] = round(best["hf_fp32"] / best["s2s_bf16"], 2)
+    result.update({"updates": args.updates, "tokens_per_update": round(tokens / args.updates),
+                   "threads": args.threads, "bf16_native": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())})
+    print(f"{args.updates} updates of ~{tokens // args.updates:,} tokens (source + target, no padding), "
+          f"{args.threads} threads; matmul peak fp32 {peak['fp32']:.0f} / bf16 {peak['bf16']:.0f} GFLOP/s")
+    print("| engine | tokens/s | target tokens/s | MFU | vs HF fp32 |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for e, mfu in (("s2s_fp32", result["mfu_fp32"]), ("s2s_bf16", result["mfu_bf16"]),
+                   ("hf_fp32", result["hf_mfu_fp32"])):
+        print(f"| {e} | {result[e + '_tok_s']:,} | {result[e + '_tgt_tok_s']:,} | {mfu:.0%} | "
+              f"{best['hf_fp32'] / best[e]:.2f}x |")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

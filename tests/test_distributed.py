@@ -1,0 +1,63 @@
+"""Data-parallel training: two processes under torchrun against one process on the same batches."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from s2s.config import load_config
+from s2s.distributed import World, shard
+from s2s.trainer import Trainer, list_checkpoints
+
+# No dropout, so that both runs draw nothing at random after the (identical) initialization.
+# adam_eps 1e-4: the key bias's gradient is zero in exact arithmetic (softmax ignores a constant
+# added to every score), and with a tiny eps Adam would turn its rounding noise into full-size steps.
+SETTINGS = ["train.adam_eps=1e-4", "train.max_steps=5", "train.validate_every=5", "train.log_every=1", "train.dev_bleu_sentences=0",
+            "train.best_metric=loss", "train.max_tokens=96", "model.dropout=0", "model.attention_dropout=0",
+            "train.threads=1"]
+
+
+def _train(prepared, out, update_freq, nproc):
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+                if nproc > 1 else [sys.executable])
+    sets = [a for s in [*SETTINGS, f"train.update_freq={update_freq}"] for a in ("--set", s)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*launcher, "-m", "s2s", "train", str(prepared), "-o", str(out), *sets],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def _metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_shard_takes_every_world_size_th_batch():
+    group = list("abcde")
+    assert shard(group, World(0, 2)) == ["a", "c", "e"]
+    assert shard(group, World(1, 2)) == ["b", "d"]
+    assert shard(group, World()) == group
+
+
+def test_two_processes_match_one_process_on_the_combined_batches(prepared, tmp_path):
+    one = _train(prepared, tmp_path / "one", update_freq=2, nproc=1)
+    two = _train(prepared, tmp_path / "two", update_freq=1, nproc=2)
+    a = load_file(str(list_checkpoints(one)[-1] / "model.safetensors"))
+    b = load_file(str(list_checkpoints(two)[-1] / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+    # the updates moved the weights far more than the tolerance: the comparison means something
+    start = Trainer(load_config(prepared, SETTINGS), tmp_path / "unused", show_progress=False).model.state_dict()
+    assert max(float((a[k] - start[k]).abs().max()) for k in a) > 1e-3
+    # rank 0 alone logged: one line per step, with the losses and token counts of both ranks' batches
+    m1 = [r for r in _metrics(one) if "loss" in r]
+    m2 = [r for r in _metrics(two) if "loss" in r]
+    assert [r["step"] for r in m2] == [1, 2, 3, 4, 5]
+    for r1, r2 in zip(m1, m2):
+        assert r2["loss"] == pytest.approx(r1["loss"], abs=2e-4)
+    assert json.loads((two / "model.json").read_text())["step"] == 5
