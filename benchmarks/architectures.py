@@ -7,7 +7,7 @@ Every run is the quickstart recipe (recipes/quickstart.yaml: its data, tokenizer
 schedule and 2 threads) for the same wall-clock budget (``--minutes``, default 5),
 then BLEU of beam-5 translations of the 1000 test sentences.  ``arch`` changes only
 ``model.arch`` (the one-stack models get enc_layers + dec_layers blocks).  ``kd`` uses
-the quickstart model (``--teacher-minutes``, default its recipe's 10) as the
+the quickstart model (``--teacher-minutes``, default 30) as the
 teacher and a student of half the width and fewer layers; word-level KD is train.distill (lambda 0.5, T 2); sequence-level KD trains
 the student on the teacher's greedy translations of the training sources
 (``s2s distill``; greedy, as beam 5 over 45k sentences would take most of an hour
@@ -63,7 +63,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("table", choices=["arch", "kd"])
     ap.add_argument("--minutes", type=int, default=5)
-    ap.add_argument("--teacher-minutes", type=int, default=10, help="kd: the teacher's budget")
+    ap.add_argument("--teacher-minutes", type=int, default=30, help="kd: the teacher's budget")
     ap.add_argument("--out", type=Path, default=ROOT / "exp" / "issue7")
     ap.add_argument("--reuse", action="store_true", help="keep runs that already finished in --out")
     args = ap.parse_args()
