@@ -139,8 +139,9 @@ class ModelConfig:
     output_bias: bool = False  # z_t = h_t W_U + b_U (the final logits bias of Marian and BART)
     scale_output: bool = False  # z_t = (h_t / sqrt(d_model)) W_U (T5 v1.0, tied)
     vocab_size: int = 0  # rows of the embedding and output tables; 0: the tokenizer's vocabulary
-    dropout: float = 0.1
-    attention_dropout: float = 0.0
+    dropout: float = 0.1  # on embeddings and on each sublayer's output before its residual add
+    attention_dropout: float = 0.0  # on the attention weights A
+    activation_dropout: float = 0.0  # inside the FFN, after the activation (fairseq's --activation-dropout)
     # pointer-generator (formula sheet, Lesson 9): P(w) = p_gen P_vocab(w) + (1 - p_gen) sum_{j: x_j = w} A_tj,
     # A = the last decoder layer's cross-attention averaged over heads; needs one shared vocabulary
     copy: bool = False
@@ -162,6 +163,7 @@ class ModelConfig:
                "must exceed rel_buckets / 4 (the last exactly-represented distance)")
         _check(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
         _check(0.0 <= self.attention_dropout < 1.0, "model.attention_dropout", "must be in [0, 1)")
+        _check(0.0 <= self.activation_dropout < 1.0, "model.activation_dropout", "must be in [0, 1)")
         if self.arch != "encoder_decoder":
             _check(self.share_embeddings, "model.arch", f"{self.arch} reads x and y with one embedding table; "
                    "needs model.share_embeddings: true (and a joint tokenizer)")

@@ -134,7 +134,7 @@ def s2s_config(hf: dict) -> dict:
             scale_embeddings=False, share_embeddings=True, tie_output=True,
             # T5 v1.0 rescales the decoder output by d^-1/2 before the tied projection, v1.1 does not
             scale_output=hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True) is not False),
-            dropout=hf.get("dropout_rate", 0.1))
+            dropout=hf.get("dropout_rate", 0.1), activation_dropout=hf.get("dropout_rate", 0.1))
         pad, eos = hf.get("pad_token_id", 0), hf.get("eos_token_id", 1)
         start = hf.get("decoder_start_token_id")
         ids = dict(pad_id=pad, eos_id=eos, unk_id=2, bos_id=pad if start is None else start)
@@ -151,7 +151,8 @@ def s2s_config(hf: dict) -> dict:
             position_offset=0 if family == "marian" else BART_POSITION_OFFSET,
             share_embeddings=bool(hf.get("share_encoder_decoder_embeddings", True)),
             tie_output=hf.get("tie_word_embeddings", True) is not False,
-            dropout=hf.get("dropout", 0.1), attention_dropout=hf.get("attention_dropout", 0.0))
+            dropout=hf.get("dropout", 0.1), attention_dropout=hf.get("attention_dropout", 0.0),
+            activation_dropout=hf.get("activation_dropout", 0.0))
         if family == "marian" and hf.get("decoder_vocab_size", vocab) != vocab:
             raise S2SError(f"config.json: decoder_vocab_size={hf['decoder_vocab_size']} differs from "
                            f"vocab_size={vocab}; s2s needs one size for both vocabularies")
@@ -224,7 +225,7 @@ def hf_config(cfg: ExperimentConfig, family: str, vocab: int) -> dict:
            "encoder_ffn_dim": m.d_ff, "decoder_ffn_dim": m.d_ff,
            "activation_function": TO_HF_ACTIVATION[m.activation], "scale_embedding": m.scale_embeddings,
            "max_position_embeddings": m.max_positions, "dropout": m.dropout,
-           "attention_dropout": m.attention_dropout, "activation_dropout": 0.0,
+           "attention_dropout": m.attention_dropout, "activation_dropout": m.activation_dropout,
            "normalize_before": m.norm == "pre", "bos_token_id": None}
     if family == "marian":
         out.update(decoder_vocab_size=vocab, share_encoder_decoder_embeddings=m.share_embeddings)

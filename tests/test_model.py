@@ -465,3 +465,14 @@ def test_sinusoidal_table_odd_width_and_offsets():
     pe = SinusoidalPositions(16)
     torch.testing.assert_close(pe(3, start=4), sinusoidal_table(torch.arange(4, 7), 16))
     torch.testing.assert_close(pe(10)[4:7], pe(3, start=4), atol=1e-6, rtol=0)
+
+
+def test_each_dropout_setting_reaches_its_place():
+    """model.dropout: embeddings and sublayer outputs; attention_dropout: A; activation_dropout:
+    inside the FFN (0 by default, as fairseq's --activation-dropout)."""
+    model = make_model(dropout=0.1, attention_dropout=0.2, activation_dropout=0.3)
+    layer = model.encoder_layers[0]
+    assert layer.ffn.dropout.p == 0.3
+    assert layer.dropout.p == 0.1
+    assert layer.self_attn.dropout == 0.2
+    assert make_model().encoder_layers[0].ffn.dropout.p == 0.0

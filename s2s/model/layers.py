@@ -59,7 +59,7 @@ def _attention(cfg: ModelConfig, cross: bool = False) -> MultiHeadAttention:
 
 
 def _ffn(cfg: ModelConfig) -> FeedForward:
-    return FeedForward(cfg.d_model, cfg.d_ff, cfg.activation, cfg.dropout, cfg.bias, cfg.gated_ffn)
+    return FeedForward(cfg.d_model, cfg.d_ff, cfg.activation, cfg.activation_dropout, cfg.bias, cfg.gated_ffn)
 
 
 class EncoderLayer(nn.Module):
