@@ -18,7 +18,9 @@ only ratios within one run mean something on a shared machine.
 
 Prints a table and, last, one JSON line with "s2s_fp32_tok_s", "s2s_bf16_tok_s",
 "hf_fp32_tok_s", "mfu_fp32", "mfu_bf16", "matmul_peak_gflops_fp32",
-"matmul_peak_gflops_bf16" and the ratios.
+"matmul_peak_gflops_bf16" and the ratios.  On a CPU without native bf16 matmuls
+(no AVX-512 BF16 or AMX) a bf16 update takes about a minute, so bf16 is left out
+there (its keys null) unless ``--slow-bf16`` times 2 updates.
 
     python benchmarks/train_speed.py            # 40 timed updates per engine, 2 rounds
     python benchmarks/train_speed.py --quick    # under a minute
@@ -118,7 +120,7 @@ def run_hf(batches, warmup: int, threads: int) -> float:
         encoder_layers=m.enc_layers, decoder_layers=m.dec_layers, encoder_attention_heads=m.heads,
         decoder_attention_heads=m.heads, encoder_ffn_dim=m.d_ff, decoder_ffn_dim=m.d_ff,
         activation_function=m.activation, dropout=m.dropout, attention_dropout=m.attention_dropout,
-        activation_dropout=0.0, max_position_embeddings=1024, scale_embedding=m.scale_embeddings,
+        activation_dropout=m.activation_dropout, max_position_embeddings=1024, scale_embedding=m.scale_embeddings,
         share_encoder_decoder_embeddings=True, tie_word_embeddings=True, pad_token_id=0, eos_token_id=3,
         decoder_start_token_id=2)
     model = MarianMTModel(config)
@@ -154,7 +156,7 @@ def _timed(step, batches, warmup: int) -> float:
 def engine_main(args) -> None:
     if args.site:
         sys.path.append(args.site)
-    batches = load_batches(args.batches)
+    batches = load_batches(args.batches)[:args.warmup + args.count]
     if args.engine == "hf_fp32":
         seconds = run_hf(batches, args.warmup, args.threads)
     else:
@@ -211,9 +213,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="engines run in turn this many times; best kept")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--slow-bf16", action="store_true",
+                    help="time s2s bf16 even on a CPU without native bf16 matmuls (2 updates, minutes)")
     ap.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)
     ap.add_argument("--batches", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--site", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--count", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.engine:
         return engine_main(args)
@@ -222,15 +227,23 @@ def main() -> None:
     os.chdir(REPO)
     ensure_prepared()
     batches, cfg = sample_batches(args.warmup + args.updates, args.seed)
-    timed = batches[args.warmup:]
     m = cfg.model
-    tokens = sum(b.n_src_tokens + b.n_tgt_tokens for b in timed)
-    tgt_tokens = sum(b.n_tgt_tokens for b in timed)
-    flops = 3 * sum(forward_matmul_flops(int(s), int(t), m.d_model, m.d_ff, m.enc_layers, m.dec_layers,
-                                         cfg.tokenizer.vocab_size)
-                    for b in timed for s, t in zip((b.src != 0).sum(1), (b.tgt_out != 0).sum(1)))
     torch.set_num_threads(args.threads)
-    peak = {"fp32": matmul_peak_gflops(torch.float32), "bf16": matmul_peak_gflops(torch.bfloat16)}
+    native_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) or torch.cuda.is_available()
+    # without native bf16 matmuls (AVX-512 BF16 / AMX) a bf16 update takes about a minute on a CPU:
+    # bf16 is left out (its keys null) unless --slow-bf16 asks for 2 timed updates anyway
+    engines = [e for e in ENGINES if e != "s2s_bf16" or native_bf16 or args.slow_bf16]
+    count = {"s2s_fp32": args.updates, "hf_fp32": args.updates, "s2s_bf16": args.updates if native_bf16 else 2}
+    timed = {e: batches[args.warmup:args.warmup + n] for e, n in count.items()}
+    tokens = {e: sum(b.n_src_tokens + b.n_tgt_tokens for b in t) for e, t in timed.items()}
+    tgt_tokens = {e: sum(b.n_tgt_tokens for b in t) for e, t in timed.items()}
+    flops = {e: 3 * sum(forward_matmul_flops(int(s), int(t), m.d_model, m.d_ff, m.enc_layers, m.dec_layers,
+                                             cfg.tokenizer.vocab_size)
+                        for b in bs for s, t in zip((b.src != 0).sum(1), (b.tgt_out != 0).sum(1)))
+             for e, bs in timed.items()}
+    peak = {"fp32": matmul_peak_gflops(torch.float32),
+            "bf16": matmul_peak_gflops(torch.bfloat16, repeats=10 if native_bf16 else 2)
+            if "s2s_bf16" in engines else float("nan")}
     site = {"s2s_fp32": "", "s2s_bf16": "", "hf_fp32": hf_site()}
     best = {e: float("inf") for e in ENGINES}
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
@@ -238,35 +251,41 @@ def main() -> None:
         path = Path(tmp) / "batches.pt"
         torch.save([(b.src, b.tgt_in, b.tgt_out, b.n_src_tokens, b.n_tgt_tokens) for b in batches], path)
         for r in range(args.rounds):
-            for engine in ENGINES:
+            for engine in engines:
                 proc = subprocess.run([sys.executable, __file__, "--engine", engine, "--batches", str(path),
                                        "--warmup", str(args.warmup), "--threads", str(args.threads),
-                                       "--site", site[engine]],
+                                       "--site", site[engine], "--count", str(count[engine])],
                                       capture_output=True, text=True, env=env)
                 if proc.returncode:
                     sys.exit(f"train_speed: {engine} failed:\n{proc.stderr[-3000:]}")
                 seconds = json.loads(proc.stdout.strip().splitlines()[-1])["seconds"]
-                print(f"round {r + 1}: {engine} {tokens / seconds:,.0f} tokens/s", file=sys.stderr)
+                print(f"round {r + 1}: {engine} {tokens[engine] / seconds:,.0f} tokens/s", file=sys.stderr)
                 best[engine] = min(best[engine], seconds)
-    result = {f"{e}_tok_s": round(tokens / best[e]) for e in ENGINES}
-    result.update({f"{e}_tgt_tok_s": round(tgt_tokens / best[e]) for e in ENGINES})
-    result["mfu_fp32"] = round(flops / best["s2s_fp32"] / 1e9 / peak["fp32"], 3)
-    result["mfu_bf16"] = round(flops / best["s2s_bf16"] / 1e9 / peak["bf16"], 3)
-    result["hf_mfu_fp32"] = round(flops / best["hf_fp32"] / 1e9 / peak["fp32"], 3)
-    result["matmul_peak_gflops_fp32"] = round(peak["fp32"], 1)
-    result["matmul_peak_gflops_bf16"] = round(peak["bf16"], 1)
-    result["s2s_fp32_over_hf"] = round(best["hf_fp32"] / best["s2s_fp32"], 2)
-    result["s2s_bf16_over_hf"] = round(best["hf_fp32"] / best["s2s_bf16"], 2)
-    result.update({"updates": args.updates, "tokens_per_update": round(tokens / args.updates),
-                   "threads": args.threads, "bf16_native": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())})
-    print(f"{args.updates} updates of ~{tokens // args.updates:,} tokens (source + target, no padding), "
-          f"{args.threads} threads; matmul peak fp32 {peak['fp32']:.0f} / bf16 {peak['bf16']:.0f} GFLOP/s")
-    print("| engine | tokens/s | target tokens/s | MFU | vs HF fp32 |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for e, mfu in (("s2s_fp32", result["mfu_fp32"]), ("s2s_bf16", result["mfu_bf16"]),
-                   ("hf_fp32", result["hf_mfu_fp32"])):
-        print(f"| {e} | {result[e + '_tok_s']:,} | {result[e + '_tgt_tok_s']:,} | {mfu:.0%} | "
-              f"{best['hf_fp32'] / best[e]:.2f}x |")
+    def num(x: float, digits: int = 0):
+        return None if x != x else round(x, digits) if digits else round(x)  # NaN: not measured
+
+    nan = float("nan")
+    rate = {e: tokens[e] / best[e] if e in engines else nan for e in ENGINES}
+    mfu = {e: flops[e] / best[e] / 1e9 / peak[e.split("_")[1]] if e in engines else nan for e in ENGINES}
+    result = {f"{e}_tok_s": num(rate[e]) for e in ENGINES}
+    result.update({f"{e}_tgt_tok_s": num(tgt_tokens[e] / best[e] if e in engines else nan) for e in ENGINES})
+    result.update({"mfu_fp32": num(mfu["s2s_fp32"], 3), "mfu_bf16": num(mfu["s2s_bf16"], 3),
+                   "hf_mfu_fp32": num(mfu["hf_fp32"], 3),
+                   "matmul_peak_gflops_fp32": num(peak["fp32"], 1), "matmul_peak_gflops_bf16": num(peak["bf16"], 1),
+                   "s2s_fp32_over_hf": num(rate["s2s_fp32"] / rate["hf_fp32"], 2),
+                   "s2s_bf16_over_hf": num(rate["s2s_bf16"] / rate["hf_fp32"], 2),
+                   "updates": {e: count[e] for e in engines},
+                   "tokens_per_update": round(tokens["s2s_fp32"] / args.updates),
+                   "threads": args.threads, "bf16_native": native_bf16})
+    print(f"updates of ~{result['tokens_per_update']:,} tokens (source + target, no padding), {args.threads} "
+          f"threads; matmul peak fp32 {peak['fp32']:.0f} / bf16 {peak['bf16']:.0f} GFLOP/s")
+    if "s2s_bf16" not in engines:
+        print("s2s_bf16: left out, this CPU has no native bf16 matmul (run with --slow-bf16 to time it anyway)")
+    print("| engine | timed updates | tokens/s | target tokens/s | MFU | vs HF fp32 |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for e in engines:
+        print(f"| {e} | {count[e]} | {rate[e]:,.0f} | {tgt_tokens[e] / best[e]:,.0f} | {mfu[e]:.0%} | "
+              f"{rate[e] / rate['hf_fp32']:.2f}x |")
     print(json.dumps(result))
 
 
