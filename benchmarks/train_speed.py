@@ -187,9 +187,7 @@ def hf_site() -> str:
 def ensure_prepared() -> None:
     from s2s.config import load_config
 
-    cfg = load_config(RECIPE)
-    if not (Path(cfg.data.dir) if Path(cfg.data.dir).is_absolute() else REPO / cfg.data.dir).joinpath(
-            "meta.json").is_file():
+    if not (REPO / load_config(RECIPE).data.dir / "meta.json").is_file():
         for stage in (["tokenizer", "train"], ["prepare"]):
             subprocess.run([sys.executable, "-m", "s2s", *stage, str(RECIPE)], cwd=REPO, check=True)
 

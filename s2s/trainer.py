@@ -610,13 +610,12 @@ class Trainer:
         try:
             while not self.should_stop(last_val):
                 batches = self.epoch_batches(st.epoch)
-                prefetch.ahead(batches[st.batch:st.batch + per_update])
                 while st.batch < len(batches) and not self.should_stop(last_val):
                     group = batches[st.batch:st.batch + per_update]
-                    data = prefetch.take(group)
+                    data = prefetch.take((st.epoch, st.batch), group)
                     st.batch += len(group)
                     if st.batch < len(batches):  # built on a thread while this update computes
-                        prefetch.ahead(batches[st.batch:st.batch + per_update])
+                        prefetch.ahead((st.epoch, st.batch), batches[st.batch:st.batch + per_update])
                     loss, ok, counts = self.train_step(data)
                     if not ok:
                         bad_steps += 1
@@ -687,25 +686,22 @@ class Trainer:
 
 class Prefetcher:
     """Builds an update's batches on a background thread while the previous update
-    computes (torch releases the GIL inside its kernels).  ``take`` returns the
-    batches ``ahead`` asked for, or builds them now when it asked for others."""
+    computes (torch releases the GIL inside its kernels).  Batches are named by
+    their data position (epoch, batch index): ``take`` returns those ``ahead``
+    built for the same position, or builds them now."""
 
     def __init__(self, build):
         self._build = build
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s2s-batches")
-        self._key: Optional[tuple] = None
+        self._position: Optional[tuple[int, int]] = None
         self._future: Optional[Future] = None
 
-    @staticmethod
-    def key(group: list[np.ndarray]) -> tuple:
-        return tuple(tuple(idx.tolist()) for idx in group)
+    def ahead(self, position: tuple[int, int], group: list[np.ndarray]) -> None:
+        self._position, self._future = position, self._pool.submit(self._build, group)
 
-    def ahead(self, group: list[np.ndarray]) -> None:
-        self._key, self._future = self.key(group), self._pool.submit(self._build, group)
-
-    def take(self, group: list[np.ndarray]) -> list[Batch]:
-        if self._future is not None and self._key == self.key(group):
-            future, self._future, self._key = self._future, None, None
+    def take(self, position: tuple[int, int], group: list[np.ndarray]) -> list[Batch]:
+        if self._future is not None and self._position == position:
+            future, self._future, self._position = self._future, None, None
             return future.result()
         return self._build(group)
 

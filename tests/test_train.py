@@ -325,9 +325,9 @@ def test_prefetcher_returns_the_batches_asked_for():
 
     p = Prefetcher(build)
     a, b = [np.array([1, 2])], [np.array([3, 4])]
-    p.ahead(a)
-    assert p.take(a) == [3]  # the one built ahead
-    p.ahead(a)
-    assert p.take(b) == [7]  # asked for other batches: built now, not the stale ones
+    p.ahead((0, 0), a)
+    assert p.take((0, 0), a) == [3]  # the one built ahead
+    p.ahead((0, 1), a)
+    assert p.take((0, 2), b) == [7]  # asked for another position: built now, not the stale ones
     p.close()
     assert built.count([[3, 4]]) == 1
