@@ -41,7 +41,7 @@ class RecomputeDecoder:
         logits, _ = self.model.decode(self.prefix, self.h_enc, self.src_mask)
         return torch.log_softmax(logits[:, -1].float(), dim=-1)
 
-    def select(self, index: torch.Tensor) -> None:
+    def select(self, index: torch.Tensor, group=None) -> None:
         self.h_enc = self.h_enc.index_select(0, index)
         self.src_mask = self.src_mask.index_select(0, index)
         self.prefix = self.prefix.index_select(0, index)

@@ -4,16 +4,21 @@ on the same weights, the same sentences, batches and threads, in one run.
 Each engine runs as its own process (the whole process is timed: start-up,
 model loading, reading, decoding, writing), so peak RSS is per engine.  On
 the ddtp-en-de test set, beam 5 and greedy, batches of 64 sentences, 2
-threads, the s2s model's decode settings for the length cap, and the same
-length penalty everywhere (m^alpha with alpha = 1, the form CTranslate2 has).
-Not a timed test: the machines are shared and noisy; only ratios within one
-run mean something.
+threads, the s2s model's decode settings for the length cap, the same
+length penalty everywhere (m^alpha with alpha = 1, the form CTranslate2 has)
+and the same rule for ending a sentence's beam search: s2s's ``--stop early``
+(stop once no live beam would win by ending at the next step), as
+CTranslate2 (which stops when its top beam ends) and Hugging Face generate's
+default do.  Not a timed test: the machines are shared and noisy; only ratios
+within one run mean something.
 
 Prints a table and, last, one JSON line with "<engine>_<search>_sent_s",
 "<engine>_<search>_tok_s", "<engine>_<search>_rss_mib" and "<engine>_<search>_bleu"
 for each engine (s2s_fp32, s2s_bf16, s2s_int8, ct2_fp32, ct2_int8, hf) and
-search (beam5, greedy).  Hugging Face generate needs a Hugging Face export of
-the model, which s2s does not write yet: its keys are null.
+search (beam5, greedy).  Hugging Face generate runs on ``s2s export hf`` of the
+model (transformers installed as benchmarks/train_speed.py does); an
+architecture no Hugging Face family has (the pre-norm, sinusoidal reference
+model among them) leaves its keys null, with the reason on stderr.
 
     python benchmarks/decode_speed.py --model exp/ddtp-en-de
     python benchmarks/decode_speed.py --model exp/qs --quick      # 200 sentences
@@ -49,11 +54,46 @@ with open(out, "w", encoding="utf-8") as f:
         f.write(sp.decode(r.hypotheses[0]) + "\\n")
 """
 
+HF_SCRIPT = """
+import sys, torch, sentencepiece as spm
+from transformers import AutoModelForSeq2SeqLM
+hf_dir, spm_model, src, out, beam, batch, threads, cap_a, cap_b, pad, bos, eos = sys.argv[1:13]
+pad, bos, eos, batch = int(pad), int(bos), int(eos), int(batch)
+torch.set_num_threads(int(threads))
+sp = spm.SentencePieceProcessor(model_file=spm_model)
+model = AutoModelForSeq2SeqLM.from_pretrained(hf_dir).eval()
+ids = [sp.encode(x) + [eos] for x in open(src, encoding="utf-8").read().splitlines()]
+order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+outs = [""] * len(ids)
+with torch.inference_mode():
+    for start in range(0, len(order), batch):
+        rows = order[start:start + batch]
+        width = max(len(ids[i]) for i in rows)
+        x = torch.tensor([ids[i] + [pad] * (width - len(ids[i])) for i in rows])
+        cap = max(int(float(cap_a) * (len(ids[i]) - 1) + int(cap_b)) for i in rows)
+        y = model.generate(input_ids=x, attention_mask=(x != pad).long(), num_beams=int(beam),
+                           do_sample=False, length_penalty=1.0, early_stopping=False, max_new_tokens=cap)
+        for i, hyp in zip(rows, y.tolist()):
+            outs[i] = sp.decode([t for t in hyp if t not in (pad, bos, eos)])
+with open(out, "w", encoding="utf-8") as f:
+    f.write("".join(o + "\\n" for o in outs))
+"""
 
-def run_timed(cmd: list[str]) -> tuple[float, float]:
+
+def export_hf(model: Path, out: Path) -> bool:
+    """``s2s export hf``; False (the reason on stderr) where no Hugging Face family fits."""
+    done = subprocess.run([sys.executable, "-m", "s2s", "export", "hf", "-m", str(model), "-o", str(out)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        print(f"decode_speed: no Hugging Face generate rows: {done.stderr.strip().splitlines()[-1]}",
+              file=sys.stderr)
+    return done.returncode == 0
+
+
+def run_timed(cmd: list[str], env: dict | None = None) -> tuple[float, float]:
     """Run ``cmd``; return (seconds, peak RSS in MiB) of the whole process."""
     t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.time() - t0
     if os.waitstatus_to_exitcode(status):
@@ -102,6 +142,14 @@ def main() -> None:
                 engines[f"ct2_{q}"] = out
         except ImportError:
             print("decode_speed: ctranslate2 is not installed; its rows are skipped", file=sys.stderr)
+        hf_env = None
+        if export_hf(args.model, work / "hf"):
+            from train_speed import hf_site
+
+            site = hf_site()
+            hf_env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"),
+                                                                               site]))}
+        tok = load_model_dir(args.model).cfg.tokenizer
 
         results: dict[str, object] = {}
         rows = []
@@ -114,15 +162,21 @@ def main() -> None:
                                     "--input", str(src), "-o", str(hyp), "--beam", str(beam),
                                     "--threads", str(args.threads), "--batch-size", str(args.batch),
                                     "--batch-tokens", "1000000", "--length-penalty", "power",
-                                    "--alpha", "1.0", *flags])
+                                    "--alpha", "1.0", "--stop", "early", *flags])
             for mode, model_dir in engines.items():
                 hyp = work / f"{mode}-{search}.txt"
                 runs[mode] = (hyp, [sys.executable, "-c", CT2_SCRIPT, str(model_dir), str(src), str(hyp),
                                     str(beam), str(args.batch), str(args.threads), str(decode.max_len_a),
                                     str(decode.max_len_b)])
+            if hf_env is not None:
+                hyp = work / f"hf-{search}.txt"
+                runs["hf"] = (hyp, [sys.executable, "-c", HF_SCRIPT, str(work / "hf"), str(args.model / "spm.model"),
+                                    str(src), str(hyp), str(beam), str(args.batch), str(args.threads),
+                                    str(decode.max_len_a), str(decode.max_len_b), str(tok.pad_id),
+                                    str(tok.bos_id), str(tok.eos_id)])
             for mode, (hyp, cmd) in runs.items():
                 print(f"decode_speed: {mode} {search} ...", file=sys.stderr)
-                seconds, rss = run_timed(cmd)
+                seconds, rss = run_timed(cmd, hf_env if mode == "hf" else None)
                 hyps = hyp.read_text(encoding="utf-8").splitlines()
                 bleu = sacrebleu.corpus_bleu(hyps, [refs]).score
                 tokens = count_tokens(sp, hyp)
@@ -131,15 +185,16 @@ def main() -> None:
                                 f"{key}_rss_mib": round(rss), f"{key}_bleu": round(bleu, 2)})
                 rows.append((mode, search, n / seconds, tokens / seconds, rss, bleu))
             for key in ("sent_s", "tok_s", "rss_mib", "bleu"):
-                results[f"hf_{search}_{key}"] = None  # no Hugging Face export of s2s models yet
+                results.setdefault(f"hf_{search}_{key}", None)  # no Hugging Face family for this model
 
     print(f"{'engine':10s} {'search':7s} {'sent/s':>8s} {'tok/s':>8s} {'RSS MiB':>8s} {'BLEU':>6s}")
     for mode, search, sent_s, tok_s, rss, bleu in rows:
         print(f"{mode:10s} {search:7s} {sent_s:8.1f} {tok_s:8.0f} {rss:8.0f} {bleu:6.2f}")
     for search in ("beam5", "greedy"):
-        base = results.get(f"ct2_fp32_{search}_sent_s")
-        if base:
-            results[f"s2s_fp32_vs_ct2_fp32_{search}"] = round(results[f"s2s_fp32_{search}_sent_s"] / base, 3)
+        for other in ("ct2_fp32", "hf"):
+            base = results.get(f"{other}_{search}_sent_s")
+            if base:
+                results[f"s2s_fp32_vs_{other}_{search}"] = round(results[f"s2s_fp32_{search}_sent_s"] / base, 3)
     results.update({"sentences": n, "threads": args.threads, "batch": args.batch, "model": str(args.model)})
     print(json.dumps(results))
 

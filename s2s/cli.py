@@ -188,6 +188,8 @@ def translate(
     beam: Optional[int] = typer.Option(None, "--beam", "-b", help="Beam size; 1 = greedy."),
     alpha: Optional[float] = typer.Option(None, help="Length penalty exponent of lp(m)."),
     length_penalty: Optional[str] = typer.Option(None, help="gnmt: ((5+m)/6)^alpha, power: m^alpha, none."),
+    stop: Optional[str] = typer.Option(None, help="Beam: exact (no better hypothesis is cut off) or early "
+                                                  "(stop when none would win by ending next step)."),
     nbest: Optional[int] = typer.Option(None, help="Print the K best as `LINE ||| TEXT ||| SCORE`."),
     max_len_a: Optional[float] = typer.Option(None, help="Max output length a*|x|+b: a."),
     max_len_b: Optional[int] = typer.Option(None, help="Max output length a*|x|+b: b."),
@@ -226,7 +228,7 @@ def translate(
     if threads:
         torch.set_num_threads(threads)
     overrides = {k: v for k, v in dict(beam=beam, alpha=alpha, length_penalty=length_penalty,
-                                       nbest=nbest, max_len_a=max_len_a, max_len_b=max_len_b,
+                                       stop=stop, nbest=nbest, max_len_a=max_len_a, max_len_b=max_len_b,
                                        min_len=min_len, batch_tokens=batch_tokens, batch_size=batch_size,
                                        no_repeat_ngram=no_repeat_ngram, coverage_penalty=coverage_penalty,
                                        temperature=temperature,

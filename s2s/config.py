@@ -256,6 +256,7 @@ class DecodeConfig:
     beam: int = 5  # 1 = greedy
     alpha: float = 0.6  # length-penalty exponent
     length_penalty: Literal["gnmt", "power", "none"] = "gnmt"
+    stop: Literal["exact", "early"] = "exact"  # beam: when a sentence stops (s2s.search.beam_stop_bound)
     max_len_a: float = 1.5  # max output length = a * |x| + b
     max_len_b: int = 10
     min_len: int = 0

@@ -494,7 +494,7 @@ def import_hf(path: str | Path, out: str | Path) -> Path:
         data = {**sections["data"], **_import_tokenizer(path, family, tmp, sections)}
         raw = {"name": f"{family}-import", "tokenizer": sections["tokenizer"], "data": data,
                "model": sections["model"],
-               "decode": {"length_penalty": "power", "alpha": 1.0, "beam": 4, "max_len_a": 0.0,
+               "decode": {"length_penalty": "power", "stop": "early", "alpha": 1.0, "beam": 4, "max_len_a": 0.0,
                           "max_len_b": 256}}
         raw["tokenizer"].setdefault("joint", True)
         cfg = config_from_dict(raw, f"{path}/config.json")

@@ -11,8 +11,9 @@ encoder output's K/V cache) or a scripted decoder in the tests.
 Beam search is vectorized over sentences and beams: the N active sentences
 hold K beams each as rows n*K + k; finished hypotheses stay in fixed-size
 tensors per sentence; a sentence stops when no live beam can still beat its
-n-best finished ones, and leaves the batch (its rows are dropped from the
-cache) so the remaining sentences run on a smaller batch.
+n-best finished ones (``stop``: exact, at any length up to the cap; early,
+if it ended at the next step), and leaves the batch (its rows are dropped
+from the cache) so the remaining sentences run on a smaller batch.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class SearchSettings:
     nbest: int = 1
     alpha: float = 0.6
     length_penalty: str = "gnmt"
+    stop: str = "exact"  # beam: exact | early (see beam_stop_bound)
     min_len: int = 0  # </s> is blocked before this many tokens
     no_repeat_ngram: int = 0  # n > 0: no n-gram occurs twice in a hypothesis
     coverage_penalty: float = 0.0  # beta of Wu et al.'s cp(X; Y) (beam search; needs the attention)
@@ -76,8 +78,10 @@ class StepDecoder(Protocol):
     def step(self, y_prev: Tensor) -> Tensor:
         """y_prev (N, 1) -> log-probabilities (N, V) of the next token."""
 
-    def select(self, index: Tensor) -> None:
-        """Keep rows ``index`` of the decoding state, in that order."""
+    def select(self, index: Tensor, group: Optional[int] = None) -> None:
+        """Keep rows ``index`` of the decoding state, in that order.  ``group`` K:
+        from now on the rows are sentences' K beams (rows n*K .. n*K+K-1), which a
+        decoder may use to share per-sentence state (see :class:`DecoderCache`)."""
 
     # for the coverage penalty, a decoder also offers (after each step):
     #   attention() -> (N, S) the step's cross-attention over the source
@@ -103,8 +107,8 @@ class ModelDecoder:
             self._attention = weights[-1][:, :, -1].float().mean(1)  # (N, S)
         return torch.log_softmax(logits.float(), dim=-1)
 
-    def select(self, index: Tensor) -> None:
-        self.cache.select(index)
+    def select(self, index: Tensor, group: Optional[int] = None) -> None:
+        self.cache.select(index, group)
 
     def attention(self) -> Tensor:
         return self._attention
@@ -124,9 +128,9 @@ class EnsembleDecoder:
         logps = torch.stack([d.step(y_prev) for d in self.decoders])  # (n, N, V)
         return torch.logsumexp(logps, dim=0) - math.log(len(self.decoders))
 
-    def select(self, index: Tensor) -> None:
+    def select(self, index: Tensor, group: Optional[int] = None) -> None:
         for d in self.decoders:
-            d.select(index)
+            d.select(index, group)
 
     def attention(self) -> Tensor:
         return torch.stack([d.attention() for d in self.decoders]).mean(0)
@@ -281,7 +285,7 @@ def beam_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings,
     L = int(max_len.max())
     results: list[list[Hypothesis]] = [[] for _ in range(B)]
     active = torch.arange(B, device=device)  # original sentence of each active sentence
-    decoder.select(torch.arange(B, device=device).repeat_interleave(K))  # (B*K) rows
+    decoder.select(torch.arange(B, device=device).repeat_interleave(K), group=K)  # (B*K) rows
     scores = torch.full((B, K), NEG_INF, device=device)  # cumulative log p of live beams
     scores[:, 0] = 0.0  # all beams start identical: only the first is live
     tokens = torch.empty((B * K, 0), dtype=torch.long, device=device)
@@ -338,13 +342,8 @@ def beam_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings,
         if beta:
             attn_sum = attn_sum[rows]
 
-        # 3. stop a sentence when no live beam can beat its n-best finished ones:
-        #    for log p <= 0 the best a live beam can reach is max over m' of s/lp(m')
-        best_live = scores[:, 0]
-        lp_next = length_penalty(torch.full_like(best_live, m + 1), s.alpha, s.length_penalty)
-        lp_last = length_penalty(sent_max.float(), s.alpha, s.length_penalty)
-        bound = torch.maximum(best_live / lp_next, best_live / lp_last)
-        bound = torch.where(torch.isfinite(best_live), bound, NEG_INF)
+        # 3. stop a sentence when no live beam can beat its n-best finished ones
+        bound = beam_stop_bound(scores[:, 0], m, sent_max, s)
         done = (fin_scores[:, s.nbest - 1] >= bound) | (sent_max <= m)
         if bool(done.any()):
             for n in done.nonzero().flatten().tolist():
@@ -369,6 +368,28 @@ def beam_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings,
                 attn_sum = attn_sum[keep_rows]
         y = y_t[:, None]
     return results
+
+
+def beam_stop_bound(best_live: Tensor, m: int, max_len: Tensor, s: SearchSettings) -> Tensor:
+    """The best normalized score the live beams (best cumulative log p ``best_live`` (N,),
+    m tokens so far) may still reach; a sentence stops once its n-best finished beat it.
+
+    exact: log p only falls as a beam grows, so the bound is max over m' in
+           (m, max_len] of best_live / lp(m') = max(best_live / lp(m+1), best_live / lp(max_len))
+           (lp grows with m, best_live <= 0): no better hypothesis is ever cut off
+           (Hugging Face's early_stopping="never").
+    early: best_live / lp(m+1), as if the best live beam ended at the next step
+           (Hugging Face's default; CTranslate2 stops when its top beam has ended):
+           fewer steps, the search no longer provably exact.
+    """
+    lp_next = length_penalty(torch.full_like(best_live, m + 1), s.alpha, s.length_penalty)
+    bound = best_live / lp_next
+    if s.stop == "exact":
+        lp_last = length_penalty(max_len.float(), s.alpha, s.length_penalty)
+        bound = torch.maximum(bound, best_live / lp_last)
+    elif s.stop != "early":
+        raise ValueError(f"unknown stop rule {s.stop!r}")
+    return torch.where(torch.isfinite(best_live), bound, NEG_INF)
 
 
 def search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings,

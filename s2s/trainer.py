@@ -83,8 +83,8 @@ def inverse_sqrt_lr(step: int, peak: float, warmup: int) -> float:
 def label_smoothed_nll(logits: Tensor, target: Tensor, epsilon: float, pad_id: int = PAD_ID) -> Tensor:
     """sum over non-pad t of (1-eps)(-log p_t(y_t)) + eps * (1/V) sum_v (-log p_t(v)).
 
-    logits (B, T, V), target (B, T) -> scalar sum (divide by the token count
-    for the mean).  eps = 0 gives the plain NLL.
+    logits (B, T, V), target (B, T) (or only the real positions: (n, V), (n,))
+    -> scalar sum (divide by the token count for the mean).  eps = 0 gives the plain NLL.
     """
     V = logits.size(-1)
     return F.cross_entropy(logits.reshape(-1, V).float(), target.reshape(-1), ignore_index=pad_id,
@@ -421,18 +421,20 @@ class Trainer:
         """
         try:
             lam = self.tc.coverage_weight
+            keep = b.tgt_out != self.tok.pad_id  # (B, T): scores only at real targets
+            target = b.tgt_out[keep]  # (n,)
             with self.autocast():
                 if lam:
-                    logits, a = self.train_model(b.src, b.tgt_in, return_attention=True)  # a (B, T, S)
+                    logits, a = self.train_model(b.src, b.tgt_in, return_attention=True, keep=keep)  # a (B, T, S)
                 else:
-                    logits = self.train_model(b.src, b.tgt_in)  # (B, T, V)
+                    logits = self.train_model(b.src, b.tgt_in, keep=keep)  # (n, V)
             if self.teacher is None:
-                loss = label_smoothed_nll(logits, b.tgt_out, self.tc.label_smoothing, self.tok.pad_id)
+                loss = label_smoothed_nll(logits, target, self.tc.label_smoothing, self.tok.pad_id)
             else:
                 with torch.no_grad(), self.autocast():
-                    teacher_logits = self.teacher(b.src, b.tgt_in)
+                    teacher_logits = self.teacher(b.src, b.tgt_in, keep=keep)
                 kd = self.tc.distill
-                loss = distillation_loss(logits, teacher_logits, b.tgt_out, kd.lambda_, kd.temperature,
+                loss = distillation_loss(logits, teacher_logits, target, kd.lambda_, kd.temperature,
                                          self.tc.label_smoothing, self.tok.pad_id)
             objective = loss + lam * coverage_loss(a.float(), b.tgt_out != self.tok.pad_id) if lam else loss
             (objective / n_tokens).backward()

@@ -148,7 +148,7 @@ class Translator:
     def settings(self) -> SearchSettings:
         d = self.decode
         return SearchSettings(beam=d.beam, nbest=d.nbest, alpha=d.alpha,
-                              length_penalty=d.length_penalty, min_len=d.min_len,
+                              length_penalty=d.length_penalty, stop=d.stop, min_len=d.min_len,
                               no_repeat_ngram=d.no_repeat_ngram, sampling=d.sampling,
                               temperature=d.temperature, top_k=d.top_k, top_p=d.top_p, seed=d.seed,
                               coverage_penalty=d.coverage_penalty,

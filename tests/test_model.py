@@ -220,6 +220,53 @@ def test_incremental_decoding_after_cache_select(positions, norm):
                                    sel_full[:, t], atol=ATOL, rtol=0)
 
 
+@every_position
+@both
+@torch.no_grad()
+def test_incremental_decoding_with_beams_sharing_the_cross_kv(positions, norm):
+    """Rows grouped as beams (the search's select(..., group=K)): the cross K/V stay
+    one per sentence, beams reorder within their sentence, sentences leave; every
+    step still equals teacher forcing of the rows, weights included."""
+    model = make_model(positions, norm)
+    src = right_pad([tokens(5, seed=60), tokens(9, seed=61), tokens(3, seed=62)])  # (3, 9)
+    tgt = tokens(6, 7, seed=63)  # one target per beam row
+    h_enc, src_mask = model.encode(src)
+    cache = model.start_decoding(h_enc, src_mask)
+    cache.select(torch.arange(3).repeat_interleave(2), group=2)  # 3 sentences x 2 beams
+    assert cache.group == 2 and cache.layers[0].cross_k.size(0) == 3
+    sentence = torch.arange(3).repeat_interleave(2)  # of each row
+    rows_tgt = tgt.clone()
+
+    def check(steps):
+        full, weights = model.decode(rows_tgt, h_enc[sentence], src_mask[sentence], need_weights=True)
+        for t in steps:
+            got, A = model.decode_step(rows_tgt[:, t: t + 1], cache, need_weights=True)
+            torch.testing.assert_close(got, full[:, t], atol=ATOL, rtol=0)
+            torch.testing.assert_close(A[-1][:, :, 0], weights[-1][:, :, t], atol=ATOL, rtol=0)
+
+    check(range(3))
+    index = torch.tensor([1, 1, 2, 3, 5, 4])  # beams reordered/duplicated within their sentence
+    cache.select(index)
+    rows_tgt = torch.cat([rows_tgt[index, :3], rows_tgt[:, 3:]], dim=1)
+    check(range(3, 5))
+    index = torch.tensor([0, 1, 4, 5])  # the second sentence finished
+    cache.select(index)
+    assert cache.layers[0].cross_k.size(0) == 2
+    rows_tgt, sentence = rows_tgt[index], sentence[index]
+    check(range(5, 7))
+
+
+@pytest.mark.parametrize("copy", [False, True])
+@torch.no_grad()
+def test_scores_of_kept_positions_only(copy):
+    """forward(..., keep=mask) (training's padding-free output layer) = forward(...)[mask]."""
+    model = make_model(copy=copy)
+    src = right_pad([tokens(5, seed=70), tokens(9, seed=71), tokens(3, seed=72)])
+    tgt = right_pad([tokens(6, seed=73), tokens(2, seed=74), tokens(8, seed=75)])
+    keep = tgt != PAD
+    torch.testing.assert_close(model(src, tgt, keep=keep), model(src, tgt)[keep], atol=ATOL, rtol=0)
+
+
 # --------------------------------------------------------------------------- #
 # MultiHeadAttention: fast (SDPA) path == reference path
 # --------------------------------------------------------------------------- #

@@ -37,7 +37,7 @@ class ScriptedDecoder:
                 out[row, tok] = math.log(p)
         return out
 
-    def select(self, index):
+    def select(self, index, group=None):
         self.prefixes = [self.prefixes[i] for i in index.tolist()]
 
 
@@ -85,6 +85,20 @@ def test_beam_length_penalty_changes_the_winner():
     assert [h.tokens for h in hyps] == [[A, B], [B]]
     assert hyps[0].score == pytest.approx(s_ab, abs=1e-6)
     assert hyps[1].score == pytest.approx(s_b, abs=1e-6)
+
+
+def test_stop_rules_exact_and_early():
+    """</s> first (0.7) beats the live "a" (0.3) at the next length, so early stops at once;
+    a long, near-certain "a a a" still wins under lp(m) = m, which only exact finds."""
+    script = {(): {EOS: 0.7, A: 0.3}, (A,): {A: 0.99, EOS: 0.01}, (A, A): {A: 0.99, EOS: 0.01}}
+    s = dict(beam=2, nbest=1, alpha=1.0, length_penalty="power")
+    exact_dec, early_dec = ScriptedDecoder(script), ScriptedDecoder(script)
+    exact = beam_search(exact_dec, torch.tensor([8]), settings(**s, stop="exact"))[0][0]
+    early = beam_search(early_dec, torch.tensor([8]), settings(**s, stop="early"))[0][0]
+    assert exact.tokens == [A, A, A]
+    assert exact.score == pytest.approx((math.log(0.3) + 2 * math.log(0.99)) / 4, abs=1e-6)
+    assert early.tokens == [] and early.score == pytest.approx(math.log(0.7), abs=1e-6)
+    assert early_dec.steps == 1 < exact_dec.steps
 
 
 def test_nbest_sorted_by_score():
@@ -139,7 +153,7 @@ def test_beam_batch_equals_one_by_one():
                     out[row, tok] = math.log(p)
             return out
 
-        def select(self, index):
+        def select(self, index, group=None):
             super().select(index)
             self.which = [self.which[i] for i in index.tolist()]
 

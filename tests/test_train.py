@@ -256,10 +256,10 @@ def test_a_batch_out_of_memory_is_split(prepared, tmp_path, monkeypatch, caplog)
     trainer.optimizer.zero_grad()
     real = Seq2SeqTransformer.forward
 
-    def small_batches_only(self, src, tgt_in, return_attention=False):
+    def small_batches_only(self, src, tgt_in, return_attention=False, keep=None):
         if src.size(0) > 3:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(self, src, tgt_in, return_attention)
+        return real(self, src, tgt_in, return_attention, keep)
 
     monkeypatch.setattr(Seq2SeqTransformer, "forward", small_batches_only)
     split = trainer.forward_backward(batch, batch.n_tgt_tokens)

@@ -339,7 +339,7 @@ class ScriptedDecoder:
         self.t += 1
         return lp
 
-    def select(self, index: torch.Tensor) -> None:
+    def select(self, index: torch.Tensor, group=None) -> None:
         pass
 
 

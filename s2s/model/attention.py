@@ -123,13 +123,26 @@ class MultiHeadAttention(nn.Module):
 
     # ---- attention ------------------------------------------------------- #
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
-               need_weights: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+               need_weights: bool = False, group: int = 1) -> tuple[Tensor, Optional[Tensor]]:
         """Heads attend and are merged and projected: (B, T_q, d_model).
 
         The fast path is torch's ``scaled_dot_product_attention``; with
         ``need_weights`` the reference :func:`attention` runs instead and the
-        weights A (B, heads, T_q, T_k) are returned too.
+        weights A (B, heads, T_q, T_k) are returned too.  With ``group`` G the
+        B query rows are B / G sentences of G beams each, and k, v and mask
+        hold one row per sentence (the shared cross-attention K/V).
         """
+        if group > 1:
+            out, A = self.attend_heads(beams_as_queries(q, group), k, v, mask, need_weights)
+            out = queries_as_beams(out, group)
+            A = None if A is None else queries_as_beams(A, group)
+        else:
+            out, A = self.attend_heads(q, k, v, mask, need_weights)
+        return self.out_proj(self.merge_heads(out)), A
+
+    def attend_heads(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
+                     need_weights: bool) -> tuple[Tensor, Optional[Tensor]]:
+        """Every head's attention output (B, heads, T_q, d_head), and A with ``need_weights``."""
         p = self.dropout if self.training else 0.0
         if need_weights:
             out, A = attention(q, k, v, mask, scale=self.scale, dropout_p=p)
@@ -139,4 +152,17 @@ class MultiHeadAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
                                                  scale=None if self.scale else 1.0)
             A = None
-        return self.out_proj(self.merge_heads(out)), A
+        return out, A
+
+
+def beams_as_queries(x: Tensor, group: int) -> Tensor:
+    """(N*G, heads, T, e) rows, G beams per sentence -> (N, heads, G*T, e): a
+    sentence's beams become query positions against its one K/V."""
+    NG, H, T, e = x.shape
+    return x.view(NG // group, group, H, T, e).transpose(1, 2).reshape(NG // group, H, group * T, e)
+
+
+def queries_as_beams(x: Tensor, group: int) -> Tensor:
+    """The inverse of :func:`beams_as_queries`: (N, heads, G*T, e) -> (N*G, heads, T, e)."""
+    N, H, GT, e = x.shape
+    return x.view(N, H, group, GT // group, e).transpose(1, 2).reshape(N * group, H, GT // group, e)

@@ -8,6 +8,12 @@ Per decoder layer it holds
 plus the source padding mask.  ``select(index)`` reorders (or shrinks) every
 tensor along the batch dimension at once: beams that survive a step, or
 sentences that are still being decoded.
+
+The beams of one sentence share its cross-attention K/V, so those are kept
+once per sentence: the decoding rows come in ``group``s of consecutive rows
+(the K beams of a sentence), and the cross-attention reads the beams of a
+sentence as K queries against that sentence's K/V (no copy per beam, and no
+reordering when beams are reordered within their sentence).
 """
 
 from __future__ import annotations
@@ -21,8 +27,8 @@ from torch import Tensor
 
 @dataclass
 class LayerCache:
-    cross_k: Optional[Tensor]  # (B, heads, S, d_head); None in a decoder-only stack
-    cross_v: Optional[Tensor]  # (B, heads, S, d_head)
+    cross_k: Optional[Tensor]  # (B / group, heads, S, d_head): one per sentence; None in a decoder-only stack
+    cross_v: Optional[Tensor]  # (B / group, heads, S, d_head)
     self_k: Optional[Tensor] = None  # (B, heads, t, d_head)
     self_v: Optional[Tensor] = None  # (B, heads, t, d_head)
 
@@ -45,13 +51,27 @@ class DecoderCache:
     h_enc: Optional[Tensor] = None  # (B, S, d_model), for the copy context vector (model.copy)
     coverage: Optional[Tensor] = None  # (B, S) c^t = sum of the attention so far (model.coverage)
     src_len: Optional[Tensor] = None  # (B,) real prefix lengths (one stack over [x; y]: y's positions)
+    group: int = 1  # consecutive rows per sentence (its beams); the cross K/V have B / group rows
 
     @property
     def batch_size(self) -> int:
         return self.src_mask.size(0)
 
-    def select(self, index: Tensor) -> None:
-        """Keep rows ``index`` (1-D LongTensor) of every cached tensor, in that order."""
+    def select(self, index: Tensor, group: Optional[int] = None) -> None:
+        """Keep rows ``index`` (1-D LongTensor) of every cached tensor, in that order.
+
+        ``group`` G (default: unchanged) makes the rows groups of G consecutive
+        rows of one sentence; rows index[g*G : (g+1)*G] must all come from one
+        sentence (the beams that survive a step; a sentence's beams made from
+        its one row).  The cross-attention K/V keep sentences index[::G] // G_old,
+        and are not touched when those are the same sentences in the same order.
+        """
+        G_old = self.group
+        self.group = G_old if group is None else group
+        sentences = index[::self.group] // G_old
+        n_sent = self.batch_size // G_old
+        same = sentences.numel() == n_sent and bool(
+            (sentences == torch.arange(n_sent, device=index.device)).all())
         self.src_mask = self.src_mask.index_select(0, index)
         if self.src is not None:
             self.src = self.src.index_select(0, index)
@@ -61,9 +81,9 @@ class DecoderCache:
         if self.src_len is not None:
             self.src_len = self.src_len.index_select(0, index)
         for layer in self.layers:
-            if layer.cross_k is not None:
-                layer.cross_k = layer.cross_k.index_select(0, index)
-                layer.cross_v = layer.cross_v.index_select(0, index)
+            if layer.cross_k is not None and not same:
+                layer.cross_k = layer.cross_k.index_select(0, sentences)
+                layer.cross_v = layer.cross_v.index_select(0, sentences)
             if layer.self_k is not None:
                 layer.self_k = layer.self_k.index_select(0, index)
                 layer.self_v = layer.self_v.index_select(0, index)

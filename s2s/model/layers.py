@@ -120,12 +120,16 @@ class DecoderLayer(nn.Module):
         return self.self_attn.attend(q, k, v, self_mask)[0]
 
     def _cross_attn(self, x: Tensor, cross_k: Tensor, cross_v: Tensor, src_mask: Tensor,
-                    need_weights: bool, coverage: Optional[Tensor]
+                    need_weights: bool, coverage: Optional[Tensor], group: int = 1
                     ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+        """``group`` G: x has G rows (beams) per sentence, cross_k/v one (src_mask one per row)."""
         q = self.cross_attn.project_q(x)  # (B, heads, T, d_head)
         if self.w_cov is None:
-            h, A = self.cross_attn.attend(q, cross_k, cross_v, src_mask, need_weights)  # A: (B, heads, T, S)
+            h, A = self.cross_attn.attend(q, cross_k, cross_v, src_mask[::group], need_weights,
+                                          group)  # A: (B, heads, T, S)
             return h, A, coverage
+        if group > 1:  # each beam has its own coverage bias: one K/V per row
+            cross_k, cross_v = cross_k.repeat_interleave(group, 0), cross_v.repeat_interleave(group, 0)
         return self._coverage_attn(q, cross_k, cross_v, src_mask, coverage)
 
     def _coverage_attn(self, q: Tensor, k: Tensor, v: Tensor, src_mask: Tensor, c: Tensor
@@ -151,8 +155,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, cross_k: Tensor, cross_v: Tensor, self_mask: Optional[Tensor],
                 src_mask: Tensor, cache: Optional[LayerCache] = None, need_weights: bool = False,
-                coverage: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
-        """x (B, T, d_model); cross_k/v (B, heads, S, d_head) from H_enc.
+                coverage: Optional[Tensor] = None, group: int = 1
+                ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+        """x (B, T, d_model); cross_k/v (B / group, heads, S, d_head) from H_enc
+        (``group`` consecutive rows of x, the beams of one sentence, share one).
 
         Returns the block output, the cross-attention weights A (B, heads, T, S)
         (with ``need_weights`` or coverage; else None), and the coverage after
@@ -164,13 +170,13 @@ class DecoderLayer(nn.Module):
             x = x + drop(self._self_attn(self.norm1(x), self_mask, cache))
             # 2. target-source cross-attention: Q from the decoder, K/V from H_enc
             h, A, coverage = self._cross_attn(self.norm2(x), cross_k, cross_v, src_mask, need_weights,
-                                              coverage)
+                                              coverage, group)
             x = x + drop(h)
             # 3. position-wise feed-forward
             x = x + drop(self.ffn(self.norm3(x)))
         else:
             x = self.norm1(x + drop(self._self_attn(x, self_mask, cache)))
-            h, A, coverage = self._cross_attn(x, cross_k, cross_v, src_mask, need_weights, coverage)
+            h, A, coverage = self._cross_attn(x, cross_k, cross_v, src_mask, need_weights, coverage, group)
             x = self.norm2(x + drop(h))
             x = self.norm3(x + drop(self.ffn(x)))
         return x, A, coverage

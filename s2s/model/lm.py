@@ -113,8 +113,10 @@ class DecoderOnlyLM(nn.Module):
             x = layer(x, mask, caches[i] if caches is not None else None)
         return self.final_norm(x)
 
-    def forward(self, src: Tensor, tgt_in: Tensor, return_attention: bool = False) -> Tensor:
-        """Teacher forcing over [x; y_in]: logits (B, T, V) of the suffix positions."""
+    def forward(self, src: Tensor, tgt_in: Tensor, return_attention: bool = False,
+                keep: Optional[Tensor] = None) -> Tensor:
+        """Teacher forcing over [x; y_in]: logits (B, T, V) of the suffix positions
+        (with ``keep`` (B, T) bool, only those positions': (n, V))."""
         if return_attention:
             raise ValueError(f"model.arch: {self.cfg.arch} has no cross-attention")
         B, S = src.shape
@@ -124,8 +126,8 @@ class DecoderOnlyLM(nn.Module):
                          src_len[:, None] + torch.arange(T, device=src.device)], dim=1)  # (B, S+T)
         keys = torch.cat([padding_mask(src, self.pad_id), src.new_zeros(B, 1, 1, T, dtype=torch.float)], -1)
         mask = lm_mask(self.cfg.arch, S, S + T, src.device) + keys  # (B, 1, S+T, S+T)
-        h = self._stack(self._embed(torch.cat([src, tgt_in], 1), pos), mask)
-        return self.logits(h[:, S:])
+        h = self._stack(self._embed(torch.cat([src, tgt_in], 1), pos), mask)[:, S:]
+        return self.logits(h if keep is None else h[keep])
 
     # ------------------------------------------------------------------ #
     def encode(self, src: Tensor) -> tuple[list[LayerCache], Tensor]:

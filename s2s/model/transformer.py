@@ -162,24 +162,26 @@ class Seq2SeqTransformer(nn.Module):
 
     def _decoder_stack(self, x: Tensor, cross_kv: list, self_mask: Optional[Tensor], src_mask: Tensor,
                        caches: list, need_weights: bool, need_last: bool,
-                       coverage: Optional[Tensor]) -> tuple[Tensor, list, Optional[Tensor]]:
+                       coverage: Optional[Tensor], group: int = 1) -> tuple[Tensor, list, Optional[Tensor]]:
         weights = []
         last = len(self.decoder_layers) - 1
         for i, (layer, (k, v), lc) in enumerate(zip(self.decoder_layers, cross_kv, caches)):
             x, A, cov = layer(x, k, v, self_mask, src_mask, cache=lc,
                               need_weights=need_weights or (need_last and i == last),
-                              coverage=coverage if i == last else None)
+                              coverage=coverage if i == last else None, group=group)
             weights.append(A)
         return self.dec_final_norm(x), weights, cov
 
     def decode(self, tgt_in: Tensor, h_enc: Tensor, src_mask: Tensor, need_weights: bool = False,
-               src: Optional[Tensor] = None) -> tuple[Tensor, list]:
+               src: Optional[Tensor] = None, keep: Optional[Tensor] = None) -> tuple[Tensor, list]:
         """Teacher-forced decoder over the whole shifted target at once.
 
         tgt_in (B, T) -> scores (B, T, V) and, with ``need_weights``, the
         cross-attention weights of every layer [(B, heads, T, S)].  The scores
         are the logits z, or with ``model.copy`` the log-probabilities log P
-        of the pointer-generator (which needs the source ids ``src``).
+        of the pointer-generator (which needs the source ids ``src``).  With
+        ``keep`` (B, T) bool, only the scores (n, V) of the n kept positions (the
+        real, non-pad targets): the output projection skips the padding.
         """
         B, T = tgt_in.shape
         self_mask = self._self_mask(T, T, 0, tgt_in.device)
@@ -188,7 +190,10 @@ class Seq2SeqTransformer(nn.Module):
         coverage = h_enc.new_zeros(B, h_enc.size(1), dtype=torch.float32) if self.cfg.coverage else None
         h, weights, _ = self._decoder_stack(x_in, cross_kv, self_mask, src_mask, [None] * len(cross_kv),
                                             need_weights, self.needs_attention, coverage)
-        return self._scores(h, x_in, weights[-1], h_enc, src), weights
+        if keep is not None and not self.cfg.copy:
+            return self.logits(h[keep]), weights  # (n, V)
+        scores = self._scores(h, x_in, weights[-1], h_enc, src)
+        return (scores if keep is None else scores[keep]), weights
 
     def _scores(self, h: Tensor, x_in: Tensor, A_last: Optional[Tensor], h_enc: Tensor,
                 src: Optional[Tensor]) -> Tensor:
@@ -199,15 +204,17 @@ class Seq2SeqTransformer(nn.Module):
             raise ValueError("model.copy: the decoder needs the source ids")
         return self.copy_log_probs(z, h, x_in, A_last.mean(1), h_enc, src)
 
-    def forward(self, src: Tensor, tgt_in: Tensor, return_attention: bool = False):
+    def forward(self, src: Tensor, tgt_in: Tensor, return_attention: bool = False,
+                keep: Optional[Tensor] = None):
         """Teacher forcing: scores (B, T, V) of P(y_t | y_<t, x) for every t at once
-        (logits, or log P with copy).  With ``return_attention`` also the last decoder
-        layer's cross-attention averaged over heads, a (B, T, S), for the coverage loss."""
+        (logits, or log P with copy); with ``keep`` (B, T) bool only those positions' (n, V).
+        With ``return_attention`` also the last decoder layer's cross-attention averaged
+        over heads, a (B, T, S), for the coverage loss."""
         h_enc, src_mask = self.encode(src)
         if not return_attention:
-            return self.decode(tgt_in, h_enc, src_mask, src=src)[0]
+            return self.decode(tgt_in, h_enc, src_mask, src=src, keep=keep)[0]
         scores, weights = self.decode(tgt_in, h_enc, src_mask, need_weights=not self.needs_attention,
-                                      src=src)
+                                      src=src, keep=keep)
         return scores, weights[-1].mean(1)
 
     # ------------------------------------------------------------------ #
@@ -242,7 +249,7 @@ class Seq2SeqTransformer(nn.Module):
         h, weights, cache.coverage = self._decoder_stack(x_in, cross_kv, self_mask, cache.src_mask,
                                                          cache.layers, need_weights,
                                                          need_last or self.needs_attention,
-                                                         cache.coverage)
+                                                         cache.coverage, cache.group)
         cache.step += 1
         return self._scores(h, x_in, weights[-1], cache.h_enc, cache.src)[:, -1], weights
 
