@@ -4,7 +4,9 @@ on the same weights, the same sentences, batches and threads, in one run.
 Each engine runs as its own process (the whole process is timed: start-up,
 model loading, reading, decoding, writing), so peak RSS is per engine.  On
 the ddtp-en-de test set, beam 5 and greedy, batches of 64 sentences, 2
-threads, the s2s model's decode settings for the length cap, the same
+threads, one output-length cap for every engine and sentence (the largest
+a*|x|+b of the model's decode settings over the sentences: CTranslate2 takes
+one cap per call, not one per sentence), the same
 length penalty everywhere (m^alpha with alpha = 1, the form CTranslate2 has)
 and the same rule for ending a sentence's beam search: s2s's ``--stop early``
 (stop once no live beam would win by ending at the next step), as
@@ -22,6 +24,7 @@ model among them) leaves its keys null, with the reason on stderr.
 
     python benchmarks/decode_speed.py --model exp/ddtp-en-de
     python benchmarks/decode_speed.py --model exp/qs --quick      # 200 sentences
+    python benchmarks/decode_speed.py --model exp/qs --engines s2s_fp32,ct2_fp32   # those two only
 """
 
 from __future__ import annotations
@@ -38,17 +41,17 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "ddtp-en-de"
+ENGINES = ("s2s_fp32", "s2s_bf16", "s2s_int8", "ct2_fp32", "ct2_int8", "hf")
 
 CT2_SCRIPT = """
 import sys, ctranslate2, sentencepiece as spm
-model, src, out, beam, batch, threads, cap_a, cap_b = sys.argv[1:9]
+model, src, out, beam, batch, threads, cap = sys.argv[1:8]
 sp = spm.SentencePieceProcessor(model_file=model + "/spm.model")
 tr = ctranslate2.Translator(model, device="cpu", inter_threads=1, intra_threads=int(threads))
 lines = open(src, encoding="utf-8").read().splitlines()
 pieces = [sp.encode(x, out_type=str) for x in lines]
-cap = max(int(float(cap_a) * len(p) + int(cap_b)) for p in pieces)
 res = tr.translate_batch(pieces, max_batch_size=int(batch), beam_size=int(beam), length_penalty=1.0,
-                         max_decoding_length=cap, suppress_sequences=[["<s>"], ["<pad>"]])
+                         max_decoding_length=int(cap), suppress_sequences=[["<s>"], ["<pad>"]])
 with open(out, "w", encoding="utf-8") as f:
     for r in res:
         f.write(sp.decode(r.hypotheses[0]) + "\\n")
@@ -57,7 +60,7 @@ with open(out, "w", encoding="utf-8") as f:
 HF_SCRIPT = """
 import sys, torch, sentencepiece as spm
 from transformers import AutoModelForSeq2SeqLM
-hf_dir, spm_model, src, out, beam, batch, threads, cap_a, cap_b, pad, bos, eos = sys.argv[1:13]
+hf_dir, spm_model, src, out, beam, batch, threads, cap, pad, bos, eos = sys.argv[1:12]
 pad, bos, eos, batch = int(pad), int(bos), int(eos), int(batch)
 torch.set_num_threads(int(threads))
 sp = spm.SentencePieceProcessor(model_file=spm_model)
@@ -70,9 +73,8 @@ with torch.inference_mode():
         rows = order[start:start + batch]
         width = max(len(ids[i]) for i in rows)
         x = torch.tensor([ids[i] + [pad] * (width - len(ids[i])) for i in rows])
-        cap = max(int(float(cap_a) * (len(ids[i]) - 1) + int(cap_b)) for i in rows)
         y = model.generate(input_ids=x, attention_mask=(x != pad).long(), num_beams=int(beam),
-                           do_sample=False, length_penalty=1.0, early_stopping=False, max_new_tokens=cap)
+                           do_sample=False, length_penalty=1.0, early_stopping=False, max_new_tokens=int(cap))
         for i, hyp in zip(rows, y.tolist()):
             outs[i] = sp.decode([t for t in hyp if t not in (pad, bos, eos)])
 with open(out, "w", encoding="utf-8") as f:
@@ -112,7 +114,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="200 sentences")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=64, help="sentences per batch")
+    ap.add_argument("--engines", default=",".join(ENGINES),
+                    help="comma-separated subset of " + ", ".join(ENGINES) + " (the others' keys are null)")
     args = ap.parse_args()
+    chosen = args.engines.split(",")
+    if not set(chosen) <= set(ENGINES):
+        ap.error(f"--engines: unknown {sorted(set(chosen) - set(ENGINES))}")
     n = 200 if args.quick else args.sentences
 
     import sacrebleu
@@ -129,12 +136,14 @@ def main() -> None:
                 path.write_text("".join(line for _, line in zip(range(n), f)), encoding="utf-8")
         refs = ref.read_text(encoding="utf-8").splitlines()
         sp = spm.SentencePieceProcessor(model_file=str(args.model / "spm.model"))
+        cap = max(int(decode.max_len_a * len(sp.encode(x)) + decode.max_len_b)
+                  for x in src.read_text(encoding="utf-8").splitlines())
 
         engines: dict[str, object] = {}
         try:
             import ctranslate2  # noqa: F401
 
-            for q in ("fp32", "int8"):
+            for q in [q for q in ("fp32", "int8") if f"ct2_{q}" in chosen]:
                 out = work / f"ct2-{q}"
                 subprocess.run([sys.executable, "-m", "s2s", "export", "ct2", "-m", str(args.model), "-o", str(out),
                                 *(["--quantization", "int8"] if q == "int8" else [])], check=True,
@@ -143,7 +152,7 @@ def main() -> None:
         except ImportError:
             print("decode_speed: ctranslate2 is not installed; its rows are skipped", file=sys.stderr)
         hf_env = None
-        if export_hf(args.model, work / "hf"):
+        if "hf" in chosen and export_hf(args.model, work / "hf"):
             from train_speed import hf_site
 
             site = hf_site()
@@ -157,22 +166,24 @@ def main() -> None:
             runs = {}
             for mode, flags in (("s2s_fp32", []), ("s2s_bf16", ["--precision", "bf16"]),
                                 ("s2s_int8", ["--quantize", "int8"])):
+                if mode not in chosen:
+                    continue
                 hyp = work / f"{mode}-{search}.txt"
                 runs[mode] = (hyp, [sys.executable, "-m", "s2s", "-q", "translate", "-m", str(args.model),
                                     "--input", str(src), "-o", str(hyp), "--beam", str(beam),
                                     "--threads", str(args.threads), "--batch-size", str(args.batch),
                                     "--batch-tokens", "1000000", "--length-penalty", "power",
-                                    "--alpha", "1.0", "--stop", "early", *flags])
+                                    "--alpha", "1.0", "--stop", "early", "--max-len-a", "0",
+                                    "--max-len-b", str(cap), *flags])
             for mode, model_dir in engines.items():
                 hyp = work / f"{mode}-{search}.txt"
                 runs[mode] = (hyp, [sys.executable, "-c", CT2_SCRIPT, str(model_dir), str(src), str(hyp),
-                                    str(beam), str(args.batch), str(args.threads), str(decode.max_len_a),
-                                    str(decode.max_len_b)])
+                                    str(beam), str(args.batch), str(args.threads), str(cap)])
             if hf_env is not None:
                 hyp = work / f"hf-{search}.txt"
                 runs["hf"] = (hyp, [sys.executable, "-c", HF_SCRIPT, str(work / "hf"), str(args.model / "spm.model"),
                                     str(src), str(hyp), str(beam), str(args.batch), str(args.threads),
-                                    str(decode.max_len_a), str(decode.max_len_b), str(tok.pad_id),
+                                    str(cap), str(tok.pad_id),
                                     str(tok.bos_id), str(tok.eos_id)])
             for mode, (hyp, cmd) in runs.items():
                 print(f"decode_speed: {mode} {search} ...", file=sys.stderr)
@@ -184,8 +195,9 @@ def main() -> None:
                 results.update({f"{key}_sent_s": round(n / seconds, 1), f"{key}_tok_s": round(tokens / seconds),
                                 f"{key}_rss_mib": round(rss), f"{key}_bleu": round(bleu, 2)})
                 rows.append((mode, search, n / seconds, tokens / seconds, rss, bleu))
-            for key in ("sent_s", "tok_s", "rss_mib", "bleu"):
-                results.setdefault(f"hf_{search}_{key}", None)  # no Hugging Face family for this model
+            for mode in ENGINES:  # left out, or no Hugging Face family for this model
+                for key in ("sent_s", "tok_s", "rss_mib", "bleu"):
+                    results.setdefault(f"{mode}_{search}_{key}", None)
 
     print(f"{'engine':10s} {'search':7s} {'sent/s':>8s} {'tok/s':>8s} {'RSS MiB':>8s} {'BLEU':>6s}")
     for mode, search, sent_s, tok_s, rss, bleu in rows:
@@ -193,9 +205,10 @@ def main() -> None:
     for search in ("beam5", "greedy"):
         for other in ("ct2_fp32", "hf"):
             base = results.get(f"{other}_{search}_sent_s")
-            if base:
+            if base and results[f"s2s_fp32_{search}_sent_s"]:
                 results[f"s2s_fp32_vs_{other}_{search}"] = round(results[f"s2s_fp32_{search}_sent_s"] / base, 3)
-    results.update({"sentences": n, "threads": args.threads, "batch": args.batch, "model": str(args.model)})
+    results.update({"sentences": n, "threads": args.threads, "batch": args.batch, "max_output_tokens": cap,
+                    "model": str(args.model)})
     print(json.dumps(results))
 
 
