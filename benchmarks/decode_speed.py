@@ -58,25 +58,31 @@ with open(out, "w", encoding="utf-8") as f:
 """
 
 HF_SCRIPT = """
-import sys, torch, sentencepiece as spm
+import sys
+hf_dir, model_dir, src, out, beam, batch, threads, cap, repo, site = sys.argv[1:11]
+sys.path.insert(0, repo)
+if site:  # transformers installed by train_speed.hf_site: after this environment's packages
+    sys.path.append(site)
+import torch
 from transformers import AutoModelForSeq2SeqLM
-hf_dir, spm_model, src, out, beam, batch, threads, cap, pad, bos, eos = sys.argv[1:12]
-pad, bos, eos, batch = int(pad), int(bos), int(eos), int(batch)
+from pathlib import Path
+from s2s.modeldir import load_spec
+batch = int(batch)
 torch.set_num_threads(int(threads))
-sp = spm.SentencePieceProcessor(model_file=spm_model)
+tok = load_spec(Path(model_dir))[1]  # s2s's own ids: its vocabulary, prefix and </s>
 model = AutoModelForSeq2SeqLM.from_pretrained(hf_dir).eval()
-ids = [sp.encode(x) + [eos] for x in open(src, encoding="utf-8").read().splitlines()]
+ids = tok.encode_src(open(src, encoding="utf-8").read().splitlines())
 order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
 outs = [""] * len(ids)
 with torch.inference_mode():
     for start in range(0, len(order), batch):
         rows = order[start:start + batch]
         width = max(len(ids[i]) for i in rows)
-        x = torch.tensor([ids[i] + [pad] * (width - len(ids[i])) for i in rows])
-        y = model.generate(input_ids=x, attention_mask=(x != pad).long(), num_beams=int(beam),
+        x = torch.tensor([ids[i] + [tok.pad_id] * (width - len(ids[i])) for i in rows])
+        y = model.generate(input_ids=x, attention_mask=(x != tok.pad_id).long(), num_beams=int(beam),
                            do_sample=False, length_penalty=1.0, early_stopping=False, max_new_tokens=int(cap))
         for i, hyp in zip(rows, y.tolist()):
-            outs[i] = sp.decode([t for t in hyp if t not in (pad, bos, eos)])
+            outs[i] = tok.decode_tgt(hyp)
 with open(out, "w", encoding="utf-8") as f:
     f.write("".join(o + "\\n" for o in outs))
 """
@@ -87,15 +93,15 @@ def export_hf(model: Path, out: Path) -> bool:
     done = subprocess.run([sys.executable, "-m", "s2s", "export", "hf", "-m", str(model), "-o", str(out)],
                           capture_output=True, text=True)
     if done.returncode:
-        print(f"decode_speed: no Hugging Face generate rows: {done.stderr.strip().splitlines()[-1]}",
-              file=sys.stderr)
+        why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        print(f"decode_speed: no Hugging Face generate rows: {why}", file=sys.stderr)
     return done.returncode == 0
 
 
-def run_timed(cmd: list[str], env: dict | None = None) -> tuple[float, float]:
+def run_timed(cmd: list[str]) -> tuple[float, float]:
     """Run ``cmd``; return (seconds, peak RSS in MiB) of the whole process."""
     t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.time() - t0
     if os.waitstatus_to_exitcode(status):
@@ -151,14 +157,14 @@ def main() -> None:
                 engines[f"ct2_{q}"] = out
         except ImportError:
             print("decode_speed: ctranslate2 is not installed; its rows are skipped", file=sys.stderr)
-        hf_env = None
+        hf_site_dir = None  # where transformers imports from ("" = this environment)
         if "hf" in chosen and export_hf(args.model, work / "hf"):
             from train_speed import hf_site
 
-            site = hf_site()
-            hf_env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"),
-                                                                               site]))}
-        tok = load_model_dir(args.model).cfg.tokenizer
+            try:
+                hf_site_dir = hf_site()
+            except subprocess.CalledProcessError:
+                print("decode_speed: transformers could not be installed; no Hugging Face rows", file=sys.stderr)
 
         results: dict[str, object] = {}
         rows = []
@@ -179,15 +185,14 @@ def main() -> None:
                 hyp = work / f"{mode}-{search}.txt"
                 runs[mode] = (hyp, [sys.executable, "-c", CT2_SCRIPT, str(model_dir), str(src), str(hyp),
                                     str(beam), str(args.batch), str(args.threads), str(cap)])
-            if hf_env is not None:
+            if hf_site_dir is not None:
                 hyp = work / f"hf-{search}.txt"
-                runs["hf"] = (hyp, [sys.executable, "-c", HF_SCRIPT, str(work / "hf"), str(args.model / "spm.model"),
-                                    str(src), str(hyp), str(beam), str(args.batch), str(args.threads),
-                                    str(cap), str(tok.pad_id),
-                                    str(tok.bos_id), str(tok.eos_id)])
+                runs["hf"] = (hyp, [sys.executable, "-c", HF_SCRIPT, str(work / "hf"), str(args.model), str(src),
+                                    str(hyp), str(beam), str(args.batch), str(args.threads), str(cap),
+                                    str(REPO), hf_site_dir])
             for mode, (hyp, cmd) in runs.items():
                 print(f"decode_speed: {mode} {search} ...", file=sys.stderr)
-                seconds, rss = run_timed(cmd, hf_env if mode == "hf" else None)
+                seconds, rss = run_timed(cmd)
                 hyps = hyp.read_text(encoding="utf-8").splitlines()
                 bleu = sacrebleu.corpus_bleu(hyps, [refs]).score
                 tokens = count_tokens(sp, hyp)
