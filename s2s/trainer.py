@@ -436,7 +436,7 @@ class Trainer:
                 kd = self.tc.distill
                 loss = distillation_loss(logits, teacher_logits, target, kd.lambda_, kd.temperature,
                                          self.tc.label_smoothing, self.tok.pad_id)
-            objective = loss + lam * coverage_loss(a.float(), b.tgt_out != self.tok.pad_id) if lam else loss
+            objective = loss + lam * coverage_loss(a.float(), keep) if lam else loss
             (objective / n_tokens).backward()
             return loss.detach()
         except RuntimeError as e:  # torch.OutOfMemoryError on a GPU; a failed allocation on the CPU
