@@ -131,9 +131,9 @@ def main() -> None:
     import sacrebleu
     import sentencepiece as spm
 
-    from s2s.modeldir import load_model_dir
+    from s2s.modeldir import load_spec
 
-    decode = load_model_dir(args.model).cfg.decode
+    decode = load_spec(args.model)[0].decode  # the config only: no weights to load
     with tempfile.TemporaryDirectory(prefix="s2s-decode-") as tmp:
         work = Path(tmp)
         src, ref = work / "test.en", work / "test.de"
