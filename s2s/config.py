@@ -110,7 +110,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The encoder-decoder transformer (formula sheet, Lessons 2-5)."""
+    """The encoder-decoder transformer (docs/model.md (3)-(21))."""
 
     # encoder_decoder; prefix_lm or decoder_only: one stack of enc_layers + dec_layers blocks over [x; y]
     arch: Literal["encoder_decoder", "prefix_lm", "decoder_only"] = "encoder_decoder"
@@ -124,7 +124,7 @@ class ModelConfig:
     gated_ffn: bool = False  # FFN(x) = W_2 (act(W_1 x) * W_3 x)  (T5 v1.1's gated-GELU)
     bias: bool = True  # biases in the attention and FFN projections (T5 has none)
     attention_scale: bool = True  # scores divided by sqrt(d_head) (T5 folds it into W_Q)
-    norm: Literal["pre", "post"] = "pre"  # pre: formula sheet; post: decoder.txt
+    norm: Literal["pre", "post"] = "pre"  # docs/model.md (11)
     norm_type: Literal["layernorm", "rmsnorm"] = "layernorm"  # rmsnorm: x / rms(x) * g (T5)
     norm_eps: float = 1e-5  # epsilon inside every norm
     embed_norm: bool = False  # a norm on the (scaled, position-added) embeddings (BART)
@@ -142,7 +142,7 @@ class ModelConfig:
     dropout: float = 0.1  # on embeddings and on each sublayer's output before its residual add
     attention_dropout: float = 0.0  # on the attention weights A
     activation_dropout: float = 0.0  # inside the FFN, after the activation (fairseq's --activation-dropout)
-    # pointer-generator (formula sheet, Lesson 9): P(w) = p_gen P_vocab(w) + (1 - p_gen) sum_{j: x_j = w} A_tj,
+    # pointer-generator (docs/model.md (41)): P(w) = p_gen P_vocab(w) + (1 - p_gen) sum_{j: x_j = w} A_tj,
     # A = the last decoder layer's cross-attention averaged over heads; needs one shared vocabulary
     copy: bool = False
     # feed the coverage c^t = sum_{t' < t} A_t' into the last layer's cross-attention scores
@@ -180,7 +180,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DistillConfig:
-    """Word-level knowledge distillation (formula sheet, Lesson 10):
+    """Word-level knowledge distillation (docs/model.md (44)):
     L_KD = (1 - lambda) CE(y, p^s) + lambda T^2 KL(p^t_T || p^s_T)."""
 
     YAML_KEYS = {"lambda": "lambda_"}  # YAML name -> field (lambda is a Python keyword)
@@ -196,7 +196,7 @@ class DistillConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Teacher-forced training (formula sheet, Lesson 8)."""
+    """Teacher-forced training (docs/model.md (22)-(27))."""
 
     max_tokens: int = 4096  # padded source+target tokens per batch (upper bound)
     update_freq: int = 1  # batches accumulated per update
@@ -208,7 +208,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     clip_norm: float = 1.0  # 0 disables
     label_smoothing: float = 0.1
-    coverage_weight: float = 0.0  # lambda of the coverage loss L_cov (summarization; Lesson 9)
+    coverage_weight: float = 0.0  # lambda of the coverage loss L_cov (summarization; docs/model.md (40))
     max_steps: int = 100_000  # 0: no limit
     max_epochs: int = 0  # 0: no limit
     max_time: str = ""  # wall-clock budget: "900", "15m", "1h"; "" no limit
@@ -251,7 +251,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Search settings for ``s2s translate`` (formula sheet, Lesson 9)."""
+    """Search settings for ``s2s translate`` (docs/model.md (29)-(36))."""
 
     beam: int = 5  # 1 = greedy
     alpha: float = 0.6  # length-penalty exponent
@@ -292,7 +292,7 @@ class DecodeConfig:
 
 @dataclass(frozen=True)
 class PretrainConfig:
-    """Denoising pretraining (``s2s pretrain``; formula sheet, Lesson 7)."""
+    """Denoising pretraining (``s2s pretrain``; docs/model.md (46)-(48))."""
 
     objective: Literal["span_corruption", "bart"] = "span_corruption"
     noise_density: float = 0.15  # span_corruption: fraction of tokens in noise spans

@@ -1,7 +1,7 @@
 """Corpus metrics, each with its signature: BLEU, chrF, TER through sacrebleu;
 ROUGE-1/2/L through Google's rouge-score package (the ROUGE-1.5.5 reimplementation).
 
-BLEU = min(1, e^{1 - r/c}) * exp(sum_{n=1}^{4} w_n log p_n)   (formula sheet, Lesson 10)
+BLEU = min(1, e^{1 - r/c}) * exp(sum_{n=1}^{4} w_n log p_n)   (docs/model.md (42))
 ROUGE-N/L: F1 of n-gram / longest-common-subsequence overlap, per sentence,
 averaged over the corpus (x100), Porter stemming on, as summarization papers report it.
 """

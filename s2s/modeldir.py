@@ -198,7 +198,7 @@ def load_model_dir(directory: str | Path, device: str | torch.device = "cpu") ->
 
 def describe(path: str | Path) -> list[tuple[str, str]]:
     """Rows for ``s2s info``: the architecture, its exact parameter count and the
-    formula sheet's budget P ~= 12 N_enc d^2 + 16 N_dec d^2 + V d beside it."""
+    budget P ~= 12 N_enc d^2 + 16 N_dec d^2 + V d (docs/model.md (20)) beside it."""
     from s2s.model import count_parameters, parameter_budget
 
     p = Path(path)

@@ -1,4 +1,4 @@
-"""Denoising objectives (formula sheet, Lesson 7): the corrupted input x~ and the target y.
+"""Denoising objectives (docs/model.md (47), (48)): the corrupted input x~ and the target y.
 
     span_corruption (T5):  spans covering ``noise_density`` of x, of mean length ``mean_span``,
                            each become one sentinel in x~; y = each sentinel followed by its span.

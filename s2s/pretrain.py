@@ -1,4 +1,4 @@
-"""``s2s pretrain``: denoising pretraining on the prepared text (formula sheet, Lesson 7).
+"""``s2s pretrain``: denoising pretraining on the prepared text (docs/model.md (46)-(48)).
 
 The documents are both sides of the prepared training split (one joint
 vocabulary: every line is a document, whatever its language).  Each batch is
@@ -76,7 +76,7 @@ class DenoisingDataset:
 
 
 def pretraining_config(cfg: ExperimentConfig) -> ExperimentConfig:
-    """Lesson 7's loss is the plain NLL (no label smoothing), and the best checkpoint is the one
+    """The loss of docs/model.md (46) is the plain NLL (no label smoothing), and the best checkpoint is the one
     with the lowest dev loss (BLEU of reconstructing noise means nothing)."""
     if not cfg.tokenizer.joint:
         raise S2SError("tokenizer.joint: pretraining treats both sides as one text; needs a joint vocabulary")

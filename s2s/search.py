@@ -1,6 +1,6 @@
 """Search: greedy and beam decoding with the length-normalized score.
 
-    score(y) = (1 / lp(m)) * sum_{t=1}^{m} log p(y_t | y_<t, x)       (formula sheet, Lesson 9)
+    score(y) = (1 / lp(m)) * sum_{t=1}^{m} log p(y_t | y_<t, x)       (docs/model.md (30))
 
 m counts every scored token of y, the final </s> included.  Both searches
 drive a :class:`StepDecoder` — anything with ``step`` (log-probabilities of
@@ -31,7 +31,7 @@ NEG_INF = float("-inf")
 
 
 def length_penalty(m, alpha: float, kind: str = "gnmt"):
-    """lp(m) = ((5 + m) / 6)^alpha   (gnmt, the formula sheet's; Wu et al. 2016)
+    """lp(m) = ((5 + m) / 6)^alpha   (gnmt, the default; Wu et al. 2016; docs/model.md (31))
     lp(m) = m^alpha                 (power: fairseq, Hugging Face, CTranslate2)
     lp(m) = 1                       (none)
 

@@ -1,6 +1,6 @@
 """Teacher-forced training: loss, schedule, loop, validation, checkpoints.
 
-    decoder input = (<s>, y_1, ..., y_{m-1}),  targets = (y_1, ..., y_m)     (Lesson 8; the shift is in Batch)
+    decoder input = (<s>, y_1, ..., y_{m-1}),  targets = (y_1, ..., y_m)     (docs/model.md (22); done in Batch)
     L = (1/|y|) sum_t [(1-eps)(-log p_t(y_t)) + eps * mean_v(-log p_t(v))]  (label-smoothed mean token NLL)
         + (lambda/|y|) L_cov                                                 (train.coverage_weight)
 
@@ -93,7 +93,7 @@ def label_smoothed_nll(logits: Tensor, target: Tensor, epsilon: float, pad_id: i
 
 def distillation_loss(student: Tensor, teacher: Tensor, target: Tensor, lam: float, T: float,
                       epsilon: float = 0.0, pad_id: int = PAD_ID) -> Tensor:
-    """L_KD = (1 - lam) CE(y, p^s) + lam T^2 KL(p^t_T || p^s_T)   (formula sheet, Lesson 10),
+    """L_KD = (1 - lam) CE(y, p^s) + lam T^2 KL(p^t_T || p^s_T)   (docs/model.md (44)),
 
     p_T = softmax(z / T), summed over non-pad target positions.  student and
     teacher (B, T, V) scores, target (B, T) -> scalar sum.  CE is the label-smoothed
@@ -109,7 +109,7 @@ def distillation_loss(student: Tensor, teacher: Tensor, target: Tensor, lam: flo
 
 
 def coverage_loss(a: Tensor, tgt_mask: Tensor) -> Tensor:
-    """L_cov = sum_t sum_j min(A_tj, c^t_j),   c^t = sum_{t' < t} A_t'   (formula sheet, Lesson 9).
+    """L_cov = sum_t sum_j min(A_tj, c^t_j),   c^t = sum_{t' < t} A_t'   (docs/model.md (40)).
 
     a (B, T, S) attention over the source at each target position, tgt_mask
     (B, T) true at real (non-pad) target positions -> scalar sum over the batch.

@@ -1,4 +1,4 @@
-"""Knowledge distillation (Lesson 10): the KD loss, word-level KD in training, s2s distill."""
+"""Knowledge distillation (docs/model.md (44), (45)): the KD loss, word-level KD in training, s2s distill."""
 
 import math
 

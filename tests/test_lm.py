@@ -1,4 +1,4 @@
-"""prefix_lm and decoder_only: Lesson 6's mask, the cache against teacher forcing, the pipeline."""
+"""prefix_lm and decoder_only: the mask of docs/model.md (8), the cache against teacher forcing, the pipeline."""
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ from s2s.search import ModelDecoder, SearchSettings, search
 INF = float("-inf")
 
 
-def test_prefix_lm_mask_is_lesson_6_cell_by_cell():
+def test_prefix_lm_mask_cell_by_cell():
     """M_ij = 0 if j <= n; 0 if n < j <= i; -inf if j > i and j > n   (1-based i, j; n = 3)."""
     n, L = 3, 6
     M = prefix_lm_mask(n, L)

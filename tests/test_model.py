@@ -328,7 +328,7 @@ def test_mha_fast_path_equals_reference_cross_attention(dtype):
 
 
 # --------------------------------------------------------------------------- #
-# Parameter count vs the formula sheet's budget
+# Parameter count vs the budget of docs/model.md (20)
 # --------------------------------------------------------------------------- #
 
 def expected_parameters(cfg: ModelConfig, vocab: int) -> int:

@@ -1,4 +1,4 @@
-"""Denoising objectives (Lesson 7): information kept, rates respected, deterministic per seed."""
+"""Denoising objectives (docs/model.md (47), (48)): information kept, rates respected, deterministic per seed."""
 
 import numpy as np
 from hypothesis import given, settings

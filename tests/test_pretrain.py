@@ -70,7 +70,7 @@ def test_pretrain_resume_is_exact_and_finetuning_starts_from_it(with_sentinels, 
     assert all(torch.equal(a[k], b[k]) for k in a)
     cfg, _ = load_spec(straight)
     assert cfg.train.best_metric == "loss" and cfg.pretrain.objective == objective
-    assert cfg.train.label_smoothing == 0.0  # Lesson 7: -(1/|y|) sum_t log P(y_t | y_<t, x~)
+    assert cfg.train.label_smoothing == 0.0  # docs/model.md (46): -(1/|y|) sum_t log P(y_t | y_<t, x~)
     tuned = train(load_config(with_sentinels, [f"train.init_from={straight}", "train.max_steps=2",
                                                 "train.validate_every=2"]), tmp_path / "ft", show_progress=False)
     assert (tuned / "model.safetensors").is_file()

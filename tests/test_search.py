@@ -55,7 +55,7 @@ def settings(**kw):
 
 
 def test_length_penalty_formula():
-    # lp(m) = ((5+m)/6)^alpha, the formula sheet's (Sockeye checks 7**0.2 / 6**0.2 the same way)
+    # lp(m) = ((5+m)/6)^alpha, docs/model.md (31) (Sockeye checks 7**0.2 / 6**0.2 the same way)
     assert length_penalty(2, 0.2) == pytest.approx(7 ** 0.2 / 6 ** 0.2)
     assert length_penalty(1, 0.6) == pytest.approx(1.0)
     assert length_penalty(10, 1.0) == pytest.approx(15 / 6)

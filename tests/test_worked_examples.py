@@ -1,4 +1,4 @@
-"""Every number of the worked examples (shared/seeds/worked-examples.txt),
+"""Every number of the worked examples (docs/model.md, "Worked examples"),
 reproduced through s2s's own attention code.
 
 Each example builds q/k vectors whose dot products are the example's raw

@@ -1,4 +1,4 @@
-"""The encoder-decoder transformer of the formula sheet: attention and masks,
+"""The encoder-decoder transformer of docs/model.md (1)-(21): attention and masks,
 positions, blocks, the model, and its incremental-decoding cache."""
 
 from s2s.model.attention import MultiHeadAttention, attention, causal_mask, padding_mask

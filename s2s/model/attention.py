@@ -24,7 +24,7 @@ NEG_INF = float("-inf")
 
 
 # --------------------------------------------------------------------------- #
-# Masks (formula sheet, Lessons 2, 3, 4)
+# Masks (docs/model.md (5)-(8))
 # --------------------------------------------------------------------------- #
 
 def causal_mask(T: int, device: Optional[torch.device] = None, T_k: Optional[int] = None,
@@ -59,7 +59,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None,
 
     q (..., T_q, d_k), k (..., T_k, d_k), v (..., T_k, d_v), mask broadcastable
     to (..., T_q, T_k).  Returns (out (..., T_q, d_v), A (..., T_q, T_k)).
-    ``scale=False`` drops the 1/sqrt(d_k) (worked example 5's "unscaled").
+    ``scale=False`` drops the 1/sqrt(d_k) (docs/model.md (3); worked example 5's "unscaled").
     Each row of A sums to 1 over the unmasked keys (before any dropout,
     which is applied to A only for the product with V).
     """

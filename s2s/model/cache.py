@@ -4,7 +4,7 @@ Per decoder layer it holds
   * the self-attention K/V of every position decoded so far, which grow by
     one position per step (the prefix is never recomputed), and
   * the cross-attention K/V, computed once from H_enc and fixed for all steps
-    (formula sheet, Lesson 9),
+    (docs/model.md (28)),
 plus the source padding mask.  ``select(index)`` reorders (or shrinks) every
 tensor along the batch dimension at once: beams that survive a step, or
 sentences that are still being decoded.

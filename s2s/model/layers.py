@@ -1,7 +1,7 @@
-"""Encoder and decoder blocks (formula sheet, Lessons 2-3; decoder.txt).
+"""Encoder and decoder blocks (docs/model.md (11)-(13)).
 
-pre-norm (formula sheet, the default):   x <- x + Dropout(Sublayer(Norm(x)))
-post-norm (decoder.txt, the 2017 paper): x <- Norm(x + Dropout(Sublayer(x)))
+pre-norm (the default):      x <- x + Dropout(Sublayer(Norm(x)))
+post-norm (the 2017 paper):  x <- Norm(x + Dropout(Sublayer(x)))
 """
 
 from __future__ import annotations

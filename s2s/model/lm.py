@@ -1,5 +1,5 @@
 """One decoder stack over [x; y]: the prefix-LM and the decoder-only architectures
-(formula sheet, Lesson 6; the architecture comparison of worked-examples.txt).
+(docs/model.md (8)).
 
     prefix_lm:     M_ij = 0 if j <= n (bidirectional over the prefix x, n = |x|)
                           0 if n < j <= i (causal over the suffix y)
@@ -38,7 +38,7 @@ from s2s.model.positions import sinusoidal_table
 
 
 def prefix_lm_mask(n: int, L: int, device=None) -> Tensor:
-    """M^prefix (L, L) for a prefix of n positions (Lesson 6): 0 where j < n or j <= i (0-based)."""
+    """M^prefix (L, L) for a prefix of n positions (docs/model.md (8)): 0 where j < n or j <= i (0-based)."""
     i = torch.arange(L, device=device)[:, None]
     j = torch.arange(L, device=device)[None, :]
     return torch.zeros(L, L, device=device).masked_fill((j > i) & (j >= n), NEG_INF)

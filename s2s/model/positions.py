@@ -1,5 +1,5 @@
 """Position information: sinusoidal or learned input embeddings, or the T5
-relative-position bias added to the attention logits (formula sheet, Lesson 5).
+relative-position bias added to the attention logits (docs/model.md (15)-(18)).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The encoder-decoder transformer (formula sheet, Lessons 1-5).
+"""The encoder-decoder transformer (docs/model.md (1)-(21)).
 
     Enc: x -> H_enc (B, S, d_model)                      runs once per input
     Dec: (y_<t, H_enc) -> p_t = softmax(h_t W_U)        runs per output token
@@ -135,7 +135,7 @@ class Seq2SeqTransformer(nn.Module):
 
     def copy_log_probs(self, z: Tensor, h: Tensor, x_in: Tensor, a: Tensor, h_enc: Tensor,
                        src: Tensor) -> Tensor:
-        """The pointer-generator's output distribution (formula sheet, Lesson 9), as log-probabilities:
+        """The pointer-generator's output distribution (docs/model.md (41)), as log-probabilities:
 
             P(w)  = p_gen P_vocab(w) + (1 - p_gen) sum_{j: x_j = w} a_tj
             p_gen = sigmoid(w_p . [h_t; ctx_t; x_t] + b_p),   ctx_t = sum_j a_tj H_enc_j
@@ -260,7 +260,7 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def parameter_budget(cfg: ModelConfig, vocab: int) -> int:
-    """P ~= 12 N_enc d^2 + 16 N_dec d^2 + V d  (formula sheet, Lesson 5; FFN width 4d);
+    """P ~= 12 N_enc d^2 + 16 N_dec d^2 + V d  (docs/model.md (20); FFN width 4d);
     one stack over [x; y] (prefix_lm, decoder_only): 12 (N_enc + N_dec) d^2 + V d."""
     d = cfg.d_model
     if cfg.arch != "encoder_decoder":
