@@ -261,8 +261,8 @@ class DecodeConfig:
     max_len_b: int = 10
     min_len: int = 0
     no_repeat_ngram: int = 0  # n > 0: no n-gram occurs twice in an output (fairseq's --no-repeat-ngram-size)
-    coverage_penalty: float = 0.0  # beta of Wu et al.'s cp = beta * sum_j log min(sum_t A_tj, 1) (beam)
-    nbest: int = 1
+    coverage_penalty: float = 0.0  # beta of Wu et al.'s cp = beta * sum_j log min(sum_t A_tj, 1) (beam; beam 1 too)
+    nbest: int = 1  # the nbest best hypotheses; with sampling, nbest samples per input
     sampling: bool = False  # draw each token from p instead of searching (needs beam: 1)
     temperature: float = 1.0  # sampling: q ∝ p^(1/T)
     top_k: int = 0  # sampling: among the k most probable tokens; 0 = all
@@ -274,7 +274,8 @@ class DecodeConfig:
 
     def __post_init__(self) -> None:
         _check(self.beam >= 1, "decode.beam", "must be >= 1")
-        _check(1 <= self.nbest <= self.beam, "decode.nbest", "must be in [1, beam]")
+        _check(self.nbest >= 1 and (self.sampling or self.nbest <= self.beam), "decode.nbest",
+               "must be in [1, beam] (any number of samples with decode.sampling)")
         _check(self.alpha >= 0, "decode.alpha", "must be >= 0")
         _check(self.max_len_a >= 0 and self.max_len_b >= 1, "decode.max_len_b",
                "max_len_a must be >= 0 and max_len_b >= 1")
@@ -282,6 +283,8 @@ class DecodeConfig:
         _check(self.no_repeat_ngram >= 0, "decode.no_repeat_ngram", "must be >= 0")
         _check(self.coverage_penalty >= 0, "decode.coverage_penalty", "must be >= 0")
         _check(not self.sampling or self.beam == 1, "decode.sampling", "needs decode.beam: 1")
+        _check(not (self.sampling and self.coverage_penalty), "decode.coverage_penalty",
+               "rescores searched hypotheses; sampling draws them (set it to 0 with decode.sampling)")
         _check(self.temperature > 0, "decode.temperature", "must be > 0")
         _check(self.top_k >= 0, "decode.top_k", "must be >= 0")
         _check(0 < self.top_p <= 1, "decode.top_p", "must be in (0, 1]")

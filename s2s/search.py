@@ -63,8 +63,8 @@ class SearchSettings:
     stop: str = "exact"  # beam: exact | early (see beam_stop_bound)
     min_len: int = 0  # </s> is blocked before this many tokens
     no_repeat_ngram: int = 0  # n > 0: no n-gram occurs twice in a hypothesis
-    coverage_penalty: float = 0.0  # beta of Wu et al.'s cp(X; Y) (beam search; needs the attention)
-    sampling: bool = False  # draw y_t ~ p instead of searching (beam = 1)
+    coverage_penalty: float = 0.0  # beta of Wu et al.'s cp(X; Y) (a beam search, even of width 1)
+    sampling: bool = False  # draw y_t ~ p instead of searching (beam = 1; nbest samples per input)
     temperature: float = 1.0
     top_k: int = 0  # sample among the k most probable tokens (0: all)
     top_p: float = 1.0  # ... among the smallest set with probability mass >= p
@@ -118,25 +118,39 @@ class ModelDecoder:
 
 
 class EnsembleDecoder:
-    """Several models decoding together: log p(v) = log (1/n) sum_i p_i(v)
-    (the mean of their probabilities, as fairseq's ensembles); the attention is their mean."""
+    """Several models decoding together, their probabilities linearly interpolated:
 
-    def __init__(self, decoders: list[ModelDecoder]):
+        log p(v) = log sum_i w_i p_i(v),   w_i = weight_i / sum_j weight_j
+
+    (equal weights by default: the mean of their probabilities, as fairseq's ensembles);
+    the attention is the same weighted mean of theirs."""
+
+    def __init__(self, decoders: list[ModelDecoder], weights: Optional[list[float]] = None):
         self.decoders = decoders
+        self.log_w = ensemble_log_weights(weights or [1.0] * len(decoders))  # (n,)
 
     def step(self, y_prev: Tensor) -> Tensor:
         logps = torch.stack([d.step(y_prev) for d in self.decoders])  # (n, N, V)
-        return torch.logsumexp(logps, dim=0) - math.log(len(self.decoders))
+        return torch.logsumexp(logps + self.log_w.to(logps.device)[:, None, None], dim=0)
 
     def select(self, index: Tensor, group: Optional[int] = None) -> None:
         for d in self.decoders:
             d.select(index, group)
 
     def attention(self) -> Tensor:
-        return torch.stack([d.attention() for d in self.decoders]).mean(0)
+        a = torch.stack([d.attention() for d in self.decoders])  # (n, N, S)
+        return (a * self.log_w.exp().to(a.device)[:, None, None]).sum(0)
 
     def source_mask(self) -> Tensor:
         return self.decoders[0].source_mask()
+
+
+def ensemble_log_weights(weights: list[float]) -> Tensor:
+    """log w_i with w_i = weight_i / sum_j weight_j: ensemble weights normalized to sum to 1."""
+    w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
+    if w.numel() == 0 or not bool(torch.isfinite(w).all()) or bool((w <= 0).any()):
+        raise ValueError(f"ensemble weights must be positive numbers, got {weights}")
+    return (w / w.sum()).log().float()
 
 
 def coverage_penalty(attention_sum: Tensor, source_mask: Tensor, beta: float) -> Tensor:
@@ -233,19 +247,25 @@ def greedy_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings,
 
     With ``s.sampling``, y_t ~ q instead (see :func:`sampling_distribution`),
     drawn from a generator seeded with ``s.seed``; the hypothesis's score is
-    still the model's log p of the drawn tokens.
+    still the model's log p of the drawn tokens.  Sampling draws ``s.nbest``
+    independent samples per sentence (rows n*K + k, as a beam's), returned
+    best score first.
     """
     B = max_len.size(0)
     device = max_len.device
-    results: list[list[Hypothesis]] = [[] for _ in range(B)]
-    active = torch.arange(B, device=device)  # original sentence of each row
-    y = torch.full((B, 1), s.bos_id, dtype=torch.long, device=device)
-    tokens = torch.empty((B, 0), dtype=torch.long, device=device)
-    log_prob = torch.zeros(B, device=device)
+    K = s.nbest if s.sampling else 1  # samples per sentence
+    if K > 1:
+        decoder.select(torch.arange(B, device=device).repeat_interleave(K), group=K)  # (B*K) rows
+        max_len = max_len.repeat_interleave(K)
+    rows_out: list[Optional[Hypothesis]] = [None] * (B * K)
+    active = torch.arange(B * K, device=device)  # original row (sentence * K + sample) of each row
+    y = torch.full((B * K, 1), s.bos_id, dtype=torch.long, device=device)
+    tokens = torch.empty((B * K, 0), dtype=torch.long, device=device)
+    log_prob = torch.zeros(B * K, device=device)
     gen = torch.Generator(device=device).manual_seed(s.seed) if s.sampling else None
     for t in range(int(max_len.max())):
         logp = constrain(decoder.step(y), t, max_len[active], s, tokens,
-                         forced_tokens(prefix, t, active))  # (N, V)
+                         forced_tokens(prefix, t, torch.div(active, K, rounding_mode="floor")))  # (N, V)
         if gen is None:
             best_lp, y_t = logp.max(dim=-1)  # (N,)
         else:
@@ -260,14 +280,15 @@ def greedy_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings,
             norm = length_penalty(float(m), s.alpha, s.length_penalty)
             for row in done.nonzero().flatten().tolist():
                 lp = float(log_prob[row])
-                results[int(active[row])] = [Hypothesis(tokens[row, :-1].tolist(), lp / norm, lp)]
+                rows_out[int(active[row])] = Hypothesis(tokens[row, :-1].tolist(), lp / norm, lp)
             keep = (~done).nonzero().flatten()
             if keep.numel() == 0:
                 break
             decoder.select(keep)
             active, tokens, log_prob, y_t = active[keep], tokens[keep], log_prob[keep], y_t[keep]
         y = y_t[:, None]
-    return results
+    return [sorted((h for h in rows_out[b * K:(b + 1) * K] if h is not None), key=lambda h: -h.score)
+            for b in range(B)]
 
 
 @torch.no_grad()
@@ -394,9 +415,16 @@ def beam_stop_bound(best_live: Tensor, m: int, max_len: Tensor, s: SearchSetting
 
 def search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings,
            prefix: Optional[Tensor] = None) -> list[list[Hypothesis]]:
-    """Greedy (or sampling) when beam = 1, else beam search."""
+    """Greedy (or sampling) when beam = 1, else beam search.
+
+    A coverage penalty rescores finished hypotheses, which greedy search never
+    compares: with one, beam = 1 is a beam search of width 1 (a finished
+    hypothesis scores log p / lp(m) + cp and competes with the live one, as at
+    any width), not greedy."""
     if s.sampling and s.beam != 1:
         raise ValueError("sampling draws one token per step: use beam = 1")
-    if s.beam == 1:
+    if s.sampling and s.coverage_penalty:
+        raise ValueError("sampling does not rescore hypotheses: no coverage penalty")
+    if s.beam == 1 and (s.sampling or not s.coverage_penalty):
         return greedy_search(decoder, max_len, s, prefix)
     return beam_search(decoder, max_len, s, prefix)

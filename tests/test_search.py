@@ -375,3 +375,85 @@ def test_ensemble_averages_probabilities():
     s = settings(beam=2, nbest=1)
     assert (beam_search(same, torch.tensor([6]), s)[0][0].tokens
             == beam_search(ModelDecoder(a, src), torch.tensor([6]), s)[0][0].tokens)
+
+
+def test_coverage_penalty_applies_at_beam_one():
+    """--beam 1 with a coverage penalty is a 1-beam search: the hypothesis scores
+    log p / lp(m) + cp, not greedy's log p / lp(m) (which ignored the penalty)."""
+    from s2s.translate import cross_attention
+
+    model = _random_model(4)
+    src = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, EOS], [9, 10, 11, 5, 6, 7, EOS, PAD, PAD, PAD, PAD]])
+    s = settings(beam=1, nbest=1, alpha=0.6, coverage_penalty=0.7)
+    hyps = search(ModelDecoder(model, src, track_attention=True), torch.tensor([4, 4]), s)
+    for b, sent in enumerate(hyps):
+        (h,) = sent
+        A = cross_attention(model, src[b:b + 1], torch.tensor([h.tokens + [EOS]]), -1)[0]
+        cp = 0.7 * A.sum(0)[src[b] != PAD].clamp(1e-9, 1.0).log().sum()
+        assert float(cp) < -1e-3  # the penalty is not zero here: the check can tell
+        lp = length_penalty(len(h.tokens) + 1, 0.6)
+        assert h.score == pytest.approx(h.log_prob / lp + float(cp), abs=1e-4)
+    # the same as a beam search of width 1 called directly
+    direct = beam_search(ModelDecoder(model, src, track_attention=True), torch.tensor([4, 4]), s)
+    assert [[h.tokens for h in x] for x in direct] == [[h.tokens for h in x] for x in hyps]
+
+
+def test_coverage_penalty_changes_the_beam_one_output():
+    """On a script where greedy stops early with the source half covered, the 1-beam search
+    with a coverage penalty keeps the longer hypothesis that covers it all."""
+
+    class Attending(ScriptedDecoder):  # step t attends to source position t (of 3)
+        def step(self, y_prev):
+            out = super().step(y_prev)
+            self._t = len(self.prefixes[0])
+            return out
+
+        def attention(self):
+            a = torch.zeros(len(self.prefixes), 3)
+            a[:, min(self._t, 2)] = 1.0
+            return a
+
+        def source_mask(self):
+            return torch.ones(len(self.prefixes), 3, dtype=torch.bool)
+
+    script = {(): {A: 1.0}, (A,): {EOS: 0.6, B: 0.4}, (A, B): {EOS: 1.0}}
+    greedy = search(Attending(script), torch.tensor([5]), settings(beam=1, nbest=1))
+    assert greedy[0][0].tokens == [A]
+    covered = search(Attending(script), torch.tensor([5]), settings(beam=1, nbest=1, coverage_penalty=0.1))
+    assert covered[0][0].tokens == [A, B]
+
+
+def test_sampling_draws_nbest_samples_per_sentence():
+    """nbest with sampling: n independent draws per sentence, each scored by the model's
+    log p, best first; the first sentence's samples do not depend on the batch."""
+    script = {(): {A: 0.5, B: 0.5}, (A,): {A: 0.5, EOS: 0.5}, (B,): {B: 0.5, EOS: 0.5}}
+    n, B_ = 8, 3
+    s = settings(beam=1, nbest=n, sampling=True, seed=5)
+    hyps = search(ScriptedDecoder(script, batch=B_), torch.full((B_,), 6), s)
+    assert [len(h) for h in hyps] == [n] * B_
+    for sent in hyps:
+        assert [h.score for h in sent] == sorted((h.score for h in sent), reverse=True)
+        for h in sent:
+            y = h.tokens + [EOS]
+            logp = sum(math.log(script.get(tuple(y[:t]), {EOS: 1.0})[y[t]]) for t in range(len(y)))
+            assert h.log_prob == pytest.approx(logp)
+        assert len({tuple(h.tokens) for h in sent}) > 1  # n draws, not one repeated
+    assert [h.tokens for h in hyps[0]] != [h.tokens for h in hyps[1]]
+
+
+def test_ensemble_weights_interpolate_probabilities():
+    from s2s.search import EnsembleDecoder
+
+    a, b = _random_model(2), _random_model(3)
+    src = torch.tensor([[5, 6, 7, EOS]])
+    y = torch.full((1, 1), BOS)
+    ens = EnsembleDecoder([ModelDecoder(a, src, True), ModelDecoder(b, src, True)], [0.7, 0.3])
+    got = ens.step(y)
+    da, db = ModelDecoder(a, src, True), ModelDecoder(b, src, True)
+    pa, pb = da.step(y).exp(), db.step(y).exp()
+    torch.testing.assert_close(got, (0.7 * pa + 0.3 * pb).log())
+    torch.testing.assert_close(ens.attention(), 0.7 * da.attention() + 0.3 * db.attention())
+    scaled = EnsembleDecoder([ModelDecoder(a, src), ModelDecoder(b, src)], [7, 3])  # normalized
+    torch.testing.assert_close(scaled.step(y), got)
+    with pytest.raises(ValueError):
+        EnsembleDecoder([ModelDecoder(a, src), ModelDecoder(b, src)], [1.0, 0.0])
