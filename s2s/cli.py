@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -173,6 +174,21 @@ def distill(config: Path = typer.Argument(..., help="Experiment YAML whose data.
         typer.echo(str(path))
 
 
+def parse_weights(text: Optional[str], members: int) -> Optional[list[float]]:
+    """``--ensemble-weights 0.7,0.3``: one positive number per ``-m``."""
+    if text is None:
+        return None
+    try:
+        weights = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise S2SError(f"--ensemble-weights: {text!r} is not a comma-separated list of numbers") from None
+    if len(weights) != members:
+        raise S2SError(f"--ensemble-weights: {len(weights)} weights for {members} models (-m)")
+    if not all(math.isfinite(w) and w > 0 for w in weights):
+        raise S2SError(f"--ensemble-weights: {text!r}: every weight must be a positive number")
+    return weights
+
+
 # `s2s summarize` = translate with these, for each decode key the model's config leaves at its default
 SUMMARIZE_DEFAULTS = {"no_repeat_ngram": 3, "min_len": 3, "alpha": 1.0}
 
@@ -181,7 +197,10 @@ SUMMARIZE_DEFAULTS = {"no_repeat_ngram": 3, "min_len": 3, "alpha": 1.0}
 def translate(
     ctx: typer.Context,
     model: List[Path] = typer.Option(..., "-m", "--model",
-                                     help="Model directory (a training run); repeat for an ensemble."),
+                                     help="Model directory (a training run) or training checkpoint; "
+                                          "repeat for an ensemble."),
+    ensemble_weights: Optional[str] = typer.Option(None, help="Ensemble: w_1,...,w_n, one per -m; "
+                                                   "p = sum_i w_i p_i with w normalized to sum 1."),
     input: str = typer.Option("-", "--input", "-i", help="Input file; - reads stdin."),
     output: Optional[Path] = typer.Option(None, "--output", "-o",
                                           help="Write here (complete files only) instead of stdout."),
@@ -190,12 +209,12 @@ def translate(
     length_penalty: Optional[str] = typer.Option(None, help="gnmt: ((5+m)/6)^alpha, power: m^alpha, none."),
     stop: Optional[str] = typer.Option(None, help="Beam: exact (no better hypothesis is cut off) or early "
                                                   "(stop when none would win by ending next step)."),
-    nbest: Optional[int] = typer.Option(None, help="Print the K best as `LINE ||| TEXT ||| SCORE`."),
+    nbest: Optional[int] = typer.Option(None, help="Print the K best (with --sampling: K samples) as `LINE ||| TEXT ||| SCORE`."),
     max_len_a: Optional[float] = typer.Option(None, help="Max output length a*|x|+b: a."),
     max_len_b: Optional[int] = typer.Option(None, help="Max output length a*|x|+b: b."),
     min_len: Optional[int] = typer.Option(None, help="Minimum output tokens before </s>."),
     no_repeat_ngram: Optional[int] = typer.Option(None, help="No n-gram of this size twice in an output."),
-    coverage_penalty: Optional[float] = typer.Option(None, help="beta of the coverage penalty (beam search)."),
+    coverage_penalty: Optional[float] = typer.Option(None, help="beta of the coverage penalty (beam search; at --beam 1 a 1-beam search)."),
     prefix_file: Optional[Path] = typer.Option(None, help="Force each output to start with the same line of this file."),
     sampling: bool = typer.Option(False, "--sampling", help="Sample each token instead of searching (beam 1)."),
     temperature: Optional[float] = typer.Option(None, help="Sampling: q ∝ p^(1/T)."),
@@ -235,8 +254,9 @@ def translate(
                                        top_k=top_k, top_p=top_p, seed=seed).items()
                  if v is not None}
     if sampling:
-        overrides.update(sampling=True, beam=overrides.get("beam", 1), nbest=1)
-    translator = Translator.from_dirs(model)
+        overrides.update(sampling=True, beam=overrides.get("beam", 1), nbest=overrides.get("nbest", 1),
+                         coverage_penalty=overrides.get("coverage_penalty", 0.0))
+    translator = Translator.from_dirs(model, weights=parse_weights(ensemble_weights, len(model)))
     if ctx.info_name == "summarize":
         untouched = DecodeConfig()
         overrides = {**{k: v for k, v in SUMMARIZE_DEFAULTS.items()
@@ -245,8 +265,9 @@ def translate(
         translator.decode = replace(translator.decode, "decode.", **overrides)
     except ConfigError as e:
         raise S2SError(f"translate options: {e}") from None
-    if alignments and translator.model.cfg.arch != "encoder_decoder":
-        raise S2SError(f"--alignments: model.arch {translator.model.cfg.arch} has no cross-attention to align with")
+    for member in [translator.model, *translator.extra_models] if alignments else []:
+        if member.cfg.arch != "encoder_decoder":
+            raise S2SError(f"--alignments: model.arch {member.cfg.arch} has no cross-attention to align with")
     translator.alignments = alignments
     translator.set_arithmetic(precision, quantize)
     if input != "-" and not Path(input).exists():

@@ -180,8 +180,17 @@ def load_spec(directory: Path) -> tuple[ExperimentConfig, Tokenizer]:
 
 
 def load_model_dir(directory: str | Path, device: str | torch.device = "cpu") -> LoadedModel:
-    """Load config, tokenizer and verified weights of a model directory (eval mode)."""
+    """Load config, tokenizer and verified weights of a model directory (eval mode), or of a
+    training checkpoint RUN/checkpoints/step-N (config and tokenizer from RUN, the checksum
+    from its state.json; ``directory`` of the result is then RUN)."""
     d = Path(directory)
+    if is_checkpoint(d):
+        run, digest = run_dir_of(d), recorded_sha256(d)
+        cfg, tok = load_spec(run)
+        model = build_model(cfg, tok)
+        load_weights(model, d / WEIGHTS, digest)
+        model.to(device).eval()
+        return LoadedModel(model=model, tokenizer=tok, cfg=cfg, meta={"checkpoint": str(d)}, directory=run)
     meta = read_meta(d)
     cfg, tok = load_spec(d)
     model = build_model(cfg, tok)
@@ -235,6 +244,11 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
         rows.append(("trained", ", ".join(f"{k} {v}" for k, v in meta.items()
                                           if k in ("step", "dev_bleu", "dev_loss"))))
     return rows
+
+
+def is_checkpoint(path: Path) -> bool:
+    """A training checkpoint (checkpoints/step-N: weights and state.json, no model.json)."""
+    return path.is_dir() and not (path / META).exists() and (path / CHECKPOINT_STATE).is_file()
 
 
 def run_dir_of(path: Path) -> Path:

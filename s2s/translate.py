@@ -22,7 +22,8 @@ from s2s.config import DecodeConfig, ExperimentConfig, replace
 from s2s.data import pad_sequences, tokenizer_fingerprint, truncate
 from s2s.errors import S2SError
 from s2s.model import Seq2SeqTransformer
-from s2s.search import EnsembleDecoder, Hypothesis, ModelDecoder, SearchSettings, search
+from s2s.search import (EnsembleDecoder, Hypothesis, ModelDecoder, SearchSettings, ensemble_log_weights,
+                        search)
 from s2s.tokenizer import BOS_ID, Tokenizer
 
 log = logging.getLogger("s2s")
@@ -86,6 +87,7 @@ class Translator:
         self.alignments = False  # also align each hypothesis to its source (Pharaoh pairs)
         self.precision = "fp32"  # or bf16: autocast while searching
         self.extra_models: list[Seq2SeqTransformer] = []  # an ensemble's other members
+        self.weights: Optional[list[float]] = None  # the members' weights (None: equal)
 
     @classmethod
     def from_dir(cls, directory: str | Path, device: str = "cpu", **decode_overrides) -> "Translator":
@@ -94,9 +96,10 @@ class Translator:
 
     @classmethod
     def from_dirs(cls, directories: Sequence[str | Path], device: str = "cpu",
-                  **decode_overrides) -> "Translator":
-        """An ensemble of model directories that share one tokenizer (the first one's
-        config gives the decode settings); one directory is a single model."""
+                  weights: Optional[Sequence[float]] = None, **decode_overrides) -> "Translator":
+        """An ensemble of model directories (or training checkpoints, RUN/checkpoints/step-N)
+        that share one tokenizer (the first one's config gives the decode settings); one
+        directory is a single model.  ``weights``: one per member (see :class:`EnsembleDecoder`)."""
         from s2s.modeldir import load_model_dir
 
         loaded = [load_model_dir(d, device) for d in directories]
@@ -109,6 +112,14 @@ class Translator:
         decode = replace(first.cfg.decode, "decode.", **decode_overrides)
         translator = cls(first.model, first.tokenizer, decode, device, first.cfg.data.max_src_tokens)
         translator.extra_models = [m.model.eval() for m in loaded[1:]]
+        if weights is not None:
+            if len(weights) != len(loaded):
+                raise S2SError(f"ensemble weights: {len(weights)} weights for {len(loaded)} models")
+            try:
+                ensemble_log_weights(list(weights))
+            except ValueError as e:
+                raise S2SError(str(e)) from None
+            translator.weights = [float(w) for w in weights]
         return translator
 
     def set_arithmetic(self, precision: str = "fp32", quantize: Optional[str] = None) -> None:
@@ -171,7 +182,7 @@ class Translator:
             max_len = torch.maximum(max_len, (prefix >= 0).sum(1) + 1)  # room for the prefix and </s>
         track = self.decode.coverage_penalty > 0
         decoders = [ModelDecoder(m, src, track) for m in [self.model, *self.extra_models]]
-        decoder = decoders[0] if len(decoders) == 1 else EnsembleDecoder(decoders)
+        decoder = decoders[0] if len(decoders) == 1 else EnsembleDecoder(decoders, self.weights)
         with self.autocast():
             found = search(decoder, max_len, self.settings, prefix)
         if self.alignments:
@@ -179,12 +190,20 @@ class Translator:
         return found
 
     def align(self, src: torch.Tensor, src_lens: list[int], found: list[list[Hypothesis]]) -> None:
-        """Give every hypothesis its alignment: one teacher-forced pass over all of them."""
+        """Give every hypothesis its alignment: one teacher-forced pass over all of them.
+
+        An ensemble aligns with its members' cross-attention averaged with the ensemble
+        weights, A = sum_i w_i A_i (the attention its coverage penalty uses), each A_i the
+        last decoder layer's head mean."""
         rows = [(i, h) for i, hyps in enumerate(found) for h in hyps]
         if not rows:
             return
         tgt = pad_sequences([h.tokens + [self.tok.eos_id] for _, h in rows], self.tok.pad_id).to(src.device)
-        A = cross_attention(self.model, src[[i for i, _ in rows]], tgt, bos_id=self.tok.bos_id)  # (R, T, S)
+        rows_src = src[[i for i, _ in rows]]
+        members = [self.model, *self.extra_models]
+        w = ensemble_log_weights(self.weights or [1.0] * len(members)).exp().tolist()
+        A = sum(w_i * cross_attention(m, rows_src, tgt, bos_id=self.tok.bos_id)
+                for w_i, m in zip(w, members))  # (R, T, S)
         for r, (i, h) in enumerate(rows):
             h.alignment = hard_alignment(A[r], src_lens[i], len(h.tokens))
 

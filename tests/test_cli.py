@@ -329,3 +329,64 @@ def test_translate_progress_on_a_terminal_only(model_dir, corpus):
     quiet.close()
     assert pipe.getvalue() == ""  # nothing in a pipe or a log
     assert out.getvalue().count("\n") == 5
+
+
+def test_sampling_nbest_prints_n_samples_per_line(model_dir, corpus):
+    src = (corpus / "dev.en").read_text().splitlines()[:4]
+    r = s2s("translate", "-m", model_dir, "--sampling", "--nbest", "3", "--seed", "1",
+            input="\n".join(src) + "\n")
+    assert r.returncode == 0, r.stderr
+    rows = [line.split(" ||| ") for line in r.stdout.splitlines()]
+    assert [row[0] for row in rows] == [str(i) for i in range(4) for _ in range(3)]
+    for i in range(4):
+        scores = [float(row[2]) for row in rows if row[0] == str(i)]
+        assert scores == sorted(scores, reverse=True)
+
+
+def test_ensemble_of_a_run_and_its_checkpoint_with_weights(model_dir, corpus):
+    from s2s.trainer import list_checkpoints
+
+    ckpt = list_checkpoints(model_dir)[0]
+    src = (corpus / "dev.en").read_text().splitlines()[:3]
+    text = "\n".join(src) + "\n"
+    r = s2s("translate", "-m", model_dir, "-m", ckpt, "--ensemble-weights", "0.7,0.3", "--beam", "2",
+            "--alignments", input=text)
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.splitlines()) == 3 and all(" ||| " in line for line in r.stdout.splitlines())
+    equal = s2s("translate", "-m", model_dir, "-m", ckpt, "--beam", "2", input=text)
+    same = s2s("translate", "-m", model_dir, "-m", ckpt, "--ensemble-weights", "2,2", "--beam", "2", input=text)
+    assert equal.returncode == 0 and same.stdout == equal.stdout  # weights are normalized
+    r = s2s("translate", "-m", model_dir, "-m", ckpt, "--ensemble-weights", "0.7", input=text)
+    assert r.returncode == 1 and "--ensemble-weights: 1 weights for 2 models" in r.stderr
+    r = s2s("translate", "-m", model_dir, "-m", ckpt, "--ensemble-weights", "1,-1", input=text)
+    assert r.returncode == 1 and "must be a positive number" in r.stderr
+
+
+def test_ensemble_alignments_average_the_members_attention(model_dir):
+    """An ensemble aligns with sum_i w_i A_i, not with its first member's attention."""
+    import copy
+
+    import torch
+
+    from s2s.translate import Translator, cross_attention, hard_alignment
+
+    t = Translator.from_dirs([model_dir, model_dir], weights=[0.4, 0.6])
+    torch.manual_seed(0)
+    other = copy.deepcopy(t.model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p))
+    t.extra_models = [other]
+    t.alignments = True
+    lines = ["Clipboard management tool", "port scanner for discovering services on a network",
+             "a small utility to watch files and run commands"]
+    got = t.translate_chunk(lines)
+    ids = t.encode_lines(lines, 1)
+    first_only = 0
+    for tr, x in zip(got, ids):
+        for h in tr.hypotheses:
+            src, tgt = torch.tensor([x]), torch.tensor([h.tokens + [t.tok.eos_id]])
+            A0, A1 = (cross_attention(m, src, tgt, bos_id=t.tok.bos_id)[0] for m in (t.model, other))
+            assert h.alignment == hard_alignment(0.4 * A0 + 0.6 * A1, len(x) - 1, len(h.tokens))
+            first_only += h.alignment != hard_alignment(A0, len(x) - 1, len(h.tokens))
+    assert first_only  # the first member alone aligns differently: the check can tell
