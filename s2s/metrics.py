@@ -3,11 +3,14 @@ ROUGE-1/2/L through Google's rouge-score package (the ROUGE-1.5.5 reimplementati
 
 BLEU = min(1, e^{1 - r/c}) * exp(sum_{n=1}^{4} w_n log p_n)   (docs/model.md (42))
 ROUGE-N/L: F1 of n-gram / longest-common-subsequence overlap, per sentence,
-averaged over the corpus (x100), Porter stemming on, as summarization papers report it.
+averaged over the corpus (x100), Porter stemming on, as summarization papers report it,
+over tokens of every script (:class:`AllScriptsTokenizer`).
 """
 
 from __future__ import annotations
 
+import re
+import unicodedata
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
@@ -47,6 +50,31 @@ def corpus_bleu(hyps: Sequence[str], refs: Sequence[str]) -> float:
     return BLEU().corpus_score(list(hyps), [list(refs)]).score
 
 
+class AllScriptsTokenizer:
+    """ROUGE tokens in every script: lowercased runs of letters and digits (Unicode), each
+    CJK ideograph, kana or other unspaced-script character (Thai, Lao, Khmer, Myanmar) a
+    token of its own; the Porter stemmer applies to ASCII words longer than 3 letters, as
+    rouge-score's default tokenizer does (which keeps only a-z0-9 and so drops Cyrillic,
+    Greek, Chinese... entirely, and cuts "Straße" into "stra" and "e")."""
+
+    NAME = "unicode-words+cjk-chars"
+    _TOKEN = re.compile(
+        r"[\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff"
+        r"\uf900-\ufaff\U00020000-\U0002fa1f]"  # one character: Thai, Lao, Myanmar, Khmer, kana, CJK
+        r"|(?:(?![\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff"
+        r"\uf900-\ufaff\U00020000-\U0002fa1f])[^\W_])+")  # a run of other letters/digits
+    _ASCII_WORD = re.compile(r"[a-z]{4,}")
+
+    def __init__(self) -> None:
+        from nltk.stem import porter
+
+        self.stemmer = porter.PorterStemmer()
+
+    def tokenize(self, text: str) -> list[str]:
+        tokens = self._TOKEN.findall(unicodedata.normalize("NFKC", text).lower())
+        return [self.stemmer.stem(t) if self._ASCII_WORD.fullmatch(t) else t for t in tokens]
+
+
 def rouge_scores(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> list[Score]:
     """Mean ROUGE-1, ROUGE-2, ROUGE-L F1 (x100) with stemming; with several
     reference streams, each sentence counts its best-matching reference."""
@@ -55,7 +83,7 @@ def rouge_scores(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> list[Sco
     from rouge_score import rouge_scorer
 
     kinds = ("rouge1", "rouge2", "rougeL")
-    scorer = rouge_scorer.RougeScorer(list(kinds), use_stemmer=True)
+    scorer = rouge_scorer.RougeScorer(list(kinds), tokenizer=AllScriptsTokenizer())
     sums = {k: [0.0, 0.0, 0.0] for k in kinds}  # precision, recall, F1
     for i, hyp in enumerate(hyps):
         per_ref = [scorer.score(r[i], hyp) for r in refs]
@@ -64,7 +92,7 @@ def rouge_scores(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> list[Sco
             for n, value in enumerate(best):
                 sums[k][n] += value
     n = max(len(hyps), 1)
-    sig = f"rouge-score:{version('rouge-score')}|stemmer:yes|tokenizer:default|f1:mean|nrefs:{len(refs)}"
+    sig = f"rouge-score:{version('rouge-score')}|stemmer:porter-ascii|tokenizer:{AllScriptsTokenizer.NAME}|f1:mean|nrefs:{len(refs)}"
     return [Score(name=k, score=round(100 * f / n, 2), signature=sig,
                   details=f"P {100 * p / n:.2f} R {100 * r / n:.2f} F1 {100 * f / n:.2f}")
             for k, (p, r, f) in sums.items()]

@@ -136,6 +136,22 @@ def test_rouge_of_identical_strings_is_one():
     assert partial["rouge1"] == pytest.approx(100 * 6 / 7, abs=0.01)
 
 
+def test_rouge_keeps_every_script():
+    """rouge-score's default tokenizer keeps only a-z0-9: Cyrillic and Chinese lines became empty
+    (scored 0) and three identical lines scored 33.33.  Every script counts now, and says so."""
+    from s2s.metrics import AllScriptsTokenizer, corpus_scores
+
+    lines = ["Привет, как у тебя дела сегодня?", "我爱北京天安门", "Die Straße ist heute sehr schön"]
+    scores = corpus_scores(lines, [lines], ["rouge"])
+    assert {s.name: s.score for s in scores} == {"rouge1": 100.0, "rouge2": 100.0, "rougeL": 100.0}
+    assert "tokenizer:unicode-words+cjk-chars" in scores[0].signature
+    tok = AllScriptsTokenizer()
+    assert tok.tokenize("Straße, мир! 北京") == ["straße", "мир", "北", "京"]
+    # one Chinese character of four differs: unigram F1 3/4, bigram F1 2/3 (two of three bigrams shared)
+    zh = {s.name: s.score for s in corpus_scores(["北京天门"], [["北京天安"]], ["rouge"])}
+    assert zh["rouge1"] == pytest.approx(75.0) and zh["rouge2"] == pytest.approx(100 * 2 / 3, abs=0.01)
+
+
 SUMM_YAML = """\
 seed: 1
 tokenizer: {{vocab_size: 400}}
