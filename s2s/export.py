@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 from s2s.errors import S2SError
@@ -40,15 +41,42 @@ def _linear(spec, layer: torch.nn.Linear) -> None:
         spec.bias = _numpy(layer.bias)
 
 
-def _norm(spec, norm: torch.nn.LayerNorm) -> None:
+def _norm(spec, norm: torch.nn.Module) -> None:
     spec.gamma = _numpy(norm.weight)
-    spec.beta = _numpy(norm.bias)
+    if getattr(norm, "bias", None) is not None:  # RMSNorm has only the gain g
+        spec.beta = _numpy(norm.bias)
 
 
 def _ffn(spec, layer, norm) -> None:
     _norm(spec.layer_norm, norm)
-    _linear(spec.linear_0, layer.ffn.w_1)
+    _linear(spec.linear_0, layer.ffn.w_1)  # act(W_1 x)
+    if layer.ffn.w_3 is not None:  # gated: act(W_1 x) * W_3 x
+        _linear(spec.linear_0_noact, layer.ffn.w_3)
     _linear(spec.linear_1, layer.ffn.w_2)
+
+
+def _attention(spec, cfg, rel_bias=None) -> None:
+    """The settings of one attention spec: no 1/sqrt(d_head) when model.attention_scale is off
+    (T5 folds it into W_Q); with t5_bias, the stack's one relative-bias table (buckets, heads)."""
+    if not cfg.attention_scale:
+        spec.queries_scale = 1.0
+    if rel_bias is not None:
+        spec.relative_attention_bias = _numpy(rel_bias.bias.weight)
+        spec.relative_attention_max_distance = np.dtype("int32").type(cfg.rel_max_distance)
+
+
+def ct2_vocabulary(tok, side: str, rows: int) -> list[str]:
+    """CTranslate2's token i for model id i < rows (the embedding's rows): the piece the id
+    stands for; an id without a piece of its own (rows past an imported vocabulary,
+    T5's sentinels past SentencePiece) is ``<s2s_id_i>``, so every token is unique."""
+    tokens, seen = [], set()
+    for i in range(rows):
+        piece = tok.piece(i, side)
+        if piece in seen or (piece == "<unk>" and i != tok.unk_id) or piece.startswith("<id "):
+            piece = f"<s2s_id_{i}>"
+        seen.add(piece)
+        tokens.append(piece)
+    return tokens
 
 
 def export_ct2(model_dir: str | Path, out: str | Path, quantization: Optional[str] = None) -> Path:
@@ -64,17 +92,16 @@ def export_ct2(model_dir: str | Path, out: str | Path, quantization: Optional[st
     model, cfg = loaded.model, loaded.cfg.model
     unsupported = [name for name, on in (
         (f"model.arch: {cfg.arch}", cfg.arch != "encoder_decoder"),
-        ("model.positions: t5_bias", cfg.positions == "t5_bias"), ("model.copy", cfg.copy),
-        ("model.coverage", cfg.coverage), (f"model.activation: {cfg.activation}", cfg.activation not in ("relu", "gelu")),
-        ("model.gated_ffn", cfg.gated_ffn), ("model.bias: false", not cfg.bias),
-        ("model.attention_scale: false", not cfg.attention_scale), ("model.norm_type: rmsnorm", cfg.norm_type == "rmsnorm"),
-        ("model.embed_norm", cfg.embed_norm), ("model.output_bias", cfg.output_bias),
-        ("model.scale_output", cfg.scale_output), ("model.head_dim", cfg.d_head * cfg.heads != cfg.d_model)) if on]
+        ("model.copy", cfg.copy), ("model.coverage", cfg.coverage)) if on]
     if unsupported:
         raise S2SError(f"{model_dir}: {', '.join(unsupported)} has no CTranslate2 counterpart")
-    activation = {"relu": common_spec.Activation.RELU, "gelu": common_spec.Activation.GELU}[cfg.activation]
+    activation = {"relu": common_spec.Activation.RELU, "gelu": common_spec.Activation.GELU,
+                  "gelu_tanh": common_spec.Activation.GELUTanh, "silu": common_spec.Activation.SWISH}[cfg.activation]
+    t5_bias = cfg.positions == "t5_bias"
     spec = transformer_spec.TransformerSpec.from_config(
-        (cfg.enc_layers, cfg.dec_layers), cfg.heads, pre_norm=cfg.norm == "pre", activation=activation)
+        (cfg.enc_layers, cfg.dec_layers), cfg.heads, pre_norm=cfg.norm == "pre", activation=activation,
+        layernorm_embedding=cfg.embed_norm, relative_attention_bias=t5_bias, ffn_glu=cfg.gated_ffn,
+        rms_norm=cfg.norm_type == "rmsnorm")
 
     def positions(module) -> object:
         if cfg.positions == "learned":
@@ -85,8 +112,12 @@ def export_ct2(model_dir: str | Path, out: str | Path, quantization: Optional[st
     enc.embeddings[0].weight = _numpy(model.src_embed.weight)
     dec.embeddings.weight = _numpy(model.tgt_embed.weight)
     enc.scale_embeddings = dec.scale_embeddings = cfg.scale_embeddings
-    enc.position_encodings.encodings = positions(model.enc_positions)
-    dec.position_encodings.encodings = positions(model.dec_positions)
+    if not t5_bias:
+        enc.position_encodings.encodings = positions(model.enc_positions)
+        dec.position_encodings.encodings = positions(model.dec_positions)
+    if cfg.embed_norm:
+        _norm(enc.layernorm_embedding, model.enc_embed_norm)
+        _norm(dec.layernorm_embedding, model.dec_embed_norm)
     if cfg.norm == "pre":
         _norm(enc.layer_norm, model.enc_final_norm)
         _norm(dec.layer_norm, model.dec_final_norm)
@@ -94,24 +125,40 @@ def export_ct2(model_dir: str | Path, out: str | Path, quantization: Optional[st
         _norm(s.self_attention.layer_norm, layer.norm1)
         _linear(s.self_attention.linear[0], layer.self_attn.qkv_proj)  # fused (3d, d): Q, K, V
         _linear(s.self_attention.linear[1], layer.self_attn.out_proj)
+        _attention(s.self_attention, cfg, model.enc_rel_bias)
         _ffn(s.ffn, layer, layer.norm2)
     for s, layer in zip(dec.layer, model.decoder_layers):
         _norm(s.self_attention.layer_norm, layer.norm1)
         _linear(s.self_attention.linear[0], layer.self_attn.qkv_proj)
         _linear(s.self_attention.linear[1], layer.self_attn.out_proj)
+        _attention(s.self_attention, cfg, model.dec_rel_bias)
         _norm(s.attention.layer_norm, layer.norm2)
         _linear(s.attention.linear[0], layer.cross_attn.q_proj)
         _linear(s.attention.linear[1], layer.cross_attn.kv_proj)  # fused (2d, d): K, V
         _linear(s.attention.linear[2], layer.cross_attn.out_proj)
+        _attention(s.attention, cfg)
         _ffn(s.ffn, layer, layer.norm3)
     out_weight = model.tgt_embed.weight if model.output_proj is None else model.output_proj.weight
     dec.projection.weight = _numpy(out_weight)
+    if model.output_bias is not None:  # z = h W_U + b_U (Marian's and BART's final-logits bias)
+        dec.projection.bias = _numpy(model.output_bias)
+    if cfg.scale_output:  # z = (h / sqrt(d_model)) W_U (T5 v1.0)
+        dec.scale_outputs = cfg.d_model ** -0.5
 
     tok = loaded.tokenizer
-    spec.register_source_vocabulary([tok.src.id_to_piece(i) for i in range(tok.src_vocab_size)])
-    spec.register_target_vocabulary([tok.tgt.id_to_piece(i) for i in range(tok.tgt_vocab_size)])
-    spec.config.add_source_eos = True  # s2s's encoder reads x_1..x_n </s>
-    spec.config.layer_norm_epsilon = model.enc_final_norm.eps if cfg.norm == "pre" else 1e-5
+    src_vocab = ct2_vocabulary(tok, "src", model.src_embed.weight.size(0))
+    tgt_vocab = ct2_vocabulary(tok, "tgt", out_weight.size(0))
+    spec.register_source_vocabulary(src_vocab)
+    spec.register_target_vocabulary(tgt_vocab)
+    c = spec.config
+    c.unk_token, c.eos_token = tgt_vocab[tok.unk_id], tgt_vocab[tok.eos_id]
+    c.decoder_start_token = tgt_vocab[tok.bos_id]  # s2s's start symbol (T5, Marian: <pad>; BART: </s>)
+    c.add_source_eos = True  # s2s's encoder reads [prefix] x_1..x_n </s>
+    if tok.prefix_id >= 0:  # BART's <s> before every source
+        c.add_source_bos, c.bos_token = True, src_vocab[tok.prefix_id]
+    else:
+        c.bos_token = src_vocab[tok.bos_id]
+    c.layer_norm_epsilon = cfg.norm_eps
     spec.validate()
     spec.optimize(quantization=quantization)
     target = Path(out)
