@@ -45,6 +45,17 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+def launched_rank() -> int:
+    """This process's rank as torchrun describes it (RANK; 0 without torchrun), read before
+    any process group exists (s2s.distributed.init_world makes the group).  Rank 0 alone
+    speaks for a run: its stdout and progress logs; other ranks log only their own
+    warnings and errors, prefixed with their rank."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
 SetOption = typer.Option(None, "--set", metavar="KEY=VALUE",
                          help="Override a config key, e.g. --set model.d_model=512 (repeatable).")
 
@@ -53,10 +64,11 @@ SetOption = typer.Option(None, "--set", metavar="KEY=VALUE",
 def main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
          quiet: bool = typer.Option(False, "--quiet", "-q", help="Only warnings and errors on stderr.")):
     _DEBUG["on"] = debug
+    rank = launched_rank()  # under torchrun rank 0 speaks; the others only warn, naming their rank
     handler = _StderrHandler()
-    handler.setFormatter(logging.Formatter("s2s: %(message)s"))
+    handler.setFormatter(logging.Formatter(f"s2s: rank {rank}: %(message)s" if rank else "s2s: %(message)s"))
     logging.basicConfig(level=logging.WARNING, handlers=[handler])  # other libraries: warnings only
-    log.setLevel(logging.WARNING if quiet else logging.INFO)
+    log.setLevel(logging.WARNING if quiet or rank else logging.INFO)
 
 
 def _load(config: Path, overrides: Optional[List[str]]):
@@ -132,7 +144,8 @@ def train(config: Path = typer.Argument(..., help="Experiment YAML."),
 
     cfg = _load(config, set_)
     run_dir = run_train(cfg, output, resume=resume)
-    typer.echo(str(run_dir))
+    if launched_rank() == 0:  # under torchrun, one line from rank 0
+        typer.echo(str(run_dir))
 
 
 @app.command()
@@ -150,7 +163,9 @@ def pretrain(config: Path = typer.Argument(..., help="Experiment YAML (its pretr
     from s2s.pretrain import pretrain as run_pretrain
 
     cfg = _load(config, set_)
-    typer.echo(str(run_pretrain(cfg, output, resume=resume)))
+    run_dir = run_pretrain(cfg, output, resume=resume)
+    if launched_rank() == 0:  # under torchrun, one line from rank 0
+        typer.echo(str(run_dir))
 
 
 @app.command()

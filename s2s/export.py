@@ -3,9 +3,15 @@
 The mapping is one to one: CTranslate2's Transformer has s2s's blocks
 (fused Q/K/V self-attention, Q plus fused K/V cross-attention, the two-layer
 FFN, pre- or post-norm with the final norms of a pre-norm stack), embeddings
-multiplied by sqrt(d_model), and an explicit position table (s2s's
-sinusoidal table or its learned one).  The vocabularies are the
-SentencePiece pieces in id order; the source gets </s> appended, as s2s does.
+multiplied by sqrt(d_model) or not, and an explicit position table (s2s's
+sinusoidal table or its learned one) or T5's relative bias.  The variants the
+imported families bring have their spec settings too: SiLU (swish) and
+GELU-tanh FFNs, the gated FFN (linear_0_noact), RMSNorm, no biases, no
+1/sqrt(d_head) (queries_scale 1), embedding norms (BART), the final-logits
+bias and T5 v1.0's d^-1/2 output rescale.  The vocabularies are the model's
+pieces in id order; the source gets </s> appended (and BART's <s> put
+before it), and the decoder starts from the model's own start symbol, as
+s2s does.
 
     s2s export ct2 -m exp/qs -o exp/qs-ct2 [--quantization int8]
 

@@ -22,8 +22,7 @@ from s2s.config import DecodeConfig, ExperimentConfig, replace
 from s2s.data import pad_sequences, tokenizer_fingerprint, truncate
 from s2s.errors import S2SError
 from s2s.model import Seq2SeqTransformer
-from s2s.search import (EnsembleDecoder, Hypothesis, ModelDecoder, SearchSettings, ensemble_log_weights,
-                        search)
+from s2s.search import EnsembleDecoder, Hypothesis, ModelDecoder, SearchSettings, ensemble_log_weights, search
 from s2s.tokenizer import BOS_ID, Tokenizer
 
 log = logging.getLogger("s2s")

@@ -29,6 +29,7 @@ def _train(prepared, out, update_freq, nproc):
     proc = subprocess.run([*launcher, "-m", "s2s", "train", str(prepared), "-o", str(out), *sets],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    _train.proc = proc
     return out
 
 
@@ -46,6 +47,10 @@ def test_shard_takes_every_world_size_th_batch():
 def test_two_processes_match_one_process_on_the_combined_batches(prepared, tmp_path):
     one = _train(prepared, tmp_path / "one", update_freq=2, nproc=1)
     two = _train(prepared, tmp_path / "two", update_freq=1, nproc=2)
+    # rank 0 alone speaks: the run directory once on stdout, one "done" line, no rank's empty state
+    assert _train.proc.stdout == f"{two}\n"
+    assert _train.proc.stderr.count("s2s: done:") == 1, _train.proc.stderr[-3000:]
+    assert "None at step 0" not in _train.proc.stderr
     a = load_file(str(list_checkpoints(one)[-1] / "model.safetensors"))
     b = load_file(str(list_checkpoints(two)[-1] / "model.safetensors"))
     assert a.keys() == b.keys()
