@@ -224,12 +224,14 @@ def translate(
     length_penalty: Optional[str] = typer.Option(None, help="gnmt: ((5+m)/6)^alpha, power: m^alpha, none."),
     stop: Optional[str] = typer.Option(None, help="Beam: exact (no better hypothesis is cut off) or early "
                                                   "(stop when none would win by ending next step)."),
-    nbest: Optional[int] = typer.Option(None, help="Print the K best (with --sampling: K samples) as `LINE ||| TEXT ||| SCORE`."),
+    nbest: Optional[int] = typer.Option(None, help="Print the K best (with --sampling: K samples) "
+                                                   "as `LINE ||| TEXT ||| SCORE`."),
     max_len_a: Optional[float] = typer.Option(None, help="Max output length a*|x|+b: a."),
     max_len_b: Optional[int] = typer.Option(None, help="Max output length a*|x|+b: b."),
     min_len: Optional[int] = typer.Option(None, help="Minimum output tokens before </s>."),
     no_repeat_ngram: Optional[int] = typer.Option(None, help="No n-gram of this size twice in an output."),
-    coverage_penalty: Optional[float] = typer.Option(None, help="beta of the coverage penalty (beam search; at --beam 1 a 1-beam search)."),
+    coverage_penalty: Optional[float] = typer.Option(None, help="beta of the coverage penalty (beam search; "
+                                                                "at --beam 1 a 1-beam search)."),
     prefix_file: Optional[Path] = typer.Option(None, help="Force each output to start with the same line of this file."),
     sampling: bool = typer.Option(False, "--sampling", help="Sample each token instead of searching (beam 1)."),
     temperature: Optional[float] = typer.Option(None, help="Sampling: q ∝ p^(1/T)."),

@@ -92,7 +92,8 @@ def rouge_scores(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> list[Sco
             for n, value in enumerate(best):
                 sums[k][n] += value
     n = max(len(hyps), 1)
-    sig = f"rouge-score:{version('rouge-score')}|stemmer:porter-ascii|tokenizer:{AllScriptsTokenizer.NAME}|f1:mean|nrefs:{len(refs)}"
+    sig = (f"rouge-score:{version('rouge-score')}|stemmer:porter-ascii|tokenizer:{AllScriptsTokenizer.NAME}"
+           f"|f1:mean|nrefs:{len(refs)}")
     return [Score(name=k, score=round(100 * f / n, 2), signature=sig,
                   details=f"P {100 * p / n:.2f} R {100 * r / n:.2f} F1 {100 * f / n:.2f}")
             for k, (p, r, f) in sums.items()]
