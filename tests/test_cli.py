@@ -341,6 +341,8 @@ def test_sampling_nbest_prints_n_samples_per_line(model_dir, corpus):
     for i in range(4):
         scores = [float(row[2]) for row in rows if row[0] == str(i)]
         assert scores == sorted(scores, reverse=True)
+    r = s2s("translate", "-m", model_dir, "--sampling", "--coverage-penalty", "0.2", input="x\n")
+    assert r.returncode == 1 and "decode.coverage_penalty: rescores searched hypotheses" in r.stderr
 
 
 def test_ensemble_of_a_run_and_its_checkpoint_with_weights(model_dir, corpus):
