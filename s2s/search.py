@@ -118,7 +118,8 @@ class ModelDecoder:
 
 
 class EnsembleDecoder:
-    """Several models decoding together, their probabilities linearly interpolated:
+    """Several models decoding together, their probabilities linearly interpolated
+    (docs/model.md (36)):
 
         log p(v) = log sum_i w_i p_i(v),   w_i = weight_i / sum_j weight_j
 
