@@ -110,10 +110,12 @@ def tokenizer_train(
 
 @app.command()
 def prepare(config: Path = typer.Argument(..., help="Experiment YAML."),
+            workers: int = typer.Option(0, "--workers", "-j", min=0,
+                                        help="Encoding processes (0: one per core); same output for any."),
             set_: Optional[List[str]] = SetOption):
     """Clean, encode and binarize the corpora; prints pairs read, kept and dropped per reason.
 
-    Example: `s2s prepare recipes/quickstart.yaml`
+    Example: `s2s prepare recipes/quickstart.yaml -j 4`
     """
     from rich.console import Console
     from rich.table import Table
@@ -121,7 +123,7 @@ def prepare(config: Path = typer.Argument(..., help="Experiment YAML."),
     from s2s.data import DROP_REASONS, prepare as run_prepare
 
     cfg = _load(config, set_)
-    stats = run_prepare(cfg)
+    stats = run_prepare(cfg, workers)
     table = Table(title=f"prepared into {cfg.data.dir}", caption="pairs; the last four columns: dropped")
     for col in ("split", "read", "kept", *DROP_REASONS):
         table.add_column(col, justify="right")

@@ -9,15 +9,18 @@ training never re-tokenizes.  ``side`` is ``src`` or ``tgt``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import hashlib
 import itertools
 import json
+import multiprocessing
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import IO, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -56,10 +59,75 @@ class CleanStats:
     kept: int = 0
     dropped: Counter = field(default_factory=Counter)
 
+    def add(self, codes: np.ndarray) -> None:
+        """Count one chunk's drop codes (0: kept, k: DROP_REASONS[k - 1])."""
+        counts = np.bincount(codes, minlength=len(DROP_REASONS) + 1)
+        self.read += len(codes)
+        self.kept += int(counts[0])
+        for reason, n in zip(DROP_REASONS, counts[1:].tolist()):
+            if n:
+                self.dropped[reason] += n
+
+
+KEEP, EMPTY, TOO_LONG, LENGTH_RATIO, DUPLICATE = range(len(DROP_REASONS) + 1)
+
 
 def truncate(ids: list[int], n: int) -> list[int]:
     """The first n-1 tokens and the final </s>: an over-long input cut to n tokens."""
     return ids if len(ids) <= n else ids[:n - 1] + ids[-1:]
+
+
+def drop_codes(empty: np.ndarray, src_lens: np.ndarray, tgt_lens: np.ndarray,
+               max_len: Optional[int], max_ratio: Optional[float]) -> np.ndarray:
+    """The first rule that drops each pair (0: none), in this order:
+
+    EMPTY         a side is empty
+    TOO_LONG      max(|x|, |y|) > max_len
+    LENGTH_RATIO  max(|x|, |y|) / min(|x|, |y|) > max_ratio
+    (DUPLICATE, the last rule, needs the pairs seen before: see DigestSet.)
+    """
+    longest = np.maximum(src_lens, tgt_lens)
+    codes = np.zeros(len(empty), dtype=np.int8)
+    if max_ratio is not None:  # empty sides are EMPTY below, whatever they divide into
+        codes[longest / np.maximum(np.minimum(src_lens, tgt_lens), 1) > max_ratio] = LENGTH_RATIO
+    if max_len is not None:
+        codes[longest > max_len] = TOO_LONG
+    codes[empty] = EMPTY
+    return codes
+
+
+def pair_digest(s: str, t: str) -> bytes:
+    """8 bytes of blake2b(s TAB t): equal pairs, equal digests (distinct ones collide with
+    probability about N^2 / 2^65 over N pairs: one in 10^5 at ten million pairs)."""
+    return hashlib.blake2b(f"{s}\t{t}".encode(), digest_size=8).digest()
+
+
+class DigestSet:
+    """The set of 64-bit pair digests seen so far: 8 bytes per distinct pair, kept as
+    sorted runs whose sizes shrink geometrically (a log-structured merge), so adding a
+    chunk costs O(chunk log N) and memory never holds a Python object per pair."""
+
+    def __init__(self) -> None:
+        self.runs: list[np.ndarray] = []
+
+    def __len__(self) -> int:
+        return sum(len(r) for r in self.runs)
+
+    def add_new(self, keys: np.ndarray) -> np.ndarray:
+        """Add ``keys`` (uint64); True where a key is in neither the set nor earlier in ``keys``."""
+        uniq, first = np.unique(keys, return_index=True)  # first occurrence of each key
+        new = np.ones(len(uniq), dtype=bool)
+        for run in self.runs:
+            at = np.minimum(np.searchsorted(run, uniq), len(run) - 1)
+            new &= run[at] != uniq
+        fresh = np.zeros(len(keys), dtype=bool)
+        fresh[first[new]] = True
+        if new.any():
+            self.runs.append(uniq[new])
+            while len(self.runs) > 1 and len(self.runs[-2]) <= 2 * len(self.runs[-1]):
+                b, a = self.runs.pop(), self.runs.pop()
+                self.runs.append(np.sort(np.concatenate([a, b])))
+        return fresh
 
 
 def clean_pairs(pairs: Sequence[tuple[str, str]], src_ids: Sequence[list[int]],
@@ -71,48 +139,182 @@ def clean_pairs(pairs: Sequence[tuple[str, str]], src_ids: Sequence[list[int]],
     token-length ratio max(|x|,|y|)/min(|x|,|y|) over ``max_ratio``;
     an exact duplicate of an earlier pair.
     """
-    stats = CleanStats(read=len(pairs))
-    seen: set[bytes] = set()
-    keep = []
-    for i, ((s, t), xs, ys) in enumerate(zip(pairs, src_ids, tgt_ids)):
-        if not s or not t:
-            reason = "empty"
-        elif max_len is not None and max(len(xs), len(ys)) > max_len:
-            reason = "too_long"
-        elif max_ratio is not None and max(len(xs), len(ys)) / min(len(xs), len(ys)) > max_ratio:
-            reason = "length_ratio"
-        else:
-            reason = None
-            if dedupe:
-                key = hashlib.blake2b(f"{s}\t{t}".encode(), digest_size=16).digest()
-                if key in seen:
-                    reason = "duplicate"
-                seen.add(key)
-        if reason:
-            stats.dropped[reason] += 1
-        else:
-            keep.append(i)
-    stats.kept = len(keep)
-    return keep, stats
+    codes = drop_codes(np.array([not s or not t for s, t in pairs], dtype=bool),
+                       np.array([len(x) for x in src_ids], dtype=np.int64),
+                       np.array([len(y) for y in tgt_ids], dtype=np.int64), max_len, max_ratio)
+    if dedupe:
+        candidates = np.flatnonzero(codes == KEEP)
+        digests = np.frombuffer(b"".join(pair_digest(*pairs[i]) for i in candidates), dtype="<u8")
+        codes[candidates[~DigestSet().add_new(digests)]] = DUPLICATE
+    stats = CleanStats()
+    stats.add(codes)
+    return np.flatnonzero(codes == KEEP).tolist(), stats
+
+
+# --------------------------------------------------------------------------- #
+# Streaming: chunks of pairs encoded in worker processes, written in order
+# --------------------------------------------------------------------------- #
+
+CHUNK_PAIRS = 4096  # pairs per chunk handed to a worker
+
+
+@dataclass(frozen=True)
+class CleanRules:
+    """What ``prepare`` drops from one split (see ``drop_codes``)."""
+
+    max_len: Optional[int]
+    max_ratio: Optional[float]
+    dedupe: bool
+    max_src_tokens: int = 0  # cut sources to this many tokens first (0: never)
+
+
+@dataclass
+class EncodedChunk:
+    """One chunk of pairs, encoded: flat ids and lengths per side, drop codes (without
+    DUPLICATE) and, when deduplicating, each pair's digest."""
+
+    src_ids: np.ndarray  # (sum |x|,) int32
+    src_lens: np.ndarray  # (n,) int64
+    tgt_ids: np.ndarray  # (sum |y|,) int32
+    tgt_lens: np.ndarray  # (n,) int64
+    codes: np.ndarray  # (n,) int8
+    digests: Optional[np.ndarray]  # (n,) uint64
+
+
+def _flatten(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+    flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int32, count=int(lens.sum()))
+    return flat, lens
+
+
+def encode_chunk(tok: Tokenizer, srcs: list[str], tgts: list[str], rules: CleanRules) -> EncodedChunk:
+    src_ids = tok.encode_src(srcs)
+    if rules.max_src_tokens:
+        src_ids = [truncate(x, rules.max_src_tokens) for x in src_ids]
+    src_flat, src_lens = _flatten(src_ids)
+    tgt_flat, tgt_lens = _flatten(tok.encode_tgt(tgts))
+    empty = np.fromiter((not s or not t for s, t in zip(srcs, tgts)), dtype=bool, count=len(srcs))
+    digests = None
+    if rules.dedupe:
+        digests = np.frombuffer(b"".join(map(pair_digest, srcs, tgts)), dtype="<u8")
+    return EncodedChunk(src_flat, src_lens, tgt_flat, tgt_lens,
+                        drop_codes(empty, src_lens, tgt_lens, rules.max_len, rules.max_ratio), digests)
+
+
+_worker_tok: Optional[Tokenizer] = None  # each worker process loads the tokenizer once
+
+
+def _init_worker(directory: Path, cfg: ExperimentConfig) -> None:
+    global _worker_tok
+    _worker_tok = Tokenizer.load(directory, cfg.tokenizer, cfg.data)
+
+
+def _encode_in_worker(job: tuple[list[str], list[str], CleanRules]) -> EncodedChunk:
+    return encode_chunk(_worker_tok, *job)
+
+
+def default_workers() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def encoded_chunks(pairs: Iterator[tuple[str, str]], rules: CleanRules, tok: Tokenizer,
+                   pool=None, workers: int = 1
+                   ) -> Iterator[tuple[list[str], list[str], EncodedChunk]]:
+    """(sources, targets, encoded) per chunk of CHUNK_PAIRS pairs, in corpus order.
+
+    With a pool, at most 2 * workers chunks are in flight, so memory does not
+    grow with the corpus (Pool.imap would read the whole input ahead).
+    """
+    chunks = ((list(s), list(t)) for s, t in
+              (zip(*c) for c in iter(lambda: list(itertools.islice(pairs, CHUNK_PAIRS)), [])))
+    if pool is None:
+        for srcs, tgts in chunks:
+            yield srcs, tgts, encode_chunk(tok, srcs, tgts, rules)
+        return
+    pending: collections.deque = collections.deque()
+    for srcs, tgts in chunks:
+        pending.append((srcs, tgts, pool.apply_async(_encode_in_worker, ((srcs, tgts, rules),))))
+        if len(pending) >= 2 * workers:
+            srcs, tgts, result = pending.popleft()
+            yield srcs, tgts, result.get()
+    while pending:
+        srcs, tgts, result = pending.popleft()
+        yield srcs, tgts, result.get()
 
 
 # --------------------------------------------------------------------------- #
 # Binarized splits
 # --------------------------------------------------------------------------- #
 
-def _save_npy(path: Path, array: np.ndarray) -> None:
-    with atomic_write(path, "wb") as f:
-        np.save(f, array)
+def ids_dtype(vocab: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab <= np.iinfo(np.uint16).max else np.int32)
 
 
-def write_ids(directory: Path, split: str, side: str, seqs: Sequence[list[int]], vocab: int) -> None:
-    dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max else np.int32
-    lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
-    offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=dtype, count=int(offsets[-1]))
-    _save_npy(directory / f"{split}.{side}.ids.npy", flat)
-    _save_npy(directory / f"{split}.{side}.idx.npy", offsets)
+class NpyAppender:
+    """A 1-D ``.npy`` file written piece by piece, byte for byte what ``np.save`` writes.
+
+    The header is written for length 0, the data appended, then the header
+    rewritten with the final length: numpy pads every header so that the
+    length of the first axis can grow in place without moving the data.
+    """
+
+    def __init__(self, f: IO[bytes], dtype: np.dtype):
+        self.f, self.dtype, self.n = f, np.dtype(dtype), 0
+        self.header_size = self._write_header()
+
+    def _write_header(self) -> int:
+        start = self.f.tell()
+        np.lib.format.write_array_header_1_0(self.f, {
+            "descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False, "shape": (self.n,)})
+        return self.f.tell() - start
+
+    def append(self, values: np.ndarray) -> None:
+        self.f.write(np.ascontiguousarray(values, dtype=self.dtype).tobytes())
+        self.n += len(values)
+
+    def finish(self) -> None:
+        end = self.f.tell()
+        self.f.seek(0)
+        if self._write_header() != self.header_size:  # cannot happen with numpy's padded headers
+            raise RuntimeError(f"{self.f.name}: .npy header changed size")
+        self.f.seek(end)
+
+
+class SplitWriter:
+    """The six files of one binarized split, appended to chunk by chunk:
+    ``{split}.{side}.ids.npy`` (flat ids), ``{split}.{side}.idx.npy`` (N+1 offsets)
+    and ``{split}.{side}.txt`` for side in src, tgt.  Each is written under a
+    temporary name and renamed only when the split is complete."""
+
+    def __init__(self, stack: contextlib.ExitStack, directory: Path, split: str,
+                 src_vocab: int, tgt_vocab: int):
+        self.ids, self.idx, self.txt, self.end = {}, {}, {}, {}
+        for side, vocab in (("src", src_vocab), ("tgt", tgt_vocab)):
+            name = f"{split}.{side}"
+            self.ids[side] = NpyAppender(stack.enter_context(atomic_write(directory / f"{name}.ids.npy", "wb")),
+                                         ids_dtype(vocab))
+            self.idx[side] = NpyAppender(stack.enter_context(atomic_write(directory / f"{name}.idx.npy", "wb")),
+                                         np.int64)
+            self.idx[side].append(np.zeros(1, dtype=np.int64))
+            self.txt[side] = stack.enter_context(atomic_write(directory / f"{name}.txt"))
+            self.end[side] = 0
+
+    def append(self, side: str, lines: list[str], flat: np.ndarray, lens: np.ndarray,
+               keep: np.ndarray) -> None:
+        """Append the kept pairs' side: their lines, ids and offsets."""
+        self.ids[side].append(flat[np.repeat(keep, lens)])
+        offsets = self.end[side] + np.cumsum(lens[keep])
+        self.idx[side].append(offsets)
+        if len(offsets):
+            self.end[side] = int(offsets[-1])
+        self.txt[side].writelines(line + "\n" for line, k in zip(lines, keep.tolist()) if k)
+
+    def finish(self) -> None:
+        for side in ("src", "tgt"):
+            self.ids[side].finish()
+            self.idx[side].finish()
+
 
 
 def tokenizer_fingerprint(cfg: ExperimentConfig, directory: Path) -> str:
@@ -133,8 +335,15 @@ def data_signature(cfg: ExperimentConfig) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def prepare(cfg: ExperimentConfig) -> dict[str, CleanStats]:
-    """Clean, encode and binarize every configured split into ``data.dir``."""
+def prepare(cfg: ExperimentConfig, workers: int = 0) -> dict[str, CleanStats]:
+    """Clean, encode and binarize every configured split into ``data.dir``.
+
+    The corpus streams through in chunks: ``workers`` processes (0: one per
+    core; 1: this process alone) encode them, and the chunks are cleaned and
+    written in corpus order, so the output does not depend on ``workers`` and
+    memory does not grow with the corpus beyond the duplicate digests (8 bytes
+    per distinct training pair).
+    """
     out = Path(cfg.data.dir)
     if not cfg.data.train:
         raise S2SError("data.train: no training corpus configured")
@@ -143,35 +352,49 @@ def prepare(cfg: ExperimentConfig) -> dict[str, CleanStats]:
     cfg = resolve_tokenizer_config(cfg)
     tok = Tokenizer.load(out, cfg.tokenizer, cfg.data)
     (out / "meta.json").unlink(missing_ok=True)  # written last: its presence means complete
+    workers = workers or default_workers()
     all_stats: dict[str, CleanStats] = {}
-    sizes = {}
-    for split, (src_path, tgt_path) in corpora.items():
-        pairs = [(s.strip(), t.strip()) for s, t in read_parallel(src_path, tgt_path)]
-        src_ids = tok.encode_src([s for s, _ in pairs])
-        if cfg.data.max_src_tokens:
-            src_ids = [truncate(x, cfg.data.max_src_tokens) for x in src_ids]
-        tgt_ids = tok.encode_tgt([t for _, t in pairs])
-        if split == "train":
-            keep, stats = clean_pairs(pairs, src_ids, tgt_ids, cfg.data.max_tokens_per_sentence,
-                                      cfg.data.max_length_ratio or None, cfg.data.dedupe)
-        else:  # evaluation splits keep every non-empty pair the model can take
-            limit = cfg.model.max_positions if cfg.model.positions == "learned" else None
-            keep, stats = clean_pairs(pairs, src_ids, tgt_ids, limit, None, False)
-        if not keep:
-            raise S2SError(f"{src_path}: no pairs left after cleaning ({split} split)")
-        write_ids(out, split, "src", [src_ids[i] for i in keep], tok.src_vocab_size)
-        write_ids(out, split, "tgt", [tgt_ids[i] for i in keep], tok.tgt_vocab_size)
-        with atomic_write(out / f"{split}.src.txt") as f:
-            f.writelines(pairs[i][0] + "\n" for i in keep)
-        with atomic_write(out / f"{split}.tgt.txt") as f:
-            f.writelines(pairs[i][1] + "\n" for i in keep)
-        all_stats[split] = stats
-        sizes[split] = stats.kept
-    meta = {"splits": sizes, "src_vocab": tok.src_vocab_size, "tgt_vocab": tok.tgt_vocab_size,
+    with contextlib.ExitStack() as pool_scope:
+        pool = None
+        if workers > 1:
+            pool = pool_scope.enter_context(multiprocessing.Pool(workers, _init_worker, (out, cfg)))
+        for split, (src_path, tgt_path) in corpora.items():
+            if split == "train":
+                rules = CleanRules(cfg.data.max_tokens_per_sentence, cfg.data.max_length_ratio or None,
+                                   cfg.data.dedupe, cfg.data.max_src_tokens)
+            else:  # evaluation splits keep every non-empty pair the model can take
+                limit = cfg.model.max_positions if cfg.model.positions == "learned" else None
+                rules = CleanRules(limit, None, False, cfg.data.max_src_tokens)
+            pairs = ((s.strip(), t.strip()) for s, t in read_parallel(src_path, tgt_path))
+            all_stats[split] = prepare_split(pairs, rules, tok, out, split, pool, workers, src_path)
+    meta = {"splits": {split: st.kept for split, st in all_stats.items()},
+            "src_vocab": tok.src_vocab_size, "tgt_vocab": tok.tgt_vocab_size,
             "tokenizer": tokenizer_fingerprint(cfg, out), "data": data_signature(cfg)}
     with atomic_write(out / "meta.json") as f:
         json.dump(meta, f, indent=2)
     return all_stats
+
+
+def prepare_split(pairs: Iterator[tuple[str, str]], rules: CleanRules, tok: Tokenizer, out: Path,
+                  split: str, pool, workers: int, src_path: Path) -> CleanStats:
+    """Clean, encode and write one split, chunk by chunk; its files appear only when complete."""
+    stats = CleanStats()
+    seen = DigestSet()
+    with contextlib.ExitStack() as stack:
+        writer = SplitWriter(stack, out, split, tok.src_vocab_size, tok.tgt_vocab_size)
+        for srcs, tgts, enc in encoded_chunks(pairs, rules, tok, pool, workers):
+            codes = enc.codes
+            if rules.dedupe:
+                candidates = np.flatnonzero(codes == KEEP)
+                codes[candidates[~seen.add_new(enc.digests[candidates])]] = DUPLICATE
+            stats.add(codes)
+            keep = codes == KEEP
+            writer.append("src", srcs, enc.src_ids, enc.src_lens, keep)
+            writer.append("tgt", tgts, enc.tgt_ids, enc.tgt_lens, keep)
+        if not stats.kept:
+            raise S2SError(f"{src_path}: no pairs left after cleaning ({split} split)")
+        writer.finish()
+    return stats
 
 
 class BinDataset:

@@ -1,9 +1,16 @@
 """Cleaning, binarizing, token batching and the teacher-forcing shift."""
 
+import shutil
+from collections import Counter
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from s2s.data import Batch, clean_pairs, read_parallel, token_batches
+from s2s.config import load_config
+from s2s.data import (DROP_REASONS, Batch, DigestSet, NpyAppender, clean_pairs, prepare, read_parallel,
+                      token_batches)
+from s2s.tokenizer import Tokenizer
 from s2s.errors import S2SError
 from s2s.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
@@ -63,3 +70,101 @@ def test_token_batches_deterministic_per_seed():
     one = token_batches(src, tgt, 300, np.random.default_rng([1, 0]))
     two = token_batches(src, tgt, 300, np.random.default_rng([1, 0]))
     assert all((x == y).all() for x, y in zip(one, two))
+
+
+# --------------------------------------------------------------------------- #
+# Streaming prepare: the same files as a straightforward in-memory version
+# --------------------------------------------------------------------------- #
+
+def test_digest_set_marks_first_occurrences_like_a_python_set():
+    rng = np.random.default_rng(0)
+    seen, reference = DigestSet(), set()
+    for _ in range(40):  # many chunks: runs get merged along the way
+        keys = rng.integers(0, 300, size=int(rng.integers(0, 30))).astype(np.uint64)
+        expected = []
+        for k in keys.tolist():
+            expected.append(k not in reference)
+            reference.add(k)
+        assert seen.add_new(keys).tolist() == expected
+    assert len(seen) == len(reference)
+    assert len(seen.runs) <= 1 + int(np.log2(len(reference)))
+
+
+@pytest.mark.parametrize("values", [np.zeros(0, np.uint16), np.arange(70000, dtype=np.int64) ** 2,
+                                    np.array([5, 1, 65535], np.uint16)], ids=["empty", "int64", "uint16"])
+def test_npy_appender_writes_what_np_save_writes(tmp_path, values):
+    with open(tmp_path / "a.npy", "wb") as f:
+        w = NpyAppender(f, values.dtype)
+        for piece in np.array_split(values, 3):
+            w.append(piece)
+        w.finish()
+    np.save(tmp_path / "b.npy", values)
+    assert (tmp_path / "a.npy").read_bytes() == (tmp_path / "b.npy").read_bytes()
+
+
+def reference_prepare(cfg, out: Path) -> dict:
+    """Today's algorithm written the plain way: whole corpus in lists, a set of pairs."""
+    tok = Tokenizer.load(cfg.data.dir, cfg.tokenizer, cfg.data)
+    stats = {}
+    for split in ("train", "dev"):
+        prefix = getattr(cfg.data, split)
+        src = [s.strip() for s in Path(f"{prefix}.en").read_text(encoding="utf-8").splitlines()]
+        tgt = [t.strip() for t in Path(f"{prefix}.de").read_text(encoding="utf-8").splitlines()]
+        xs, ys = tok.encode_src(src), tok.encode_tgt(tgt)
+        keep, dropped, seen = [], Counter(), set()
+        for i, (s, t, x, y) in enumerate(zip(src, tgt, xs, ys)):
+            longest = max(len(x), len(y))
+            if not s or not t:
+                dropped["empty"] += 1
+            elif split == "train" and longest > cfg.data.max_tokens_per_sentence:
+                dropped["too_long"] += 1
+            elif split == "train" and longest / min(len(x), len(y)) > cfg.data.max_length_ratio:
+                dropped["length_ratio"] += 1
+            elif split == "train" and (s, t) in seen:
+                dropped["duplicate"] += 1
+            else:
+                seen.add((s, t))
+                keep.append(i)
+        for side, lines, ids in (("src", src, xs), ("tgt", tgt, ys)):
+            kept = [ids[i] for i in keep]
+            np.save(out / f"{split}.{side}.ids.npy", np.array([v for s in kept for v in s], np.uint16))
+            np.save(out / f"{split}.{side}.idx.npy", np.cumsum([0] + [len(s) for s in kept]))
+            (out / f"{split}.{side}.txt").write_text("".join(lines[i] + "\n" for i in keep), encoding="utf-8")
+        stats[split] = (len(src), len(keep), dict(dropped))
+    return stats
+
+
+def test_prepare_streams_the_same_files_for_any_worker_count(prepared, tmp_path, monkeypatch):
+    """Chunks of 7 pairs (duplicates across chunks), 1 and 2 workers, and the reference:
+    the same bytes in every file and the same counts."""
+    import s2s.data
+
+    corpus = Path(prepared).parent
+    lines = {lang: (corpus / f"train.{lang}").read_text(encoding="utf-8").splitlines()[:120]
+             for lang in ("en", "de")}
+    extra = {"en": ["", "  padded  ", "x", "word " * 200, *lines["en"][:30]],
+             "de": ["leer", "padded", "ein sehr langer satz mit vielen woertern", "y", *lines["de"][:30]]}
+    for lang in ("en", "de"):
+        (tmp_path / f"train.{lang}").write_text("\n".join(lines[lang] + extra[lang]) + "\n", encoding="utf-8")
+        shutil.copy(corpus / f"dev.{lang}", tmp_path / f"dev.{lang}")
+    monkeypatch.setattr(s2s.data, "CHUNK_PAIRS", 7)
+    outs = {}
+    for name in ("reference", "j1", "j2"):
+        out = tmp_path / name
+        shutil.copytree(corpus / "prep", out, ignore=shutil.ignore_patterns("*.npy", "*.txt", "meta.json"))
+        cfg = load_config(prepared, [f"data.train={tmp_path}/train", f"data.dev={tmp_path}/dev",
+                                     f"data.dir={out}", "data.max_tokens_per_sentence=40"])
+        if name == "reference":
+            counts = reference_prepare(cfg, out)
+        else:
+            stats = prepare(cfg, workers=int(name[1:]))
+            assert {s: (st.read, st.kept, dict(st.dropped)) for s, st in stats.items()} == counts
+            assert (out / "meta.json").is_file()
+        outs[name] = out
+    assert counts["train"][0] == 154 and set(counts["train"][2]) == set(DROP_REASONS)
+    files = sorted(p.name for p in outs["reference"].glob("*.*") if p.suffix in (".npy", ".txt"))
+    assert len(files) == 12
+    for name in ("j1", "j2"):
+        for f in files:
+            assert (outs[name] / f).read_bytes() == (outs["reference"] / f).read_bytes(), (name, f)
+        assert not [p for p in outs[name].iterdir() if ".tmp-" in p.name]
