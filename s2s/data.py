@@ -398,7 +398,8 @@ def prepare_split(pairs: Iterator[tuple[str, str]], rules: CleanRules, tok: Toke
 
 
 class BinDataset:
-    """One binarized split, memory-mapped."""
+    """One binarized split, memory-mapped: ids and offsets stay on disk (the page cache
+    holds what is read), and only the per-pair lengths, two int64 arrays, are in memory."""
 
     epoch = 0  # the epoch being read (the trainer sets it; denoising datasets seed their noise with it)
 
@@ -407,9 +408,9 @@ class BinDataset:
         self.pad_id, self.bos_id = pad_id, bos_id
         try:
             self.src = np.load(d / f"{split}.src.ids.npy", mmap_mode="r")
-            self.src_off = np.load(d / f"{split}.src.idx.npy")
+            self.src_off = np.load(d / f"{split}.src.idx.npy", mmap_mode="r")
             self.tgt = np.load(d / f"{split}.tgt.ids.npy", mmap_mode="r")
-            self.tgt_off = np.load(d / f"{split}.tgt.idx.npy")
+            self.tgt_off = np.load(d / f"{split}.tgt.idx.npy", mmap_mode="r")
         except FileNotFoundError as e:
             raise S2SError(f"{e.filename}: prepared data not found (run `s2s prepare CONFIG`)") from None
         except ValueError as e:
@@ -508,16 +509,36 @@ def token_batches(src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int,
     n = len(src_lens)
     order = rng.permutation(n) if rng is not None else np.arange(n)
     order = order[np.lexsort((tgt_lens[order], src_lens[order]))]
-    batches, start, longest = [], 0, 0
-    for pos, i in enumerate(order):
-        width = max(int(src_lens[i]), int(tgt_lens[i]))
-        new_longest = max(longest, width)
-        if pos > start and new_longest * (pos - start + 1) > max_tokens:
-            batches.append(order[start:pos])
-            start, new_longest = pos, width
-        longest = new_longest
-    if start < n:
-        batches.append(order[start:])
+    width = np.maximum(src_lens[order], tgt_lens[order]).astype(np.int64)
+    cuts = greedy_cuts(width, max_tokens)
+    batches = [order[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
     if rng is not None:
         batches = [batches[i] for i in rng.permutation(len(batches))]
     return batches
+
+
+def greedy_cuts(width: np.ndarray, max_tokens: int) -> list[int]:
+    """Boundaries 0 = c_0 < c_1 < ... = n of the greedy cut: batch [c_k, c_{k+1}) grows
+    while (pos - c_k + 1) * max(width[c_k..pos]) <= max_tokens (at least one pair each).
+
+    Vectorized per batch: a running maximum over a window (twice the last
+    batch) that doubles until it holds the cut, so the work is a few numpy
+    calls per batch, not a Python iteration per pair.
+    """
+    n, cuts, start = len(width), [0], 0
+    while start < n:
+        span = max(64, 2 * (cuts[-1] - cuts[-2]) if len(cuts) > 1 else 0)  # twice the last batch
+        while True:
+            stop = min(n, start + span)
+            padded = np.maximum.accumulate(width[start:stop]) * np.arange(1, stop - start + 1)
+            over = padded > max_tokens
+            over[0] = False  # a pair longer than max_tokens is a batch of its own
+            if over.any():
+                start += int(over.argmax())
+                break
+            if stop == n:
+                start = n
+                break
+            span *= 2
+        cuts.append(start)
+    return cuts

@@ -168,3 +168,21 @@ def test_prepare_streams_the_same_files_for_any_worker_count(prepared, tmp_path,
         for f in files:
             assert (outs[name] / f).read_bytes() == (outs["reference"] / f).read_bytes(), (name, f)
         assert not [p for p in outs[name].iterdir() if ".tmp-" in p.name]
+
+
+def test_token_batches_cut_as_the_plain_greedy_loop():
+    """The vectorized cut gives exactly the batches of the one-pair-at-a-time greedy loop."""
+    rng = np.random.default_rng(3)
+    src = rng.integers(1, 300, size=3000)
+    tgt = rng.integers(1, 300, size=3000)
+    for max_tokens in (1, 100, 2000, 50_000):
+        order = np.arange(3000)[np.lexsort((tgt, src))]
+        expected, start, longest = [], 0, 0
+        for pos, i in enumerate(order):
+            width = max(int(src[i]), int(tgt[i]))
+            if pos > start and max(longest, width) * (pos - start + 1) > max_tokens:
+                expected.append(order[start:pos].tolist())
+                start, longest = pos, 0
+            longest = max(longest, width)
+        expected.append(order[start:].tolist())
+        assert [b.tolist() for b in token_batches(src, tgt, max_tokens)] == expected
