@@ -186,3 +186,22 @@ def test_token_batches_cut_as_the_plain_greedy_loop():
             longest = max(longest, width)
         expected.append(order[start:].tolist())
         assert [b.tolist() for b in token_batches(src, tgt, max_tokens)] == expected
+
+
+def test_prepare_on_a_full_disk_names_the_file_and_leaves_nothing(prepared, tmp_path, monkeypatch):
+    import errno
+    import os
+
+    import s2s.textio
+
+    corpus = Path(prepared).parent
+    out = tmp_path / "prep"
+    shutil.copytree(corpus / "prep", out, ignore=shutil.ignore_patterns("*.npy", "*.txt", "meta.json"))
+    cfg = load_config(prepared, [f"data.dir={out}"])
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(s2s.textio.os, "fsync", full)
+    with pytest.raises(S2SError, match=rf"^{out}/train\.\w+\.\w+(\.npy)?: write failed \(No space left on device\)$"):
+        prepare(cfg, workers=1)
+    assert sorted(p.name for p in out.iterdir()) == ["spm.model", "tokenizer.json"]
