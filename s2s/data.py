@@ -4,7 +4,9 @@
 split, cleans the training pairs, encodes them with the tokenizer and writes
 per split and side a flat id array ``{split}.{side}.ids.npy`` with offsets
 ``{split}.{side}.idx.npy`` (N+1 entries), loaded back as memory maps, so
-training never re-tokenizes.  ``side`` is ``src`` or ``tgt``.
+training never re-tokenizes.  ``side`` is ``src`` or ``tgt``.  It streams:
+chunks of pairs are encoded in worker processes and written in corpus order,
+and only the duplicate digests (8 bytes per pair) grow with the corpus.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import signal
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,6 +209,7 @@ _worker_tok: Optional[Tokenizer] = None  # each worker process loads the tokeniz
 
 def _init_worker(directory: Path, cfg: ExperimentConfig) -> None:
     global _worker_tok
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to report
     _worker_tok = Tokenizer.load(directory, cfg.tokenizer, cfg.data)
 
 

@@ -205,3 +205,20 @@ def test_prepare_on_a_full_disk_names_the_file_and_leaves_nothing(prepared, tmp_
     with pytest.raises(S2SError, match=rf"^{out}/train\.\w+\.\w+(\.npy)?: write failed \(No space left on device\)$"):
         prepare(cfg, workers=1)
     assert sorted(p.name for p in out.iterdir()) == ["spm.model", "tokenizer.json"]
+
+
+def test_prepare_cuts_sources_to_max_src_tokens(prepared, tmp_path):
+    from s2s.data import BinDataset
+
+    corpus = Path(prepared).parent
+    out = tmp_path / "prep"
+    shutil.copytree(corpus / "prep", out, ignore=shutil.ignore_patterns("*.npy", "*.txt", "meta.json"))
+    cfg = load_config(prepared, [f"data.dir={out}", "data.max_src_tokens=5"])
+    tok = Tokenizer.load(out, cfg.tokenizer, cfg.data)
+    prepare(cfg, workers=2)
+    data = BinDataset(out, "train")
+    lines = (out / "train.src.txt").read_text(encoding="utf-8").splitlines()
+    for i in (0, 7, len(data) - 1):
+        full = tok.encode_src([lines[i]])[0]
+        assert data.pair(i)[0].tolist() == (full if len(full) <= 5 else full[:4] + full[-1:])
+    assert data.src_lens.max() == 5
