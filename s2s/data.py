@@ -512,13 +512,22 @@ def token_batches(src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int,
     """
     n = len(src_lens)
     order = rng.permutation(n) if rng is not None else np.arange(n)
-    order = order[np.lexsort((tgt_lens[order], src_lens[order]))]
+    order = sort_by_lengths(order, src_lens, tgt_lens)
     width = np.maximum(src_lens[order], tgt_lens[order]).astype(np.int64)
     cuts = greedy_cuts(width, max_tokens)
     batches = [order[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
     if rng is not None:
         batches = [batches[i] for i in rng.permutation(len(batches))]
     return batches
+
+
+def sort_by_lengths(order: np.ndarray, src_lens: np.ndarray, tgt_lens: np.ndarray) -> np.ndarray:
+    """``order`` stably sorted by (source length, target length): np.lexsort's result,
+    by two radix sorts (numpy's stable sort of 16-bit keys) when lengths fit 16 bits."""
+    if len(order) == 0 or max(src_lens.max(), tgt_lens.max()) >= 2**16:
+        return order[np.lexsort((tgt_lens[order], src_lens[order]))]
+    order = order[np.argsort(tgt_lens[order].astype(np.uint16), kind="stable")]
+    return order[np.argsort(src_lens[order].astype(np.uint16), kind="stable")]
 
 
 def greedy_cuts(width: np.ndarray, max_tokens: int) -> list[int]:

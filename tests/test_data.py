@@ -222,3 +222,14 @@ def test_prepare_cuts_sources_to_max_src_tokens(prepared, tmp_path):
         full = tok.encode_src([lines[i]])[0]
         assert data.pair(i)[0].tolist() == (full if len(full) <= 5 else full[:4] + full[-1:])
     assert data.src_lens.max() == 5
+
+
+@pytest.mark.parametrize("high", [300, 70_000], ids=["16-bit", "wider"])
+def test_sort_by_lengths_is_lexsort(high):
+    from s2s.data import sort_by_lengths
+
+    rng = np.random.default_rng(5)
+    src, tgt = rng.integers(1, high, size=5000), rng.integers(1, 40, size=5000)
+    order = rng.permutation(5000)
+    expected = order[np.lexsort((tgt[order], src[order]))]
+    assert (sort_by_lengths(order, src, tgt) == expected).all()
