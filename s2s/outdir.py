@@ -22,6 +22,7 @@ import contextlib
 import fcntl
 import json
 import os
+import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -167,7 +168,13 @@ def lock_run_dir(run_dir: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            holder = ""
+            for _ in range(10):  # the holder may be between truncating the file and writing its PID
+                holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+                if holder:
+                    break
+                time.sleep(0.05)
+            holder = holder or "unknown"
             raise S2SError(f"{run_dir}: in use by another training run (PID {holder}); "
                            "wait for it to end or choose another -o") from None
         os.ftruncate(fd, 0)
