@@ -113,7 +113,8 @@ def test_sigkill_then_resume_matches_uninterrupted(prepared, tmp_path):
     assert _losses(tmp_path / "full").items() >= _losses(run).items()
 
 
-def test_sigint_writes_checkpoint_and_exits_nonzero(prepared, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_sigint_writes_checkpoint_and_exits_nonzero(prepared, tmp_path, signum):
     run = tmp_path / "int"
     proc = _run_cli(["train", str(prepared), "-o", str(run), "--set", "train.max_steps=100000",
                      "--set", "train.validate_every=100000"])
@@ -123,10 +124,10 @@ def test_sigint_writes_checkpoint_and_exits_nonzero(prepared, tmp_path):
         if m.exists() and m.read_text().count("\n") >= 3:
             break
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGINT
-    assert "checkpoint written" in err and "Traceback" not in err
+    assert proc.returncode == 128 + signum
+    assert f"stopped by {signum.name}" in err and "checkpoint written" in err and "Traceback" not in err
     assert list_checkpoints(run)
     assert err.strip().splitlines()[-1].startswith("s2s: error:")
 
