@@ -130,18 +130,24 @@ def atomic_dir(path: str | Path, replace: bool = False) -> Iterator[Path]:
     if not replace and (target.is_symlink() or (target.exists() and not is_empty_dir(target))):
         raise S2SError(f"{target}: exists and is not empty; not replaced")
     tmp = where.with_name(f".{where.name}.tmp-{os.getpid()}")
+    old = where.with_name(f".{where.name}.old-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
     except OSError as e:
         raise S2SError(f"{target}: cannot write ({e.strerror})") from None
+
+    def clean_up() -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not where.exists():  # stopped between the two renames: the old one back
+            os.replace(old, where)
+
     try:
         yield tmp
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         if replace and target.exists():
-            old = where.with_name(f".{where.name}.old-{os.getpid()}")
             os.replace(where, old)
             os.replace(tmp, where)
             shutil.rmtree(old, ignore_errors=True)
@@ -149,10 +155,10 @@ def atomic_dir(path: str | Path, replace: bool = False) -> Iterator[Path]:
             os.replace(tmp, where)  # ENOTEMPTY / ENOTDIR: something else is there now; kept
         _fsync_dir(where.parent)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        clean_up()
         raise S2SError(f"{target}: write failed ({e.strerror})") from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        clean_up()
         raise
 
 
