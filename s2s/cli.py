@@ -7,11 +7,14 @@ a pipe.  A bad input is one line ``s2s: error: ...`` and a non-zero exit
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import List, Optional
 
@@ -58,6 +61,8 @@ def launched_rank() -> int:
 
 SetOption = typer.Option(None, "--set", metavar="KEY=VALUE",
                          help="Override a config key, e.g. --set model.d_model=512 (repeatable).")
+ForceOption = typer.Option(False, "--force", help="Replace an earlier output of this same command in -o "
+                                                  "(never anything else: see s2s-output.json).")
 
 
 @app.callback()
@@ -393,19 +398,21 @@ def score(hyp: str = typer.Argument(..., help="Hypotheses file; - reads stdin.")
 def export_ct2(model: Path = typer.Option(..., "-m", "--model", help="Model directory."),
                output: Path = typer.Option(..., "-o", "--output", help="The CTranslate2 model directory."),
                quantization: Optional[str] = typer.Option(None, help="int8, int8_float32, int16, float16 "
-                                                                     "or bfloat16 weights (default: float32).")):
+                                                                     "or bfloat16 weights (default: float32)."),
+               force: bool = ForceOption):
     """Write a CTranslate2 model (through CTranslate2's spec API) that serves the same translations.
 
     Example: `s2s export ct2 -m exp/qs -o exp/qs-ct2 --quantization int8`
     """
     from s2s.export import export_ct2 as run_export
 
-    typer.echo(str(run_export(model, output, quantization)))
+    typer.echo(str(run_export(model, output, quantization, force)))
 
 
 @export_app.command("hf")
 def export_hf(model: Path = typer.Option(..., "-m", "--model", help="Model directory."),
-              output: Path = typer.Option(..., "-o", "--output", help="The Hugging Face model directory.")):
+              output: Path = typer.Option(..., "-o", "--output", help="The Hugging Face model directory."),
+              force: bool = ForceOption):
     """Write a Hugging Face directory that AutoModelForSeq2SeqLM.from_pretrained loads.
 
     The family (MarianMT, BART, mBART or T5) is the one the model's architecture matches.
@@ -414,12 +421,13 @@ def export_hf(model: Path = typer.Option(..., "-m", "--model", help="Model direc
     """
     from s2s.hf import export_hf as run_export
 
-    typer.echo(str(run_export(model, output)))
+    typer.echo(str(run_export(model, output, force)))
 
 
 @import_app.command("hf")
 def import_hf(path: Path = typer.Argument(..., help="A local Hugging Face model directory."),
-              output: Path = typer.Option(..., "-o", "--output", help="The s2s model directory to write.")):
+              output: Path = typer.Option(..., "-o", "--output", help="The s2s model directory to write."),
+              force: bool = ForceOption):
     """Turn a Hugging Face MarianMT, BART, mBART or T5 checkpoint into an s2s model directory.
 
     Reads config.json, safetensors or .bin weights (no pickled code runs) and the tokenizer
@@ -429,19 +437,20 @@ def import_hf(path: Path = typer.Argument(..., help="A local Hugging Face model 
     """
     from s2s.hf import import_hf as run_import
 
-    typer.echo(str(run_import(path, output)))
+    typer.echo(str(run_import(path, output, force)))
 
 
 @app.command()
 def average(checkpoints: List[Path] = typer.Argument(..., help="Checkpoint or model directories."),
-            output: Path = typer.Option(..., "-o", "--output", help="The averaged model directory.")):
+            output: Path = typer.Option(..., "-o", "--output", help="The averaged model directory."),
+            force: bool = ForceOption):
     """Average the weights of checkpoints of one run into a new model directory.
 
     Example: `s2s average exp/qs/checkpoints/step-* -o exp/qs-avg`
     """
     from s2s.modeldir import average_checkpoints
 
-    typer.echo(str(average_checkpoints(checkpoints, output)))
+    typer.echo(str(average_checkpoints(checkpoints, output, force)))
 
 
 @app.command()
@@ -482,10 +491,46 @@ def _detach_stdout() -> None:
     os.dup2(devnull, sys.stdout.fileno())
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP ended the command.  Raised in the main thread, as Ctrl-C raises
+    KeyboardInterrupt, so every context manager removes its temporary files on the way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_raise_terminated():
+    """While the command runs, SIGTERM and SIGHUP raise Terminated (a signal ignored when s2s
+    started, as SIGHUP under nohup, stays ignored); once one has come, further ones are
+    ignored so they cannot cut its cleanup short.  (Training installs its own handlers:
+    it finishes the step and writes a checkpoint.)"""
+    def handler(signum, frame):
+        for s in previous:
+            signal.signal(s, signal.SIG_IGN)
+        raise Terminated(signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(s) == signal.SIG_DFL:
+                previous[s] = signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 def run() -> None:
     """Entry point: run the app, turning every expected failure into one line and an exit code."""
     try:
-        code = app(standalone_mode=False)  # typer returns an exit code for Ctrl-C and typer.Exit
+        with _signals_raise_terminated():
+            code = app(standalone_mode=False)  # typer returns an exit code for Ctrl-C and typer.Exit
+    except Terminated as e:
+        print(f"s2s: terminated by {e}", file=sys.stderr)
+        sys.exit(128 + e.signum)
     except S2SError as e:
         if _DEBUG["on"]:
             raise

@@ -32,7 +32,7 @@ import torch
 from s2s.errors import S2SError
 from s2s.model.positions import sinusoidal_table
 from s2s.modeldir import copy_tokenizer, load_model_dir
-from s2s.textio import atomic_dir
+from s2s.outdir import check_output_dir, output_dir
 
 QUANTIZATIONS = ("int8", "int8_float32", "int16", "float16", "bfloat16")
 
@@ -85,8 +85,10 @@ def ct2_vocabulary(tok, side: str, rows: int) -> list[str]:
     return tokens
 
 
-def export_ct2(model_dir: str | Path, out: str | Path, quantization: Optional[str] = None) -> Path:
-    """Write the model of ``model_dir`` as a CTranslate2 model directory ``out``."""
+def export_ct2(model_dir: str | Path, out: str | Path, quantization: Optional[str] = None,
+               force: bool = False) -> Path:
+    """Write the model of ``model_dir`` as a CTranslate2 model directory ``out``
+    (``force``: replace an earlier ``export ct2`` output there; see s2s.outdir)."""
     try:
         import ctranslate2  # noqa: F401  (the spec API lives in ctranslate2.specs)
         from ctranslate2.specs import common_spec, transformer_spec
@@ -94,6 +96,7 @@ def export_ct2(model_dir: str | Path, out: str | Path, quantization: Optional[st
         raise S2SError("export ct2: the ctranslate2 package is not installed (pip install ctranslate2)") from None
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise S2SError(f"--quantization: {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+    check_output_dir(out, "export ct2", force, [model_dir])
     loaded = load_model_dir(model_dir)
     model, cfg = loaded.model, loaded.cfg.model
     unsupported = [name for name, on in (
@@ -168,7 +171,7 @@ def export_ct2(model_dir: str | Path, out: str | Path, quantization: Optional[st
     spec.validate()
     spec.optimize(quantization=quantization)
     target = Path(out)
-    with atomic_dir(target) as tmp:
+    with output_dir(target, "export ct2", force, [model_dir]) as tmp:
         spec.save(str(tmp))
         copy_tokenizer(loaded.cfg, loaded.directory, tmp)  # to cut text into pieces
     return target

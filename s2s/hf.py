@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from s2s.config import ExperimentConfig, config_from_dict, to_dict
 from s2s.errors import S2SError
 from s2s.model import Seq2SeqTransformer
-from s2s.textio import atomic_dir
+from s2s.outdir import check_output_dir, output_dir
 
 log = logging.getLogger("s2s")
 
@@ -483,14 +483,16 @@ def _fairseq_vocab(spm_path: Path, settings: dict) -> dict[str, int]:
 # The two commands
 # --------------------------------------------------------------------------- #
 
-def import_hf(path: str | Path, out: str | Path) -> Path:
-    """Write the Hugging Face model in ``path`` as an s2s model directory ``out``."""
+def import_hf(path: str | Path, out: str | Path, force: bool = False) -> Path:
+    """Write the Hugging Face model in ``path`` as an s2s model directory ``out``
+    (``force``: replace an earlier ``import hf`` output there; see s2s.outdir)."""
     from s2s.modeldir import save_model_dir
 
     path, out = Path(path), Path(out)
+    check_output_dir(out, "import hf", force, [path])
     model, sections = model_from_hf(path)
     family = read_hf_config(path)["model_type"]
-    with atomic_dir(out) as tmp:
+    with output_dir(out, "import hf", force, [path]) as tmp:
         data = {**sections["data"], **_import_tokenizer(path, family, tmp, sections)}
         raw = {"name": f"{family}-import", "tokenizer": sections["tokenizer"], "data": data,
                "model": sections["model"],
@@ -504,10 +506,12 @@ def import_hf(path: str | Path, out: str | Path) -> Path:
     return out
 
 
-def export_hf(model_dir: str | Path, out: str | Path) -> Path:
-    """Write the s2s model in ``model_dir`` as a Hugging Face directory ``out``."""
+def export_hf(model_dir: str | Path, out: str | Path, force: bool = False) -> Path:
+    """Write the s2s model in ``model_dir`` as a Hugging Face directory ``out``
+    (``force``: replace an earlier ``export hf`` output there; see s2s.outdir)."""
     from s2s.modeldir import load_model_dir
 
+    check_output_dir(out, "export hf", force, [model_dir])
     loaded = load_model_dir(model_dir)
     cfg, model, tok = loaded.cfg, loaded.model, loaded.tokenizer
     family = hf_family(cfg)
@@ -517,7 +521,7 @@ def export_hf(model_dir: str | Path, out: str | Path) -> Path:
     if family == "t5" and model.output_proj is None and not cfg.model.scale_output:
         state["lm_head.weight"] = state["shared.weight"].clone()  # v1.1 layout: lm_head stored
     out = Path(out)
-    with atomic_dir(out) as tmp:
+    with output_dir(out, "export hf", force, [model_dir]) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
         gen = {"decoder_start_token_id": cfg.tokenizer.bos_id, "eos_token_id": cfg.tokenizer.eos_id,

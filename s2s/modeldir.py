@@ -27,6 +27,7 @@ from s2s import __version__
 from s2s.config import ExperimentConfig, load_config, to_yaml
 from s2s.errors import S2SError
 from s2s.model import Seq2SeqTransformer, make_model
+from s2s.outdir import check_output_dir, output_dir
 from s2s.textio import atomic_write, file_sha256
 from s2s.tokenizer import Tokenizer
 
@@ -257,12 +258,17 @@ def run_dir_of(path: Path) -> Path:
 
 
 @torch.no_grad()
-def average_checkpoints(paths: list[str | Path], out: str | Path) -> Path:
+def average_checkpoints(paths: list[str | Path], out: str | Path, force: bool = False) -> Path:
     """theta_avg = (1/n) sum_i theta_i over n checkpoints of one architecture,
-    written as a model directory (config and tokenizer from the first one's run)."""
+    written as a model directory (config and tokenizer from the first one's run).
+
+    ``out`` is never a run directory nor one holding an input (see s2s.outdir);
+    ``force`` replaces an earlier ``average`` output there."""
     if not paths:
         raise S2SError("average: no checkpoints given")
     dirs = [Path(p) for p in paths]
+    inputs = list(dict.fromkeys([*dirs, *map(run_dir_of, dirs)]))
+    check_output_dir(out, "average", force, inputs)
     digests = [recorded_sha256(d) for d in dirs]  # every input is checked before any work
     run = run_dir_of(dirs[0])
     cfg, tok = load_spec(run)
@@ -276,5 +282,6 @@ def average_checkpoints(paths: list[str | Path], out: str | Path) -> Path:
             total[name] = total.get(name, 0) + tensor.double()
     model.load_state_dict({name: (t / len(dirs)).float() for name, t in total.items()})
     target = Path(out)
-    save_model_dir(target, model, cfg, run, {"averaged": [str(d) for d in dirs]})
+    with output_dir(target, "average", force, inputs) as tmp:
+        save_model_dir(tmp, model, cfg, run, {"averaged": [str(d) for d in dirs]})
     return target

@@ -3,7 +3,8 @@
 * ``read_lines`` decodes UTF-8 line by line (gzip when the name ends in .gz)
   and names the file and line of any invalid byte.
 * ``atomic_write`` / ``atomic_dir``: write to a temporary name next to the
-  target, fsync, then rename, so a crash leaves the previous version intact.
+  target, fsync, then rename, so a crash leaves the previous version intact;
+  ``atomic_dir`` never renames over a non-empty directory it was not told to replace.
 """
 
 from __future__ import annotations
@@ -115,31 +116,51 @@ def atomic_write(path: str | Path, mode: str = "w") -> Iterator[IO]:
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str | Path) -> Iterator[Path]:
-    """Fill a temporary directory; on success rename it to ``path`` (replacing it)."""
+def atomic_dir(path: str | Path, replace: bool = False) -> Iterator[Path]:
+    """Fill a temporary directory; on success rename it to ``path``.
+
+    ``path`` must not exist or be an empty directory: the final rename itself
+    refuses a non-empty one, so nothing that appears there meanwhile is lost.
+    ``replace=True`` is for a caller that has checked that the directory is its
+    own to replace (s2s.outdir.check_output_dir, a run's own checkpoint): the
+    old one is moved aside, the new one renamed in, then the old one deleted.
+    """
     target = Path(path)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    where = Path(os.path.abspath(target))  # "." and ".." have no name to put beside them
+    if not replace and (target.is_symlink() or (target.exists() and not is_empty_dir(target))):
+        raise S2SError(f"{target}: exists and is not empty; not replaced")
+    tmp = where.with_name(f".{where.name}.tmp-{os.getpid()}")
+    old = where.with_name(f".{where.name}.old-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
     except OSError as e:
         raise S2SError(f"{target}: cannot write ({e.strerror})") from None
+
+    def clean_up() -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not where.exists():  # stopped between the two renames: the old one back
+            os.replace(old, where)
+
     try:
         yield tmp
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        if target.exists():
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
-            os.replace(target, old)
-            os.replace(tmp, target)
+        if replace and target.exists():
+            os.replace(where, old)
+            os.replace(tmp, where)
             shutil.rmtree(old, ignore_errors=True)
         else:
-            os.replace(tmp, target)
-        _fsync_dir(target.parent)
+            os.replace(tmp, where)  # ENOTEMPTY / ENOTDIR: something else is there now; kept
+        _fsync_dir(where.parent)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        clean_up()
         raise S2SError(f"{target}: write failed ({e.strerror})") from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        clean_up()
         raise
+
+
+def is_empty_dir(path: Path) -> bool:
+    return path.is_dir() and not any(path.iterdir())

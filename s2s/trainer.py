@@ -8,6 +8,7 @@ A run directory (``-o RUN_DIR``) holds
     config.yaml, spm*.model, model.safetensors, model.json   the best model so far (a model directory)
     checkpoints/step-NNNNNNNN/                               the last ``keep_checkpoints`` training states
     metrics.jsonl, env.json                                   what happened, and with which versions
+    train.lock                                                locked by the run training there (s2s.outdir)
 
 A checkpoint holds the weights, the optimizer (AdamW moments), the torch RNG
 state and the data position (epoch, batch), written into a temporary
@@ -17,6 +18,7 @@ newest complete one exactly where it stopped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -45,6 +47,7 @@ from s2s.errors import S2SError
 from s2s.metrics import corpus_bleu
 from s2s.modeldir import (CHECKPOINT_STATE, CONFIG, META, WEIGHTS, build_model, copy_tokenizer, load_model_dir,
                           load_weights, read_meta, save_model_dir, save_weights, write_config)
+from s2s.outdir import check_run_dir, lock_run_dir
 from s2s.textio import atomic_dir, atomic_write, file_sha256, read_lines
 from s2s.tokenizer import PAD_ID, Tokenizer, resolve_tokenizer_config
 
@@ -57,7 +60,7 @@ _CKPT_RE = re.compile(r"^step-(\d+)$")
 
 
 class TrainingInterrupted(S2SError):
-    """SIGINT/SIGTERM: the step finished and a checkpoint was written."""
+    """SIGINT/SIGTERM/SIGHUP: the step finished and a checkpoint was written."""
 
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
@@ -106,6 +109,20 @@ def distillation_loss(student: Tensor, teacher: Tensor, target: Tensor, lam: flo
     log_pt = torch.log_softmax(teacher.float() / T, dim=-1)
     kl = (log_pt.exp() * (log_pt - log_ps)).sum(-1)  # (B, T)
     return (1 - lam) * ce + lam * T * T * kl[target != pad_id].sum()
+
+
+def is_new_best(value: Optional[float], loss: Optional[float], best_value: Optional[float],
+                best_loss: Optional[float], higher_is_better: bool) -> bool:
+    """A validation's dev score ``value`` beats the best so far: higher (BLEU) or lower (loss);
+    on a tie, the lower dev loss wins (a young model's dev BLEU is 0.0 at every validation
+    while its dev loss falls).  No score yet (None) never wins; the first score always does."""
+    if value is None:
+        return False
+    if best_value is None:
+        return True
+    if value != best_value:
+        return value > best_value if higher_is_better else value < best_value
+    return loss is not None and best_loss is not None and loss < best_loss
 
 
 def coverage_loss(a: Tensor, tgt_mask: Tensor) -> Tensor:
@@ -157,7 +174,7 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.opti
                 tensors[f"state.{idx}.{key}"] = value.contiguous()
             else:
                 scalars[f"{idx}.{key}"] = value
-    with atomic_dir(target) as tmp:
+    with atomic_dir(target, replace=True) as tmp:  # a step redone after resuming from an older one
         digests = {WEIGHTS: save_weights(model, tmp / WEIGHTS)}
         save_file(tensors, str(tmp / OPTIMIZER))
         digests[OPTIMIZER] = file_sha256(tmp / OPTIMIZER)
@@ -493,9 +510,9 @@ class Trainer:
         record["seconds"] = round(time.time() - t0, 1)
         key = "dev_bleu" if self.tc.best_metric == "bleu" else "dev_loss"
         value = record.get(key)
-        better = value is not None and (
-            self.state.best_value is None
-            or (value > self.state.best_value if key == "dev_bleu" else value < self.state.best_value))
+        best = next((v for v in reversed(self.state.validations) if v.get("best")), {})
+        better = is_new_best(value, record.get("dev_loss"), self.state.best_value, best.get("dev_loss"),
+                             higher_is_better=key == "dev_bleu")
         if better or self.dev_data is None:
             self.state.best_value, self.state.best_step = value, self.state.step
             info = {"step": self.state.step, **{k: v for k, v in record.items() if k.startswith("dev")}}
@@ -595,12 +612,36 @@ class Trainer:
         """Stop before the next update: a limit is reached or a signal came (on any rank)."""
         return self.world.any(self._signal is not None or self.finished(last_val_seconds))
 
+    @contextlib.contextmanager
+    def claim_run_dir(self):
+        """Rank 0 checks that the run directory is new, empty or a run directory of its own,
+        and holds its lock until training ends (s2s.outdir); when that fails, every rank stops."""
+        with contextlib.ExitStack() as held:
+            error = None
+            if self.world.is_main:
+                try:
+                    check_run_dir(self.run_dir)
+                    held.enter_context(lock_run_dir(self.run_dir))
+                except S2SError as e:
+                    error = e
+            if self.world.any(error is not None):
+                raise error or S2SError(f"{self.run_dir}: rank 0 could not take the run directory")
+            yield
+
     def run(self, resume: bool = False) -> Path:
+        """Train, holding the run directory's lock throughout."""
+        with self.claim_run_dir():
+            return self._run(resume)
+
+    def _run(self, resume: bool) -> Path:
         self.start(resume)
         main = self.world.is_main
         self.tensorboard = self.open_tensorboard(self.run_dir) if main else None
         tc, st = self.tc, self.state
-        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        ending = [signal.SIGINT, signal.SIGTERM]
+        if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # under nohup hangups stay ignored
+            ending.append(signal.SIGHUP)
+        handlers = {s: signal.signal(s, self._on_signal) for s in ending}
         progress = Progress(tc.max_steps or None, tc.max_seconds, self.show_progress)
         self._base_elapsed, self._started = st.elapsed, time.time()
         last_val = st.validations[-1]["seconds"] if st.validations else 0.0

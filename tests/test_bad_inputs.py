@@ -447,10 +447,182 @@ def test_plot_metrics(tmp_path, capsys, monkeypatch, kind):
 
 
 # --------------------------------------------------------------------------- #
-# SIGINT in the middle of translate (train: tests/test_train.py)
+# Directory outputs: export ct2, export hf, import hf, average; train -o
 # --------------------------------------------------------------------------- #
 
-def test_sigint_during_translate_leaves_no_output(env, tmp_path):
+DIR_WRITERS = ["export ct2", "export hf", "import hf", "average"]
+
+
+def _writer_args(env, command: str, out: Path, model: Path | None = None) -> list:
+    """``s2s COMMAND ... -o OUT`` reading ``model`` (default: the module's trained run)."""
+    model = model or env["model"]
+    if command == "average":
+        return ["average", list_checkpoints(model)[-1], "-o", out]
+    if command == "import hf":
+        return ["import", "hf", model, "-o", out]
+    return [*command.split(), "-m", model, "-o", out]
+
+
+def _tree(d: Path) -> dict:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["", "force"])
+@pytest.mark.parametrize("command", DIR_WRITERS)
+def test_a_directory_output_never_replaces_a_users_files(env, tmp_path, capsys, monkeypatch, command, force):
+    out = tmp_path / "mine"
+    (out / "opus-mt-en-de").mkdir(parents=True)
+    (out / "README.txt").write_text("my notes\n")
+    (out / "opus-mt-en-de" / "config.json").write_text("{}")
+    before = _tree(out)
+    r = cli(capsys, monkeypatch, *_writer_args(env, command, out), *(["--force"] if force else []))
+    assert_error(r, f"{out}: not empty and not an output of s2s {command}")
+    assert _tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no temporary left
+
+
+@pytest.mark.parametrize("command", DIR_WRITERS)
+def test_a_directory_output_is_never_a_run_or_the_input(env, tmp_path, capsys, monkeypatch, command):
+    run = copy_model(env, tmp_path)  # a training run: checkpoints/, metrics.jsonl
+    before = _tree(run)
+    for force in ([], ["--force"]):
+        other = env["model"]  # -o another run
+        assert_error(cli(capsys, monkeypatch, *_writer_args(env, command, run, model=other), *force),
+                     f"{run}: is a training run directory; s2s {command} never replaces one")
+        # -o the input itself (average: the run its checkpoint belongs to)
+        assert_error(cli(capsys, monkeypatch, *_writer_args(env, command, run, model=run), *force),
+                     f"{run}: ", "the input", "choose another -o")
+        # -o . in the directory that holds the input
+        monkeypatch.chdir(tmp_path)
+        assert_error(cli(capsys, monkeypatch, *_writer_args(env, command, Path("."), model=Path("model")), *force),
+                     ".: holds the input model")
+    assert _tree(run) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+@pytest.mark.parametrize("command", ["export ct2", "average"])
+def test_force_replaces_only_an_earlier_output_of_the_same_command(env, tmp_path, capsys, monkeypatch, command):
+    out = tmp_path / "out"
+    cli_ok(capsys, monkeypatch, *_writer_args(env, command, out))
+    marker = json.loads((out / "s2s-output.json").read_text())
+    assert marker["command"] == command and set(marker["files"]) == set(_tree(out)) - {"s2s-output.json"}
+    assert_error(cli(capsys, monkeypatch, *_writer_args(env, command, out)),
+                 f"{out}: holds an earlier output of s2s {command}; pass --force")
+    stale = out / marker["files"][0]
+    stale.write_bytes(b"stale")
+    cli_ok(capsys, monkeypatch, *_writer_args(env, command, out), "--force")
+    assert stale.read_bytes() != b"stale"  # replaced by a complete new output
+    (out / "notes.txt").write_text("mine\n")  # the user added a file: --force no longer replaces it
+    before = _tree(out)
+    assert_error(cli(capsys, monkeypatch, *_writer_args(env, command, out), "--force"),
+                 f"{out}: holds notes.txt, which s2s {command} did not write; not replaced")
+    assert _tree(out) == before
+    other = "export hf" if command == "export ct2" else "import hf"
+    assert_error(cli(capsys, monkeypatch, *_writer_args(env, other, out), "--force"),
+                 f"{out}: is an output of s2s {command}, not of s2s {other}")
+    assert _tree(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_atomic_dir_never_renames_over_a_non_empty_directory(tmp_path):
+    """The helper itself: an existing directory with files is refused up front, and one
+    that fills while the output is written is kept (the rename fails, nothing is lost)."""
+    from s2s.errors import S2SError
+    from s2s.textio import atomic_dir
+
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "a.txt").write_text("keep")
+    with pytest.raises(S2SError, match="exists and is not empty; not replaced"):
+        with atomic_dir(full):
+            pass
+    late = tmp_path / "late"
+    late.mkdir()
+    with pytest.raises(S2SError, match="write failed"):
+        with atomic_dir(late) as tmp:
+            (tmp / "new.bin").write_bytes(b"new")
+            (late / "b.txt").write_text("keep")  # someone else writes there meanwhile
+    assert (full / "a.txt").read_text() == "keep" and (late / "b.txt").read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "late"]
+    with atomic_dir(tmp_path / "empty") as tmp:  # a new (or empty) directory is simply written
+        (tmp / "x").write_text("x")
+    assert (tmp_path / "empty" / "x").read_text() == "x"
+
+
+@pytest.mark.parametrize("where", ["users-folder", "dot"])
+def test_train_refuses_a_directory_that_is_not_a_run(env, tmp_path, capsys, monkeypatch, where):
+    """A user's folder (their own config.yaml, metrics.jsonl) or `-o .` from a project folder."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    config = folder / "config.yaml"
+    config.write_text("# my experiment, with comments\n" + env["cfg"].read_text())
+    (folder / "metrics.jsonl").write_text('{"step": 1, "loss": 9.9}\n')
+    before = _tree(folder)
+    if where == "dot":
+        monkeypatch.chdir(folder)
+        r = cli(capsys, monkeypatch, "train", "config.yaml", "-o", ".")
+        assert_error(r, ".: not empty and not a training run directory")
+    else:
+        r = cli(capsys, monkeypatch, "train", config, "-o", folder, "--resume")
+        assert_error(r, f"{folder}: not empty and not a training run directory")
+    assert _tree(folder) == before
+
+
+def test_train_accepts_its_own_run_directories(tmp_path):
+    """New, empty, a run holding train.lock, and a run of an s2s from before the lock file."""
+    from s2s.errors import S2SError
+    from s2s.outdir import check_run_dir
+
+    check_run_dir(tmp_path / "new")
+    (tmp_path / "empty").mkdir()
+    check_run_dir(tmp_path / "empty")
+    for name, files in (("locked", {"train.lock": "", "metrics.jsonl": ""}),
+                        ("legacy", {"env.json": '{"s2s": "0.1.0", "torch": "2"}', "config.yaml": "",
+                                    "metrics.jsonl": ""}),
+                        ("not-env", {"env.json": '{"PATH": "/bin"}', "config.yaml": ""})):
+        d = tmp_path / name
+        d.mkdir()
+        for f, text in files.items():
+            (d / f).write_text(text)
+        if name == "not-env":
+            with pytest.raises(S2SError, match="not a training run directory"):
+                check_run_dir(d)
+        else:
+            check_run_dir(d)
+    with pytest.raises(S2SError, match="exists and is not a directory"):
+        check_run_dir(tmp_path / "locked" / "train.lock")
+
+
+def test_two_trainings_in_one_run_directory(env, tmp_path, capsys, monkeypatch):
+    """The second gets a one-line error naming the first's PID; kill -9 leaves no stale lock."""
+    run = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "-m", "s2s", "train", str(env["cfg"]), "-o", str(run),
+                              "--set", "train.max_steps=100000", "--set", "train.validate_every=100000"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (run / "metrics.jsonl").exists():
+            time.sleep(0.05)
+        assert (run / "metrics.jsonl").exists(), "the first run did not start"
+        for resume in ([], ["--resume"]):
+            assert_error(cli(capsys, monkeypatch, "train", env["cfg"], "-o", run, *resume),
+                         f"{run}: in use by another training run (PID {first.pid})")
+    finally:
+        first.kill()  # SIGKILL: no cleanup runs; the kernel releases the lock
+        first.wait()
+    cli_ok(capsys, monkeypatch, "train", env["cfg"], "-o", run, "--resume",
+           "--set", "train.max_steps=2", "--set", "train.validate_every=2")
+    assert list_checkpoints(run)[-1].name == "step-00000002"
+
+
+# --------------------------------------------------------------------------- #
+# SIGINT, SIGTERM, SIGHUP in the middle of translate (train: tests/test_train.py)
+# --------------------------------------------------------------------------- #
+
+@pytest.mark.parametrize("signum, code, last", [
+    (signal.SIGINT, 130, "s2s: interrupted"),
+    (signal.SIGTERM, 143, "s2s: terminated by SIGTERM"),
+    (signal.SIGHUP, 129, "s2s: terminated by SIGHUP")], ids=["SIGINT", "SIGTERM", "SIGHUP"])
+def test_a_signal_during_translate_leaves_no_output(env, tmp_path, signum, code, last):
     big = tmp_path / "big.txt"
     big.write_text((env["corpus"] / "train.en").read_text() * 50)
     out = tmp_path / "out.txt"
@@ -463,8 +635,8 @@ def test_sigint_during_translate_leaves_no_output(env, tmp_path):
     while time.time() < deadline and not any(p.name.startswith(".out.txt.tmp") for p in tmp_path.iterdir()):
         time.sleep(0.05)
     time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, (err, sorted(p.name for p in tmp_path.iterdir()))
-    assert err.strip().splitlines()[-1] == "s2s: interrupted" and "Traceback" not in err
+    assert proc.returncode == code, (err, sorted(p.name for p in tmp_path.iterdir()))
+    assert err.strip().splitlines()[-1] == last and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt"]  # no partial file left

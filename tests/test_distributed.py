@@ -66,3 +66,20 @@ def test_two_processes_match_one_process_on_the_combined_batches(prepared, tmp_p
     for r1, r2 in zip(m1, m2):
         assert r2["loss"] == pytest.approx(r1["loss"], abs=2e-4)
     assert json.loads((two / "model.json").read_text())["step"] == 5
+
+
+def test_a_locked_run_directory_stops_every_rank(prepared, tmp_path):
+    """Rank 0 takes the run directory's lock; when another run holds it, every rank stops
+    (none waits in a collective) with the holder's PID named."""
+    from s2s.outdir import lock_run_dir
+
+    run = tmp_path / "run"
+    sets = [a for s in SETTINGS for a in ("--set", s)]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    with lock_run_dir(run):  # this test process is "the first run"
+        proc = subprocess.run([*launcher, "-m", "s2s", "train", str(prepared), "-o", str(run), *sets],
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert f"s2s: error: {run}: in use by another training run (PID {os.getpid()})" in proc.stderr
+    assert sorted(p.name for p in run.iterdir()) == ["train.lock"]  # nothing written

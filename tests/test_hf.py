@@ -253,6 +253,33 @@ def test_import_finetune_translate_export_through_the_cli(family, corpus, tmp_pa
     assert again.config.model_type == family
 
 
+def test_import_and_export_replace_only_their_own_output(corpus, tmp_path, capsys, monkeypatch):
+    """`import hf SRC -o SRC` is refused; a second import or export into the same -o needs
+    --force, and then replaces it; one command never replaces the other's output."""
+    from tests.test_bad_inputs import assert_error, cli, cli_ok
+
+    torch.manual_seed(0)
+    src = tmp_path / "hf"
+    small("marian").save_pretrained(src)
+    write_tokenizer("marian", src, (corpus / "train.en").read_text().splitlines())
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    assert_error(cli(capsys, monkeypatch, "import", "hf", src, "-o", src, "--force"),
+                 f"{src}: is the input {src} of s2s import hf")
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+    imported, exported = tmp_path / "s2s", tmp_path / "back"
+    for args, out in ((["import", "hf", src], imported), (["export", "hf", "-m", imported], exported)):
+        command = " ".join(args[:2])
+        cli_ok(capsys, monkeypatch, *args, "-o", out)
+        assert json.loads((out / "s2s-output.json").read_text())["command"] == command
+        assert_error(cli(capsys, monkeypatch, *args, "-o", out), f"{out}: holds an earlier output of s2s {command}")
+        cli_ok(capsys, monkeypatch, *args, "-o", out, "--force")
+    assert_error(cli(capsys, monkeypatch, "export", "hf", "-m", imported, "-o", imported, "--force"),
+                 f"{imported}: is the input")
+    assert_error(cli(capsys, monkeypatch, "import", "hf", src, "-o", exported, "--force"),
+                 f"{exported}: is an output of s2s export hf, not of s2s import hf")
+    assert transformers.AutoModelForSeq2SeqLM.from_pretrained(exported).config.model_type == "marian"
+
+
 def load_weights(directory):
     from safetensors.torch import load_file
 

@@ -80,3 +80,21 @@ def test_pretraining_needs_sentinels(prepared, tmp_path):
     with pytest.raises(S2SError, match="needs tokenizer.sentinels >= 2"):
         pretrain(load_config(prepared), tmp_path / "x", show_progress=False)
     assert not (tmp_path / "x").exists()
+
+
+def test_pretrain_takes_the_run_directory_lock_and_refuses_a_users_folder(with_sentinels, tmp_path):
+    """Like `s2s train`: another run holding RUN/train.lock, or a folder of one's own files, is refused."""
+    import os
+
+    from s2s.outdir import lock_run_dir
+
+    run = tmp_path / "run"
+    with lock_run_dir(run):
+        with pytest.raises(S2SError, match=rf"in use by another training run \(PID {os.getpid()}\)"):
+            pretrain(load_config(with_sentinels), run, show_progress=False)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("# my own\n")
+    with pytest.raises(S2SError, match="not empty and not a training run directory"):
+        pretrain(load_config(with_sentinels), mine, show_progress=False)
+    assert [p.name for p in mine.iterdir()] == ["config.yaml"]

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from s2s.config import load_config
 from s2s.errors import S2SError
 from s2s.modeldir import load_model_dir
-from s2s.trainer import inverse_sqrt_lr, label_smoothed_nll, list_checkpoints, train
+from s2s.trainer import Trainer, inverse_sqrt_lr, is_new_best, label_smoothed_nll, list_checkpoints, train
 
 
 def test_inverse_sqrt_schedule():
@@ -113,7 +113,8 @@ def test_sigkill_then_resume_matches_uninterrupted(prepared, tmp_path):
     assert _losses(tmp_path / "full").items() >= _losses(run).items()
 
 
-def test_sigint_writes_checkpoint_and_exits_nonzero(prepared, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_sigint_writes_checkpoint_and_exits_nonzero(prepared, tmp_path, signum):
     run = tmp_path / "int"
     proc = _run_cli(["train", str(prepared), "-o", str(run), "--set", "train.max_steps=100000",
                      "--set", "train.validate_every=100000"])
@@ -123,10 +124,10 @@ def test_sigint_writes_checkpoint_and_exits_nonzero(prepared, tmp_path):
         if m.exists() and m.read_text().count("\n") >= 3:
             break
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGINT
-    assert "checkpoint written" in err and "Traceback" not in err
+    assert proc.returncode == 128 + signum
+    assert f"stopped by {signum.name}" in err and "checkpoint written" in err and "Traceback" not in err
     assert list_checkpoints(run)
     assert err.strip().splitlines()[-1].startswith("s2s: error:")
 
@@ -175,6 +176,31 @@ def test_early_stopping_after_patience(prepared, tmp_path):
     dev = [r for r in rows if "dev_loss" in r]
     assert [r["step"] for r in dev] == [3, 6, 9]  # best at 3, then two without a new best
     assert [r["best"] for r in dev] == [True, False, False]
+
+
+def test_new_best_breaks_ties_by_dev_loss():
+    """Higher BLEU (lower loss) wins; an equal score with a lower dev loss wins; None never does."""
+    assert is_new_best(1.0, 6.0, None, None, higher_is_better=True)
+    assert is_new_best(2.0, 9.0, 1.0, 5.0, higher_is_better=True)
+    assert not is_new_best(0.5, 1.0, 1.0, 5.0, higher_is_better=True)
+    assert is_new_best(0.0, 5.25, 0.0, 6.76, higher_is_better=True)  # the issue's young model
+    assert not is_new_best(0.0, 6.76, 0.0, 6.76, higher_is_better=True)
+    assert not is_new_best(0.0, None, 0.0, 6.76, higher_is_better=True)
+    assert is_new_best(4.0, 4.0, 5.0, 5.0, higher_is_better=False)
+    assert not is_new_best(5.0, 5.0, 5.0, 5.0, higher_is_better=False)
+    assert not is_new_best(None, 1.0, 0.0, 6.76, higher_is_better=True)
+
+
+def test_a_tied_dev_bleu_keeps_the_model_with_the_lower_dev_loss(prepared, tmp_path, monkeypatch):
+    """A young model's dev BLEU is 0.0 at every validation: the best model is the one whose
+    dev loss is lowest, not the first."""
+    monkeypatch.setattr(Trainer, "dev_bleu", lambda self: 0.0)
+    run = train(load_config(prepared), tmp_path / "run", show_progress=False)
+    dev = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+           if "dev_loss" in r}
+    assert [r["dev_bleu"] for r in dev.values()] == [0.0, 0.0] and dev[6]["dev_loss"] < dev[3]["dev_loss"]
+    assert [r["best"] for r in dev.values()] == [True, True]
+    assert load_model_dir(run).meta["step"] == 6
 
 
 def test_plot_draws_a_png(prepared, tmp_path):
