@@ -23,7 +23,7 @@ import time
 import torch
 
 from s2s.config import ModelConfig
-from s2s.model import Seq2SeqTransformer
+from s2s.model import EncoderState, Seq2SeqTransformer
 from s2s.search import ModelDecoder, SearchSettings, greedy_search
 from s2s.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
@@ -33,17 +33,18 @@ class RecomputeDecoder:
 
     def __init__(self, model: Seq2SeqTransformer, src: torch.Tensor):
         self.model = model
-        self.h_enc, self.src_mask = model.encode(src)
+        self.enc = model.encode(src)
         self.prefix = torch.empty((src.size(0), 0), dtype=torch.long)
 
     def step(self, y_prev: torch.Tensor) -> torch.Tensor:
         self.prefix = torch.cat([self.prefix, y_prev], dim=1)
-        logits, _ = self.model.decode(self.prefix, self.h_enc, self.src_mask)
+        logits, _ = self.model.decode(self.prefix, self.enc)
         return torch.log_softmax(logits[:, -1].float(), dim=-1)
 
     def select(self, index: torch.Tensor, group=None) -> None:
-        self.h_enc = self.h_enc.index_select(0, index)
-        self.src_mask = self.src_mask.index_select(0, index)
+        e = self.enc
+        self.enc = EncoderState(src=e.src.index_select(0, index), src_mask=e.src_mask.index_select(0, index),
+                                h_enc=e.h_enc.index_select(0, index))
         self.prefix = self.prefix.index_select(0, index)
 
 

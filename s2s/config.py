@@ -293,6 +293,17 @@ class DecodeConfig:
         _check(self.max_input_tokens >= 1, "decode.max_input_tokens", "must be >= 1")
 
 
+def check_arch_supports(model: ModelConfig, decode: DecodeConfig, alignments: bool = False) -> None:
+    """Refuse decode settings ``model.arch`` cannot serve: the coverage penalty and
+    alignments read the cross-attention, which only encoder_decoder has (copy and
+    coverage are refused by ModelConfig itself).  ``alignments``: --alignments."""
+    if model.arch == "encoder_decoder":
+        return
+    _check(decode.coverage_penalty == 0, "decode.coverage_penalty",
+           f"needs cross-attention; model.arch {model.arch} has none")
+    _check(not alignments, "--alignments", f"model.arch {model.arch} has no cross-attention to align with")
+
+
 @dataclass(frozen=True)
 class PretrainConfig:
     """Denoising pretraining (``s2s pretrain``; docs/model.md (46)-(48))."""
@@ -335,6 +346,9 @@ class ExperimentConfig:
             raise ConfigError(f"data.max_tokens_per_sentence: {self.data.max_tokens_per_sentence} "
                               f"exceeds model.max_positions={self.model.max_positions} "
                               "(learned positions)")
+        check_arch_supports(self.model, self.decode)
+        _check(self.train.coverage_weight == 0 or self.model.arch == "encoder_decoder", "train.coverage_weight",
+               f"the coverage loss needs cross-attention; model.arch {self.model.arch} has none")
         if self.train.early_stopping and not self.data.dev:
             raise ConfigError("train.early_stopping: needs a dev split (data.dev)")
         if self.model.share_embeddings and not (self.tokenizer.joint or self.tokenizer.vocab_file):

@@ -26,7 +26,7 @@ from safetensors.torch import save_model as st_save_model
 from s2s import __version__
 from s2s.config import ExperimentConfig, load_config, to_yaml
 from s2s.errors import S2SError
-from s2s.model import Seq2SeqTransformer, make_model
+from s2s.model import S2SModel, make_model
 from s2s.outdir import check_output_dir, output_dir
 from s2s.textio import atomic_write, file_sha256
 from s2s.tokenizer import Tokenizer
@@ -48,7 +48,7 @@ def vocab_sizes(cfg: ExperimentConfig, tok: Tokenizer) -> tuple[int, int]:
     return tok.src_vocab_size, tok.tgt_vocab_size
 
 
-def build_model(cfg: ExperimentConfig, tok: Tokenizer) -> Seq2SeqTransformer:
+def build_model(cfg: ExperimentConfig, tok: Tokenizer) -> S2SModel:
     """The model a config describes, sized to the tokenizer's vocabularies."""
     return make_model(cfg.model, *vocab_sizes(cfg, tok), tok.pad_id)
 
@@ -121,7 +121,7 @@ def save_model_dir(directory: Path, model: torch.nn.Module, cfg: ExperimentConfi
 
 @dataclass
 class LoadedModel:
-    model: Seq2SeqTransformer
+    model: S2SModel
     tokenizer: Tokenizer
     cfg: ExperimentConfig
     meta: dict

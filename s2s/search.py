@@ -25,7 +25,7 @@ from typing import Optional, Protocol
 import torch
 from torch import Tensor
 
-from s2s.model.transformer import Seq2SeqTransformer
+from s2s.model.interface import S2SModel
 
 NEG_INF = float("-inf")
 
@@ -94,12 +94,11 @@ class ModelDecoder:
     With ``track_attention`` each step also keeps the last decoder layer's
     cross-attention averaged over heads (for the coverage penalty)."""
 
-    def __init__(self, model: Seq2SeqTransformer, src: Tensor, track_attention: bool = False):
+    def __init__(self, model: S2SModel, src: Tensor, track_attention: bool = False):
         self.model = model
         self.track_attention = track_attention
         self._attention: Optional[Tensor] = None
-        h_enc, src_mask = model.encode(src)  # (B, S, d_model), (B, 1, 1, S)
-        self.cache = model.start_decoding(h_enc, src_mask, src)  # cross-attention K/V, once
+        self.cache = model.start_decoding(model.encode(src))  # the source's K/V, once
 
     def step(self, y_prev: Tensor) -> Tensor:
         logits, weights = self.model.decode_step(y_prev, self.cache, need_last=self.track_attention)

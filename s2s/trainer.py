@@ -45,6 +45,7 @@ from s2s.distributed import all_reduce_update, init_world, shard
 from s2s.data import BinDataset, Batch, data_signature, token_batches, tokenizer_fingerprint
 from s2s.errors import S2SError
 from s2s.metrics import corpus_bleu
+from s2s.model import S2SModel
 from s2s.modeldir import (CHECKPOINT_STATE, CONFIG, META, WEIGHTS, build_model, copy_tokenizer, load_model_dir,
                           load_weights, read_meta, save_model_dir, save_weights, write_config)
 from s2s.outdir import check_run_dir, lock_run_dir
@@ -321,7 +322,7 @@ class Trainer:
         ids = {"pad_id": self.tok.pad_id, "bos_id": self.tok.bos_id}
         self.train_data = BinDataset(self.data_dir, "train", **ids)
         self.dev_data = BinDataset(self.data_dir, "dev", **ids) if cfg.data.dev else None
-        self.model = build_model(cfg, self.tok).to(self.device)
+        self.model: S2SModel = build_model(cfg, self.tok).to(self.device)
         if self.tc.init_from:
             init = Path(self.tc.init_from)
             load_weights(self.model, init / WEIGHTS, read_meta(init).get("sha256"))
@@ -336,7 +337,7 @@ class Trainer:
         self._signal: Optional[int] = None
         self.tensorboard = None  # a SummaryWriter while running, when tensorboard is installed
 
-    def load_teacher(self) -> torch.nn.Module:
+    def load_teacher(self) -> S2SModel:
         """The distillation teacher: frozen, in eval mode, with the student's tokenizer."""
         from s2s.config import load_config
 

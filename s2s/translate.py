@@ -18,10 +18,10 @@ from typing import Iterable, Iterator, Optional, Sequence, TextIO
 
 import torch
 
-from s2s.config import DecodeConfig, ExperimentConfig, replace
+from s2s.config import DecodeConfig, ExperimentConfig, check_arch_supports, replace
 from s2s.data import pad_sequences, tokenizer_fingerprint, truncate
 from s2s.errors import S2SError
-from s2s.model import Seq2SeqTransformer
+from s2s.model import S2SModel, Seq2SeqTransformer
 from s2s.search import EnsembleDecoder, Hypothesis, ModelDecoder, SearchSettings, ensemble_log_weights, search
 from s2s.tokenizer import BOS_ID, Tokenizer
 
@@ -47,8 +47,7 @@ def cross_attention(model: Seq2SeqTransformer, src: torch.Tensor, tgt: torch.Ten
     ``layer``: a decoder layer index (-1: the last, the one copy and coverage use) or
     None for the mean over all layers."""
     tgt_in = torch.cat([torch.full_like(tgt[:, :1], bos_id), tgt[:, :-1]], dim=1)
-    h_enc, src_mask = model.encode(src)
-    _, weights = model.decode(tgt_in, h_enc, src_mask, need_weights=True, src=src)
+    _, weights = model.decode(tgt_in, model.encode(src), need_weights=True)
     per_layer = torch.stack([w.float().mean(1) for w in weights])  # (layers, B, T, S)
     return per_layer.mean(0) if layer is None else per_layer[layer]
 
@@ -67,7 +66,7 @@ def max_output_lengths(src_lens: torch.Tensor, a: float, b: int, cap: Optional[i
 
 
 class Translator:
-    def __init__(self, model: Seq2SeqTransformer, tokenizer: Tokenizer, decode: DecodeConfig,
+    def __init__(self, model: S2SModel, tokenizer: Tokenizer, decode: DecodeConfig,
                  device: str | torch.device = "cpu", trained_src_tokens: int = 0):
         """``trained_src_tokens``: sources were cut to this length in training
         (data.max_src_tokens, e.g. for summarization); inputs are cut the same way, silently."""
@@ -85,7 +84,7 @@ class Translator:
         self.trained_src_tokens = trained_src_tokens
         self.alignments = False  # also align each hypothesis to its source (Pharaoh pairs)
         self.precision = "fp32"  # or bf16: autocast while searching
-        self.extra_models: list[Seq2SeqTransformer] = []  # an ensemble's other members
+        self.extra_models: list[S2SModel] = []  # an ensemble's other members
         self.weights: Optional[list[float]] = None  # the members' weights (None: equal)
 
     @classmethod
@@ -171,6 +170,8 @@ class Translator:
                    prefix_ids: Optional[Sequence[Sequence[int]]] = None) -> list[list[Hypothesis]]:
         """Search one batch of encoded sources (each ending in </s>); ``prefix_ids``
         are target tokens each output must start with."""
+        for m in (self.model, *self.extra_models):
+            check_arch_supports(m.cfg, self.decode, self.alignments)
         src = pad_sequences(src_ids, self.tok.pad_id).to(self.device)  # (B, S)
         src_lens = torch.tensor([len(s) - 1 for s in src_ids], device=self.device)
         max_len = max_output_lengths(src_lens, self.decode.max_len_a, self.decode.max_len_b,

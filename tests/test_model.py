@@ -13,7 +13,7 @@ import torch
 
 from s2s.config import ModelConfig
 from s2s.model import (
-    MultiHeadAttention, Seq2SeqTransformer, attention, causal_mask, count_parameters,
+    EncoderState, MultiHeadAttention, Seq2SeqTransformer, attention, causal_mask, count_parameters,
     padding_mask, parameter_budget,
 )
 from s2s.model.positions import SinusoidalPositions, relative_position_bucket, sinusoidal_table
@@ -141,10 +141,10 @@ def test_cross_attention_rows_sum_to_one_and_ignore_padding(positions, norm):
     model = make_model(positions, norm)
     src = right_pad([tokens(3, seed=30), tokens(8, seed=31), tokens(5, seed=32)])  # (3, 8)
     tgt = tokens(3, 6, seed=33)
-    h_enc, src_mask = model.encode(src)
-    assert src_mask.shape == (3, 1, 1, 8)
-    assert torch.equal(torch.isinf(src_mask[:, 0, 0]), src == PAD)
-    logits, weights = model.decode(tgt, h_enc, src_mask, need_weights=True)
+    enc = model.encode(src)
+    assert enc.src_mask.shape == (3, 1, 1, 8)
+    assert torch.equal(torch.isinf(enc.src_mask[:, 0, 0]), src == PAD)
+    logits, weights = model.decode(tgt, enc, need_weights=True)
     assert len(weights) == model.cfg.dec_layers
     real = (src != PAD)[:, None, None, :]  # (B, 1, 1, S)
     for A in weights:
@@ -157,7 +157,7 @@ def test_cross_attention_rows_sum_to_one_and_ignore_padding(positions, norm):
         assert torch.all(A[real.expand_as(A)] > 0)
     # need_weights only adds the weights: the logits are the fast path's
     torch.testing.assert_close(logits, model(src, tgt), atol=ATOL, rtol=0)
-    assert model.decode(tgt, h_enc, src_mask)[1] == [None] * model.cfg.dec_layers
+    assert model.decode(tgt, enc)[1] == [None] * model.cfg.dec_layers
 
 
 # --------------------------------------------------------------------------- #
@@ -172,10 +172,9 @@ def test_incremental_decoding_matches_teacher_forcing(positions, norm):
     src = right_pad([tokens(5, seed=40), tokens(9, seed=41), tokens(2, seed=42)])  # (3, 9)
     tgt = tokens(3, 8, seed=43)
     full = model(src, tgt)  # (3, 8, V)
-    _, full_w = model.decode(tgt, *model.encode(src), need_weights=True)
+    _, full_w = model.decode(tgt, model.encode(src), need_weights=True)
 
-    h_enc, src_mask = model.encode(src)
-    cache = model.start_decoding(h_enc, src_mask)
+    cache = model.start_decoding(model.encode(src))
     assert cache.batch_size == 3 and cache.step == 0
     for t in range(tgt.size(1)):
         logits, w = model.decode_step(tgt[:, t: t + 1], cache, need_weights=True)
@@ -199,8 +198,7 @@ def test_incremental_decoding_after_cache_select(positions, norm):
     tgt = tokens(3, 7, seed=53)
     full = model(src, tgt)
 
-    h_enc, src_mask = model.encode(src)
-    cache = model.start_decoding(h_enc, src_mask)
+    cache = model.start_decoding(model.encode(src))
     split = 3
     for t in range(split):
         torch.testing.assert_close(model.decode_step(tgt[:, t: t + 1], cache)[0], full[:, t],
@@ -230,15 +228,16 @@ def test_incremental_decoding_with_beams_sharing_the_cross_kv(positions, norm):
     model = make_model(positions, norm)
     src = right_pad([tokens(5, seed=60), tokens(9, seed=61), tokens(3, seed=62)])  # (3, 9)
     tgt = tokens(6, 7, seed=63)  # one target per beam row
-    h_enc, src_mask = model.encode(src)
-    cache = model.start_decoding(h_enc, src_mask)
+    enc = model.encode(src)
+    cache = model.start_decoding(enc)
     cache.select(torch.arange(3).repeat_interleave(2), group=2)  # 3 sentences x 2 beams
     assert cache.group == 2 and cache.layers[0].cross_k.size(0) == 3
     sentence = torch.arange(3).repeat_interleave(2)  # of each row
     rows_tgt = tgt.clone()
 
     def check(steps):
-        full, weights = model.decode(rows_tgt, h_enc[sentence], src_mask[sentence], need_weights=True)
+        rows = EncoderState(src=src[sentence], src_mask=enc.src_mask[sentence], h_enc=enc.h_enc[sentence])
+        full, weights = model.decode(rows_tgt, rows, need_weights=True)
         for t in steps:
             got, A = model.decode_step(rows_tgt[:, t: t + 1], cache, need_weights=True)
             torch.testing.assert_close(got, full[:, t], atol=ATOL, rtol=0)

@@ -211,11 +211,11 @@ def test_wide_beam_finds_the_exhaustive_optimum(seed):
     L, alpha = 4, 0.8
     best = None
     with torch.no_grad():
-        h_enc, src_mask = model.encode(src)
+        enc = model.encode(src)
         for n in range(L):
             for body in itertools.product([UNK, A, B], repeat=n):
                 y = [BOS, *body]
-                logits, _ = model.decode(torch.tensor([y]), h_enc, src_mask)
+                logits, _ = model.decode(torch.tensor([y]), enc)
                 logp = torch.log_softmax(logits[0].float(), -1)
                 logp[:, [PAD, BOS]] = float("-inf")
                 lp_sum = sum(float(logp[t, tok]) for t, tok in enumerate([*body, EOS]))

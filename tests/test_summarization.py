@@ -39,8 +39,7 @@ def test_pointer_generator_is_a_distribution():
 
 
 def _copy_attention(model, src, tgt_in):
-    h_enc, src_mask = model.encode(src)
-    _, weights = model.decode(tgt_in, h_enc, src_mask, need_weights=True, src=src)
+    _, weights = model.decode(tgt_in, model.encode(src), need_weights=True)
     return weights[-1].mean(1)  # (B, T, S): the last layer's cross-attention, mean over heads
 
 
@@ -68,7 +67,8 @@ def test_p_gen_one_is_the_vocabulary_distribution():
         model.p_gen_proj.weight.zero_()
         model.p_gen_proj.bias.fill_(1e4)
     src, tgt_in = batch()
-    h_enc, src_mask = model.encode(src)
+    enc = model.encode(src)
+    h_enc, src_mask = enc.h_enc, enc.src_mask
     x = model._embed(tgt_in, model.tgt_embed, model.dec_positions, model.dec_embed_norm)
     cross = [layer.cross_attn.project_kv(h_enc) for layer in model.decoder_layers]
     h, _, _ = model._decoder_stack(x, cross, model._self_mask(4, 4, 0, None), src_mask, [None] * 2,
@@ -103,8 +103,7 @@ def test_incremental_decoding_matches_teacher_forcing(coverage):
     model = copy_model(coverage)
     src, tgt_in = batch()
     full = model(src, tgt_in)
-    h_enc, src_mask = model.encode(src)
-    cache = model.start_decoding(h_enc, src_mask, src)
+    cache = model.start_decoding(model.encode(src))
     for t in range(2):
         torch.testing.assert_close(model.decode_step(tgt_in[:, t:t + 1], cache)[0], full[:, t],
                                    rtol=1e-4, atol=1e-5)

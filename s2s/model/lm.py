@@ -12,8 +12,8 @@ The loss is taken over the suffix only, as for the encoder-decoder, and the
 entry points are the encoder-decoder's, so training, search and scoring run
 unchanged:
 
-    encode(src)                        -> the prefix's K/V in every layer (one pass)
-    start_decoding(prefix, src_mask)   -> DecoderCache holding them
+    encode(src)                        -> EncoderState: the prefix's K/V in every layer (one pass)
+    start_decoding(enc)                -> DecoderCache holding them
     decode_step(y_prev, cache)         -> logits (B, V); the cache grows by one position
     forward(src, tgt_in)               -> logits (B, T, V), teacher forcing over [x; y]
 
@@ -24,7 +24,6 @@ a sentence's output never depends on what it is batched with.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -32,7 +31,9 @@ from torch import Tensor, nn
 
 from s2s.config import ModelConfig
 from s2s.model.attention import NEG_INF, padding_mask
+from s2s.model.base import ModelBase
 from s2s.model.cache import DecoderCache, LayerCache
+from s2s.model.interface import EncoderState
 from s2s.model.layers import EncoderLayer, make_norm
 from s2s.model.positions import sinusoidal_table
 
@@ -49,7 +50,7 @@ def lm_mask(arch: str, n: int, L: int, device=None) -> Tensor:
     return prefix_lm_mask(n if arch == "prefix_lm" else 0, L, device)
 
 
-class DecoderOnlyLM(nn.Module):
+class DecoderOnlyLM(ModelBase):
     def __init__(self, cfg: ModelConfig, vocab: int, pad_id: int = 0):
         super().__init__()
         self.cfg = cfg
@@ -57,56 +58,27 @@ class DecoderOnlyLM(nn.Module):
         d = cfg.d_model
         self.tgt_embed = nn.Embedding(vocab, d, padding_idx=pad_id)
         self.src_embed = self.tgt_embed  # one vocabulary, one table for x and y
-        self.embed_scale = math.sqrt(d) if cfg.scale_embeddings else 1.0
         self.positions = (nn.Embedding(cfg.max_positions + cfg.position_offset, d)
                           if cfg.positions == "learned" else None)
         self.embed_norm = make_norm(cfg) if cfg.embed_norm else None
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.enc_layers + cfg.dec_layers))
         self.final_norm = make_norm(cfg) if cfg.norm == "pre" else nn.Identity()
-        self.dropout = nn.Dropout(cfg.dropout)
-        self.output_proj = None if cfg.tie_output else nn.Linear(d, vocab, bias=False)
-        self.output_bias = nn.Parameter(torch.zeros(vocab)) if cfg.output_bias else None
+        self.build_embedding_and_output(cfg, vocab)
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        for name, p in self.named_parameters():
-            if p.dim() == 2 and "embed" not in name and "positions" not in name:
-                nn.init.xavier_uniform_(p)
-            elif name.endswith("bias") and p.dim() == 1:
-                nn.init.zeros_(p)
-        nn.init.normal_(self.tgt_embed.weight, std=self.cfg.d_model ** -0.5)
-        if self.positions is not None:
-            nn.init.normal_(self.positions.weight, std=self.cfg.d_model ** -0.5)
-        with torch.no_grad():
-            self.tgt_embed.weight[self.pad_id].zero_()
-
-    @property
-    def device(self) -> torch.device:
-        return self.tgt_embed.weight.device
-
-    @property
-    def needs_attention(self) -> bool:
-        return False
+    def embedding_tables(self) -> list[nn.Embedding]:
+        return [self.tgt_embed] + ([self.positions] if self.positions is not None else [])
 
     # ------------------------------------------------------------------ #
     def _embed(self, tokens: Tensor, pos: Tensor) -> Tensor:
-        """x = Dropout(Norm(E[tokens] * scale + P[pos])); pos (B, L) position ids."""
-        x = self.tgt_embed(tokens) * self.embed_scale
+        """x = Dropout(Norm(E[tokens] s_E + P[pos])) (see ModelBase.embed); pos (B, L) position ids."""
         if self.positions is None:
-            table = sinusoidal_table(pos.reshape(-1), self.cfg.d_model).view(*pos.shape, -1)
+            P = sinusoidal_table(pos.reshape(-1), self.cfg.d_model).view(*pos.shape, -1)  # (B, L, d_model)
         else:
             if int(pos.max()) >= self.cfg.max_positions:
                 raise ValueError(f"position {int(pos.max())} exceeds model.max_positions={self.cfg.max_positions}")
-            table = self.positions(pos + self.cfg.position_offset)
-        x = x + table.to(x.dtype)
-        if self.embed_norm is not None:
-            x = self.embed_norm(x)
-        return self.dropout(x)
-
-    def logits(self, h: Tensor) -> Tensor:
-        """z_t = h_t W_U (+ b_U), W_U = E^T when tied."""
-        z = h @ self.tgt_embed.weight.t() if self.output_proj is None else self.output_proj(h)
-        return z if self.output_bias is None else z + self.output_bias
+            P = self.positions(pos + self.cfg.position_offset)  # (B, L, d_model)
+        return self.embed(tokens, self.tgt_embed, P, self.embed_norm)
 
     def _stack(self, x: Tensor, mask: Tensor, caches: Optional[list[LayerCache]] = None) -> Tensor:
         for i, layer in enumerate(self.layers):
@@ -130,20 +102,19 @@ class DecoderOnlyLM(nn.Module):
         return self.logits(h if keep is None else h[keep])
 
     # ------------------------------------------------------------------ #
-    def encode(self, src: Tensor) -> tuple[list[LayerCache], Tensor]:
+    def encode(self, src: Tensor) -> EncoderState:
         """Run the prefix once: every layer's cache then holds its K/V, which decoding reuses."""
         B, S = src.shape
         src_mask = padding_mask(src, self.pad_id)  # (B, 1, 1, S)
         pos = torch.arange(S, device=src.device).expand(B, S)
         caches = [LayerCache(cross_k=None, cross_v=None) for _ in self.layers]
         self._stack(self._embed(src, pos), lm_mask(self.cfg.arch, S, S, src.device) + src_mask, caches)
-        return caches, src_mask
+        return EncoderState(src=src, src_mask=src_mask, prefix=caches)
 
-    def start_decoding(self, caches: list[LayerCache], src_mask: Tensor,
-                       src: Optional[Tensor] = None) -> DecoderCache:
+    def start_decoding(self, enc: EncoderState) -> DecoderCache:
         """The prefix's caches, its padding mask and real lengths (where y's positions start)."""
-        src_len = (src_mask[:, 0, 0, :] == 0).sum(1)  # (B,)
-        return DecoderCache(layers=caches, src_mask=src_mask, src_len=src_len)
+        src_len = (enc.src_mask[:, 0, 0, :] == 0).sum(1)  # (B,)
+        return DecoderCache(layers=enc.prefix, src_mask=enc.src_mask, src_len=src_len)
 
     def decode_step(self, y_prev: Tensor, cache: DecoderCache, need_weights: bool = False,
                     need_last: bool = False) -> tuple[Tensor, list]:

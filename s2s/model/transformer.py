@@ -3,16 +3,15 @@
     Enc: x -> H_enc (B, S, d_model)                      runs once per input
     Dec: (y_<t, H_enc) -> p_t = softmax(h_t W_U)        runs per output token
 
-Three entry points, no hidden state:
-    encode(src)                      -> h_enc, src_mask
+The entry points of :class:`~s2s.model.interface.S2SModel`, no hidden state:
+    encode(src)                      -> EncoderState        H_enc (B, S, d_model), src_mask
     forward(src, tgt_in)             -> logits (B, T, V)    teacher forcing
-    start_decoding(h_enc, src_mask)  -> DecoderCache        cross-attn K/V, once
+    start_decoding(enc)              -> DecoderCache        cross-attn K/V, once
     decode_step(y_prev, cache)       -> logits (B, V)       one step, cache grows
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -21,12 +20,14 @@ from torch import Tensor, nn
 
 from s2s.config import ModelConfig
 from s2s.model.attention import causal_mask, padding_mask
+from s2s.model.base import ModelBase
 from s2s.model.cache import DecoderCache, LayerCache
+from s2s.model.interface import EncoderState
 from s2s.model.layers import DecoderLayer, EncoderLayer, make_norm
 from s2s.model.positions import LearnedPositions, RelativePositionBias, SinusoidalPositions
 
 
-class Seq2SeqTransformer(nn.Module):
+class Seq2SeqTransformer(ModelBase):
     def __init__(self, cfg: ModelConfig, src_vocab: int, tgt_vocab: int, pad_id: int = 0):
         super().__init__()
         if cfg.share_embeddings and src_vocab != tgt_vocab:
@@ -37,7 +38,6 @@ class Seq2SeqTransformer(nn.Module):
         self.src_embed = nn.Embedding(src_vocab, d, padding_idx=pad_id)
         self.tgt_embed = self.src_embed if cfg.share_embeddings else nn.Embedding(
             tgt_vocab, d, padding_idx=pad_id)
-        self.embed_scale = math.sqrt(d) if cfg.scale_embeddings else 1.0
 
         self.enc_positions: Optional[nn.Module] = None
         self.dec_positions: Optional[nn.Module] = None
@@ -69,41 +69,21 @@ class Seq2SeqTransformer(nn.Module):
         # pre-norm stacks end with a norm (their residual stream is never normalized otherwise)
         self.enc_final_norm = make_norm(cfg) if pre_norm else nn.Identity()
         self.dec_final_norm = make_norm(cfg) if pre_norm else nn.Identity()
-        self.dropout = nn.Dropout(cfg.dropout)
-        self.output_proj = None if cfg.tie_output else nn.Linear(d, tgt_vocab, bias=False)
-        self.output_bias = nn.Parameter(torch.zeros(tgt_vocab)) if cfg.output_bias else None
-        self.output_scale = d ** -0.5 if cfg.scale_output else 1.0
+        self.build_embedding_and_output(cfg, tgt_vocab)
         self.reset_parameters()
 
-    # ------------------------------------------------------------------ #
-    def reset_parameters(self) -> None:
-        for name, p in self.named_parameters():
-            if p.dim() == 2 and "embed" not in name and "positions" not in name and "rel_bias" not in name:
-                nn.init.xavier_uniform_(p)
-            elif name.endswith("bias") and p.dim() == 1:
-                nn.init.zeros_(p)
-        for emb in {id(self.src_embed): self.src_embed, id(self.tgt_embed): self.tgt_embed}.values():
-            nn.init.normal_(emb.weight, std=self.cfg.d_model ** -0.5)
-            with torch.no_grad():
-                emb.weight[self.pad_id].zero_()
-
-    @property
-    def device(self) -> torch.device:
-        return self.src_embed.weight.device
+    def embedding_tables(self) -> list[nn.Embedding]:
+        return list({id(self.src_embed): self.src_embed, id(self.tgt_embed): self.tgt_embed}.values())
 
     # ------------------------------------------------------------------ #
     def _embed(self, tokens: Tensor, table: nn.Embedding, positions: Optional[nn.Module],
                norm: Optional[nn.Module], start: int = 0) -> Tensor:
-        """x = Dropout(Norm(E[tokens] * scale + P[start:start+L])), Norm only with model.embed_norm."""
-        x = table(tokens) * self.embed_scale  # (B, L, d_model)
-        if positions is not None:
-            x = x + positions(tokens.size(1), start, device=tokens.device).to(x.dtype)
-        if norm is not None:
-            x = norm(x)
-        return self.dropout(x)
+        """x = Dropout(Norm(E[tokens] s_E + P[start:start+L])) of one stack (see ModelBase.embed)."""
+        P = None if positions is None else positions(tokens.size(1), start, device=tokens.device)  # (L, d_model)
+        return self.embed(tokens, table, P, norm)
 
-    def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
-        """src (B, S) token ids -> (h_enc (B, S, d_model), src_mask (B, 1, 1, S))."""
+    def encode(self, src: Tensor) -> EncoderState:
+        """src (B, S) token ids -> H_enc (B, S, d_model) and src_mask (B, 1, 1, S)."""
         src_mask = padding_mask(src, self.pad_id)  # (B, 1, 1, S)
         mask = src_mask
         if self.enc_rel_bias is not None:
@@ -112,7 +92,7 @@ class Seq2SeqTransformer(nn.Module):
         x = self._embed(src, self.src_embed, self.enc_positions, self.enc_embed_norm)
         for layer in self.encoder_layers:
             x = layer(x, mask)
-        return self.enc_final_norm(x), src_mask
+        return EncoderState(src=src, src_mask=src_mask, h_enc=self.enc_final_norm(x))
 
     def _self_mask(self, T_q: int, T_k: int, start: int, device) -> Optional[Tensor]:
         """Causal mask for queries start..start+T_q-1 over keys 0..T_k-1 (+ T5 bias)."""
@@ -124,14 +104,6 @@ class Seq2SeqTransformer(nn.Module):
             bias = self.dec_rel_bias(T_q, T_k, start, device=device)  # (1, heads, T_q, T_k)
             mask = bias if mask is None else bias + mask
         return mask
-
-    def logits(self, h: Tensor) -> Tensor:
-        """z_t = (s h_t) W_U + b_U, with W_U = E^T when tied, s = 1/sqrt(d) with
-        model.scale_output (else 1), b_U with model.output_bias.   (B, T, d) -> (B, T, V)."""
-        if self.output_scale != 1.0:
-            h = h * self.output_scale
-        z = h @ self.tgt_embed.weight.t() if self.output_proj is None else self.output_proj(h)
-        return z if self.output_bias is None else z + self.output_bias
 
     def copy_log_probs(self, z: Tensor, h: Tensor, x_in: Tensor, a: Tensor, h_enc: Tensor,
                        src: Tensor) -> Tensor:
@@ -155,11 +127,6 @@ class Seq2SeqTransformer(nn.Module):
                                float("-inf")) + F.logsigmoid(-g)
         return torch.logaddexp(log_gen, log_copy)
 
-    @property
-    def needs_attention(self) -> bool:
-        """Copy and coverage use the last decoder layer's cross-attention."""
-        return self.cfg.copy or self.cfg.coverage
-
     def _decoder_stack(self, x: Tensor, cross_kv: list, self_mask: Optional[Tensor], src_mask: Tensor,
                        caches: list, need_weights: bool, need_last: bool,
                        coverage: Optional[Tensor], group: int = 1) -> tuple[Tensor, list, Optional[Tensor]]:
@@ -172,27 +139,28 @@ class Seq2SeqTransformer(nn.Module):
             weights.append(A)
         return self.dec_final_norm(x), weights, cov
 
-    def decode(self, tgt_in: Tensor, h_enc: Tensor, src_mask: Tensor, need_weights: bool = False,
-               src: Optional[Tensor] = None, keep: Optional[Tensor] = None) -> tuple[Tensor, list]:
+    def decode(self, tgt_in: Tensor, enc: EncoderState, need_weights: bool = False,
+               keep: Optional[Tensor] = None) -> tuple[Tensor, list]:
         """Teacher-forced decoder over the whole shifted target at once.
 
         tgt_in (B, T) -> scores (B, T, V) and, with ``need_weights``, the
         cross-attention weights of every layer [(B, heads, T, S)].  The scores
         are the logits z, or with ``model.copy`` the log-probabilities log P
-        of the pointer-generator (which needs the source ids ``src``).  With
+        of the pointer-generator (which reads the source ids ``enc.src``).  With
         ``keep`` (B, T) bool, only the scores (n, V) of the n kept positions (the
         real, non-pad targets): the output projection skips the padding.
         """
         B, T = tgt_in.shape
+        h_enc = enc.h_enc
         self_mask = self._self_mask(T, T, 0, tgt_in.device)
         x_in = self._embed(tgt_in, self.tgt_embed, self.dec_positions, self.dec_embed_norm)
         cross_kv = [layer.cross_attn.project_kv(h_enc) for layer in self.decoder_layers]  # (B, heads, S, d_head)
         coverage = h_enc.new_zeros(B, h_enc.size(1), dtype=torch.float32) if self.cfg.coverage else None
-        h, weights, _ = self._decoder_stack(x_in, cross_kv, self_mask, src_mask, [None] * len(cross_kv),
+        h, weights, _ = self._decoder_stack(x_in, cross_kv, self_mask, enc.src_mask, [None] * len(cross_kv),
                                             need_weights, self.needs_attention, coverage)
         if keep is not None and not self.cfg.copy:
             return self.logits(h[keep]), weights  # (n, V)
-        scores = self._scores(h, x_in, weights[-1], h_enc, src)
+        scores = self._scores(h, x_in, weights[-1], h_enc, enc.src)
         return (scores if keep is None else scores[keep]), weights
 
     def _scores(self, h: Tensor, x_in: Tensor, A_last: Optional[Tensor], h_enc: Tensor,
@@ -210,17 +178,17 @@ class Seq2SeqTransformer(nn.Module):
         (logits, or log P with copy); with ``keep`` (B, T) bool only those positions' (n, V).
         With ``return_attention`` also the last decoder layer's cross-attention averaged
         over heads, a (B, T, S), for the coverage loss."""
-        h_enc, src_mask = self.encode(src)
+        enc = self.encode(src)
         if not return_attention:
-            return self.decode(tgt_in, h_enc, src_mask, src=src, keep=keep)[0]
-        scores, weights = self.decode(tgt_in, h_enc, src_mask, need_weights=not self.needs_attention,
-                                      src=src, keep=keep)
+            return self.decode(tgt_in, enc, keep=keep)[0]
+        scores, weights = self.decode(tgt_in, enc, need_weights=not self.needs_attention, keep=keep)
         return scores, weights[-1].mean(1)
 
     # ------------------------------------------------------------------ #
-    def start_decoding(self, h_enc: Tensor, src_mask: Tensor, src: Optional[Tensor] = None) -> DecoderCache:
+    def start_decoding(self, enc: EncoderState) -> DecoderCache:
         """Cross-attention K/V of every layer, computed once from H_enc (and, for copy
         and coverage, the source ids, H_enc and the coverage c^0 = 0)."""
+        h_enc, src_mask, src = enc.h_enc, enc.src_mask, enc.src
         layers = []
         for layer in self.decoder_layers:
             k, v = layer.cross_attn.project_kv(h_enc)  # (B, heads, S, d_head)

@@ -1,0 +1,91 @@
+"""What both architectures share: the token embedding in, the output head out,
+and the initialisation (formula sheet, Lesson 5).
+
+    x_t = Dropout(Norm(E[y_t] s_E + P_t))     s_E = sqrt(d_model) with model.scale_embeddings, else 1;
+                                              Norm only with model.embed_norm
+    z_t = (s_U h_t) W_U + b_U                 W_U = E^T with model.tie_output, else its own (d_model, V);
+                                              s_U = 1 / sqrt(d_model) with model.scale_output, else 1;
+                                              b_U with model.output_bias
+
+The parameters keep the names they have always had (``tgt_embed``,
+``output_proj``, ``output_bias``) on the model itself, so model directories,
+the Hugging Face and CTranslate2 converters read the same keys.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from s2s.config import ModelConfig
+
+
+class ModelBase(nn.Module):
+    """The shared ends of :class:`Seq2SeqTransformer` and :class:`DecoderOnlyLM`.
+
+    A subclass builds its embedding tables first (``tgt_embed`` is the output's
+    E), then its stacks, then calls :meth:`build_embedding_and_output` last, so that the
+    parameters are created (and drawn from the RNG) in one fixed order.
+    """
+
+    cfg: ModelConfig
+    pad_id: int
+    tgt_embed: nn.Embedding
+
+    def build_embedding_and_output(self, cfg: ModelConfig, vocab: int) -> None:
+        """s_E and the embedding dropout, W_U (None when tied to E), b_U and s_U of the formulas above."""
+        d = cfg.d_model
+        self.embed_scale = math.sqrt(d) if cfg.scale_embeddings else 1.0
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.output_proj = None if cfg.tie_output else nn.Linear(d, vocab, bias=False)
+        self.output_bias = nn.Parameter(torch.zeros(vocab)) if cfg.output_bias else None
+        self.output_scale = d ** -0.5 if cfg.scale_output else 1.0
+
+    def embed(self, tokens: Tensor, table: nn.Embedding, P: Optional[Tensor],
+              norm: Optional[nn.Module]) -> Tensor:
+        """x = Dropout(Norm(E[tokens] s_E + P)): tokens (B, L), P broadcast to (B, L, d_model)
+        or None (relative positions) -> x (B, L, d_model)."""
+        x = table(tokens) * self.embed_scale  # (B, L, d_model)
+        if P is not None:
+            x = x + P.to(x.dtype)
+        if norm is not None:
+            x = norm(x)
+        return self.dropout(x)
+
+    def logits(self, h: Tensor) -> Tensor:
+        """z_t = (s_U h_t) W_U + b_U, W_U = E^T when tied.   (..., d_model) -> (..., V)."""
+        if self.output_scale != 1.0:
+            h = h * self.output_scale
+        z = h @ self.tgt_embed.weight.t() if self.output_proj is None else self.output_proj(h)
+        return z if self.output_bias is None else z + self.output_bias
+
+    def embedding_tables(self) -> Iterable[nn.Embedding]:
+        """The tables :meth:`reset_parameters` draws from N(0, 1/d_model), each once."""
+        return [self.tgt_embed]
+
+    def reset_parameters(self) -> None:
+        """Matrices ~ Xavier-uniform, biases = 0, embedding tables ~ N(0, 1/d_model) with
+        the pad row 0; position tables and relative biases are not matrices of the stacks
+        (they keep their own initialisation unless listed in :meth:`embedding_tables`)."""
+        for name, p in self.named_parameters():
+            if p.dim() == 2 and "embed" not in name and "positions" not in name and "rel_bias" not in name:
+                nn.init.xavier_uniform_(p)
+            elif name.endswith("bias") and p.dim() == 1:
+                nn.init.zeros_(p)
+        for table in self.embedding_tables():
+            nn.init.normal_(table.weight, std=self.cfg.d_model ** -0.5)
+        with torch.no_grad():
+            for table in {id(self.src_embed): self.src_embed, id(self.tgt_embed): self.tgt_embed}.values():
+                table.weight[self.pad_id].zero_()
+
+    @property
+    def device(self) -> torch.device:
+        return self.tgt_embed.weight.device
+
+    @property
+    def needs_attention(self) -> bool:
+        """Copy and coverage read the last decoder layer's cross-attention."""
+        return self.cfg.copy or self.cfg.coverage
