@@ -160,6 +160,26 @@ def test_cross_attention_rows_sum_to_one_and_ignore_padding(positions, norm):
     assert model.decode(tgt, enc)[1] == [None] * model.cfg.dec_layers
 
 
+@pytest.mark.parametrize("coverage", [False, True])
+@torch.no_grad()
+def test_decoder_layer_returns_the_same_type_whatever_it_is_asked(coverage):
+    """DecoderLayer.forward -> (x, A): A (B, heads, T, S) with need_weights, else None; a
+    coverage layer too (its coverage goes to its cache entry, not to the caller)."""
+    model = make_model(coverage=coverage)
+    src = right_pad([tokens(5, seed=70), tokens(3, seed=71)])  # (2, 5)
+    tgt = tokens(2, 4, seed=72)
+    x = model._embed(tgt, model.tgt_embed, model.dec_positions, model.dec_embed_norm)
+    mask = model._self_mask(4, 4, 0, None)
+    enc = model.encode(src)
+    layer = model.decoder_layers[-1]
+    for need in (False, True):
+        cache = model.start_decoding(enc)
+        out = layer(x, mask, enc.src_mask, cache.layers[-1], need_weights=need)
+        assert isinstance(out, tuple) and len(out) == 2 and out[0].shape == (2, 4, 32)
+        assert (out[1] is None) != need and (not need or out[1].shape == (2, 4, 4, 5))
+        assert (cache.layers[-1].coverage is not None) == coverage
+
+
 # --------------------------------------------------------------------------- #
 # Incremental decoding with the cache
 # --------------------------------------------------------------------------- #

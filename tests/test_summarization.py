@@ -67,12 +67,9 @@ def test_p_gen_one_is_the_vocabulary_distribution():
         model.p_gen_proj.weight.zero_()
         model.p_gen_proj.bias.fill_(1e4)
     src, tgt_in = batch()
-    enc = model.encode(src)
-    h_enc, src_mask = enc.h_enc, enc.src_mask
     x = model._embed(tgt_in, model.tgt_embed, model.dec_positions, model.dec_embed_norm)
-    cross = [layer.cross_attn.project_kv(h_enc) for layer in model.decoder_layers]
-    h, _, _ = model._decoder_stack(x, cross, model._self_mask(4, 4, 0, None), src_mask, [None] * 2,
-                                   False, True, None)
+    cache = model.start_decoding(model.encode(src))
+    h, _ = model._decoder_stack(x, model._self_mask(4, 4, 0, None), cache, need_weights=False, need_last=False)
     torch.testing.assert_close(model(src, tgt_in), torch.log_softmax(model.logits(h), -1))
 
 
@@ -112,6 +109,25 @@ def test_incremental_decoding_matches_teacher_forcing(coverage):
     for t in range(2, 4):
         got = model.decode_step(swapped[:, t:t + 1], cache)[0]
         torch.testing.assert_close(got[1], full[0, t], rtol=1e-4, atol=1e-5)
+
+
+@torch.no_grad()
+def test_coverage_lives_in_the_last_layer_cache_entry():
+    """c^t = sum_{t' < t} mean_heads(A_t'): after two steps the last layer's cache entry holds the
+    sum of the first two teacher-forced attention rows, also after the rows are reordered;
+    no other entry holds coverage."""
+    model = copy_model(coverage=True)
+    src, tgt_in = batch()
+    a = _copy_attention(model, src, tgt_in)  # (B, T, S)
+    cache = model.start_decoding(model.encode(src))
+    assert [lc.coverage is None for lc in cache.layers] == [True, False]
+    torch.testing.assert_close(cache.layers[-1].coverage, torch.zeros(2, 5))  # c^1 = 0
+    for t in range(2):
+        model.decode_step(tgt_in[:, t:t + 1], cache)
+    torch.testing.assert_close(cache.layers[-1].coverage, a[:, :2].sum(1))
+    cache.select(torch.tensor([1, 0]))
+    torch.testing.assert_close(cache.layers[-1].coverage, a[[1, 0], :2].sum(1))
+    assert cache.layers[0].coverage is None
 
 
 def test_beam_search_on_a_copy_model():

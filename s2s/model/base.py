@@ -1,5 +1,5 @@
 """What both architectures share: the token embedding in, the output head out,
-and the initialisation (formula sheet, Lesson 5).
+and the initialisation (docs/model.md (14), (19), (21)).
 
     x_t = Dropout(Norm(E[y_t] s_E + P_t))     s_E = sqrt(d_model) with model.scale_embeddings, else 1;
                                               Norm only with model.embed_norm

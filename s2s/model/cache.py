@@ -5,7 +5,9 @@ Per decoder layer it holds
     one position per step (the prefix is never recomputed), and
   * the cross-attention K/V, computed once from H_enc and fixed for all steps
     (docs/model.md (28)),
-plus the source padding mask.  ``select(index)`` reorders (or shrinks) every
+plus the source padding mask.  A coverage model's last layer also holds the
+coverage c^t = sum_{t' < t} A_t' of its cross-attention, which grows by one
+step's attention per step.  ``select(index)`` reorders (or shrinks) every
 tensor along the batch dimension at once: beams that survive a step, or
 sentences that are still being decoded.
 
@@ -31,6 +33,7 @@ class LayerCache:
     cross_v: Optional[Tensor]  # (B / group, heads, S, d_head)
     self_k: Optional[Tensor] = None  # (B, heads, t, d_head)
     self_v: Optional[Tensor] = None  # (B, heads, t, d_head)
+    coverage: Optional[Tensor] = None  # (B, S) c^t, fp32: the last layer of a model.coverage model
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Add these positions' self-attention K/V (B, heads, n, d_head); return all of them."""
@@ -49,7 +52,6 @@ class DecoderCache:
     step: int = 0  # number of target positions already decoded
     src: Optional[Tensor] = None  # (B, S) source ids, for copying (model.copy)
     h_enc: Optional[Tensor] = None  # (B, S, d_model), for the copy context vector (model.copy)
-    coverage: Optional[Tensor] = None  # (B, S) c^t = sum of the attention so far (model.coverage)
     src_len: Optional[Tensor] = None  # (B,) real prefix lengths (one stack over [x; y]: y's positions)
     group: int = 1  # consecutive rows per sentence (its beams); the cross K/V have B / group rows
 
@@ -76,8 +78,6 @@ class DecoderCache:
         if self.src is not None:
             self.src = self.src.index_select(0, index)
             self.h_enc = self.h_enc.index_select(0, index)
-        if self.coverage is not None:
-            self.coverage = self.coverage.index_select(0, index)
         if self.src_len is not None:
             self.src_len = self.src_len.index_select(0, index)
         for layer in self.layers:
@@ -87,3 +87,5 @@ class DecoderCache:
             if layer.self_k is not None:
                 layer.self_k = layer.self_k.index_select(0, index)
                 layer.self_v = layer.self_v.index_select(0, index)
+            if layer.coverage is not None:
+                layer.coverage = layer.coverage.index_select(0, index)

@@ -113,24 +113,25 @@ class DecoderLayer(nn.Module):
         self.norm3 = make_norm(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def _self_attn(self, x: Tensor, self_mask: Optional[Tensor], cache: Optional[LayerCache]) -> Tensor:
+    def _self_attn(self, x: Tensor, self_mask: Optional[Tensor], cache: LayerCache) -> Tensor:
         q, k, v = self.self_attn.project_qkv(x)  # (B, heads, T, d_head)
-        if cache is not None:
-            k, v = cache.append(k, v)  # (B, heads, t+T, d_head): the prefix is reused
+        k, v = cache.append(k, v)  # (B, heads, t+T, d_head): the prefix is reused
         return self.self_attn.attend(q, k, v, self_mask)[0]
 
-    def _cross_attn(self, x: Tensor, cross_k: Tensor, cross_v: Tensor, src_mask: Tensor,
-                    need_weights: bool, coverage: Optional[Tensor], group: int = 1
-                    ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
-        """``group`` G: x has G rows (beams) per sentence, cross_k/v one (src_mask one per row)."""
+    def _cross_attn(self, x: Tensor, src_mask: Tensor, cache: LayerCache, group: int,
+                    need_weights: bool) -> tuple[Tensor, Optional[Tensor]]:
+        """Q from x, K/V from the cache (one per sentence: ``group`` G rows of x, a sentence's
+        beams, share them; src_mask has one row per row of x).  A coverage layer also
+        advances the cache's coverage c^t over these T positions."""
         q = self.cross_attn.project_q(x)  # (B, heads, T, d_head)
         if self.w_cov is None:
-            h, A = self.cross_attn.attend(q, cross_k, cross_v, src_mask[::group], need_weights,
+            return self.cross_attn.attend(q, cache.cross_k, cache.cross_v, src_mask[::group], need_weights,
                                           group)  # A: (B, heads, T, S)
-            return h, A, coverage
+        k, v = cache.cross_k, cache.cross_v
         if group > 1:  # each beam has its own coverage bias: one K/V per row
-            cross_k, cross_v = cross_k.repeat_interleave(group, 0), cross_v.repeat_interleave(group, 0)
-        return self._coverage_attn(q, cross_k, cross_v, src_mask, coverage)
+            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        h, A, cache.coverage = self._coverage_attn(q, k, v, src_mask, cache.coverage)
+        return h, (A if need_weights else None)
 
     def _coverage_attn(self, q: Tensor, k: Tensor, v: Tensor, src_mask: Tensor, c: Tensor
                        ) -> tuple[Tensor, Tensor, Tensor]:
@@ -153,30 +154,27 @@ class DecoderLayer(nn.Module):
         out = torch.cat(outs, dim=2)  # (B, heads, T, d_head)
         return self.cross_attn.out_proj(self.cross_attn.merge_heads(out)), torch.cat(weights, dim=2), c
 
-    def forward(self, x: Tensor, cross_k: Tensor, cross_v: Tensor, self_mask: Optional[Tensor],
-                src_mask: Tensor, cache: Optional[LayerCache] = None, need_weights: bool = False,
-                coverage: Optional[Tensor] = None, group: int = 1
-                ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
-        """x (B, T, d_model); cross_k/v (B / group, heads, S, d_head) from H_enc
-        (``group`` consecutive rows of x, the beams of one sentence, share one).
+    def forward(self, x: Tensor, self_mask: Optional[Tensor], src_mask: Tensor, cache: LayerCache,
+                group: int = 1, need_weights: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+        """x (B, T, d_model) at target positions t..t+T-1; ``cache`` this layer's state
+        (cross K/V from H_enc, the self-attention K/V before t, which x's are appended to,
+        and a coverage layer's c^t, which advances to c^{t+T}); ``group``: see _cross_attn.
 
-        Returns the block output, the cross-attention weights A (B, heads, T, S)
-        (with ``need_weights`` or coverage; else None), and the coverage after
-        this block's positions (a coverage layer: ``coverage`` (B, S) in, c^T out).
+        Returns the block output (B, T, d_model) and, with ``need_weights``, the
+        cross-attention weights A (B, heads, T, S) (else None).
         """
         drop = self.dropout
         if self.pre_norm:
             # 1. target-target causal self-attention
             x = x + drop(self._self_attn(self.norm1(x), self_mask, cache))
             # 2. target-source cross-attention: Q from the decoder, K/V from H_enc
-            h, A, coverage = self._cross_attn(self.norm2(x), cross_k, cross_v, src_mask, need_weights,
-                                              coverage, group)
+            h, A = self._cross_attn(self.norm2(x), src_mask, cache, group, need_weights)
             x = x + drop(h)
             # 3. position-wise feed-forward
             x = x + drop(self.ffn(self.norm3(x)))
         else:
             x = self.norm1(x + drop(self._self_attn(x, self_mask, cache)))
-            h, A, coverage = self._cross_attn(x, cross_k, cross_v, src_mask, need_weights, coverage, group)
+            h, A = self._cross_attn(x, src_mask, cache, group, need_weights)
             x = self.norm2(x + drop(h))
             x = self.norm3(x + drop(self.ffn(x)))
-        return x, A, coverage
+        return x, A

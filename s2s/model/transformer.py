@@ -15,13 +15,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from s2s.config import ModelConfig
 from s2s.model.attention import causal_mask, padding_mask
 from s2s.model.base import ModelBase
 from s2s.model.cache import DecoderCache, LayerCache
+from s2s.model.copy import CopyHead
 from s2s.model.interface import EncoderState
 from s2s.model.layers import DecoderLayer, EncoderLayer, make_norm
 from s2s.model.positions import LearnedPositions, RelativePositionBias, SinusoidalPositions
@@ -64,8 +64,9 @@ class Seq2SeqTransformer(ModelBase):
         self.decoder_layers = nn.ModuleList(
             DecoderLayer(cfg, coverage=cfg.coverage and i == cfg.dec_layers - 1)
             for i in range(cfg.dec_layers))
-        # pointer-generator: p_gen = sigmoid(w_p . [h_t; ctx_t; x_t] + b_p)
+        # the pointer-generator (model.copy): its gate p_gen = sigmoid(w_p . [h_t; ctx_t; x_t] + b_p)
         self.p_gen_proj = nn.Linear(3 * d, 1) if cfg.copy else None
+        self.copy_head = CopyHead() if cfg.copy else None
         # pre-norm stacks end with a norm (their residual stream is never normalized otherwise)
         self.enc_final_norm = make_norm(cfg) if pre_norm else nn.Identity()
         self.dec_final_norm = make_norm(cfg) if pre_norm else nn.Identity()
@@ -105,39 +106,19 @@ class Seq2SeqTransformer(ModelBase):
             mask = bias if mask is None else bias + mask
         return mask
 
-    def copy_log_probs(self, z: Tensor, h: Tensor, x_in: Tensor, a: Tensor, h_enc: Tensor,
-                       src: Tensor) -> Tensor:
-        """The pointer-generator's output distribution (docs/model.md (41)), as log-probabilities:
-
-            P(w)  = p_gen P_vocab(w) + (1 - p_gen) sum_{j: x_j = w} a_tj
-            p_gen = sigmoid(w_p . [h_t; ctx_t; x_t] + b_p),   ctx_t = sum_j a_tj H_enc_j
-
-        z (B, T, V) logits, h (B, T, d) decoder states, x_in (B, T, d) decoder
-        input embeddings, a (B, T, S) copy attention, h_enc (B, S, d), src (B, S)
-        -> log P (B, T, V).  Computed in fp32 as log(p_gen P_vocab) (+) log((1 - p_gen) copy);
-        P is normalized, so softmax and cross-entropy over it leave it unchanged.
-        """
-        a = a.float()
-        ctx = a @ h_enc.float()  # (B, T, d)
-        g = self.p_gen_proj(torch.cat([h, ctx.to(h.dtype), x_in], dim=-1)).float()  # (B, T, 1)
-        log_gen = torch.log_softmax(z.float(), dim=-1) + F.logsigmoid(g)
-        copy = torch.zeros_like(log_gen).scatter_add_(2, src[:, None, :].expand(-1, a.size(1), -1), a)
-        seen = copy > 0  # log 0 = -inf without a NaN gradient
-        log_copy = torch.where(seen, torch.log(torch.where(seen, copy, torch.ones_like(copy))),
-                               float("-inf")) + F.logsigmoid(-g)
-        return torch.logaddexp(log_gen, log_copy)
-
-    def _decoder_stack(self, x: Tensor, cross_kv: list, self_mask: Optional[Tensor], src_mask: Tensor,
-                       caches: list, need_weights: bool, need_last: bool,
-                       coverage: Optional[Tensor], group: int = 1) -> tuple[Tensor, list, Optional[Tensor]]:
-        weights = []
+    def _decoder_stack(self, x: Tensor, self_mask: Optional[Tensor], cache: DecoderCache, need_weights: bool,
+                       need_last: bool) -> tuple[Tensor, list[Optional[Tensor]]]:
+        """The decoder blocks over x (B, T, d_model), each with its cache entry -> the final
+        states (B, T, d_model) and each layer's cross-attention A (B, heads, T, S): every
+        layer's with ``need_weights``; the last one's with ``need_last`` or when copy or
+        coverage reads it; None elsewhere."""
         last = len(self.decoder_layers) - 1
-        for i, (layer, (k, v), lc) in enumerate(zip(self.decoder_layers, cross_kv, caches)):
-            x, A, cov = layer(x, k, v, self_mask, src_mask, cache=lc,
-                              need_weights=need_weights or (need_last and i == last),
-                              coverage=coverage if i == last else None, group=group)
+        want_last = need_last or self.needs_attention
+        weights = []
+        for i, (layer, lc) in enumerate(zip(self.decoder_layers, cache.layers)):
+            x, A = layer(x, self_mask, cache.src_mask, lc, cache.group, need_weights or (want_last and i == last))
             weights.append(A)
-        return self.dec_final_norm(x), weights, cov
+        return self.dec_final_norm(x), weights
 
     def decode(self, tgt_in: Tensor, enc: EncoderState, need_weights: bool = False,
                keep: Optional[Tensor] = None) -> tuple[Tensor, list]:
@@ -150,27 +131,23 @@ class Seq2SeqTransformer(ModelBase):
         ``keep`` (B, T) bool, only the scores (n, V) of the n kept positions (the
         real, non-pad targets): the output projection skips the padding.
         """
-        B, T = tgt_in.shape
-        h_enc = enc.h_enc
+        T = tgt_in.size(1)
         self_mask = self._self_mask(T, T, 0, tgt_in.device)
         x_in = self._embed(tgt_in, self.tgt_embed, self.dec_positions, self.dec_embed_norm)
-        cross_kv = [layer.cross_attn.project_kv(h_enc) for layer in self.decoder_layers]  # (B, heads, S, d_head)
-        coverage = h_enc.new_zeros(B, h_enc.size(1), dtype=torch.float32) if self.cfg.coverage else None
-        h, weights, _ = self._decoder_stack(x_in, cross_kv, self_mask, enc.src_mask, [None] * len(cross_kv),
-                                            need_weights, self.needs_attention, coverage)
+        cache = self.start_decoding(enc)  # all T positions in one step
+        h, weights = self._decoder_stack(x_in, self_mask, cache, need_weights, need_last=False)
         if keep is not None and not self.cfg.copy:
             return self.logits(h[keep]), weights  # (n, V)
-        scores = self._scores(h, x_in, weights[-1], h_enc, enc.src)
+        scores = self._scores(h, x_in, weights[-1], cache)
         return (scores if keep is None else scores[keep]), weights
 
-    def _scores(self, h: Tensor, x_in: Tensor, A_last: Optional[Tensor], h_enc: Tensor,
-                src: Optional[Tensor]) -> Tensor:
+    def _scores(self, h: Tensor, x_in: Tensor, A_last: Optional[Tensor], cache: DecoderCache) -> Tensor:
+        """z = logits(h), or with model.copy the pointer-generator's log P over the last layer's
+        attention averaged over heads."""
         z = self.logits(h)
-        if not self.cfg.copy:
+        if self.copy_head is None:
             return z
-        if src is None:
-            raise ValueError("model.copy: the decoder needs the source ids")
-        return self.copy_log_probs(z, h, x_in, A_last.mean(1), h_enc, src)
+        return self.copy_head(self.p_gen_proj, z, h, x_in, A_last.mean(1), cache.h_enc, cache.src)
 
     def forward(self, src: Tensor, tgt_in: Tensor, return_attention: bool = False,
                 keep: Optional[Tensor] = None):
@@ -186,18 +163,18 @@ class Seq2SeqTransformer(ModelBase):
 
     # ------------------------------------------------------------------ #
     def start_decoding(self, enc: EncoderState) -> DecoderCache:
-        """Cross-attention K/V of every layer, computed once from H_enc (and, for copy
-        and coverage, the source ids, H_enc and the coverage c^0 = 0)."""
-        h_enc, src_mask, src = enc.h_enc, enc.src_mask, enc.src
+        """Cross-attention K/V of every layer, computed once from H_enc (and, for copy,
+        the source ids and H_enc; for coverage, c^0 = 0 in the last layer's entry)."""
+        h_enc = enc.h_enc
         layers = []
         for layer in self.decoder_layers:
             k, v = layer.cross_attn.project_kv(h_enc)  # (B, heads, S, d_head)
             layers.append(LayerCache(cross_k=k, cross_v=v))
-        cache = DecoderCache(layers=layers, src_mask=src_mask)
-        if self.cfg.copy:
-            cache.src, cache.h_enc = src, h_enc
         if self.cfg.coverage:
-            cache.coverage = h_enc.new_zeros(h_enc.shape[:2], dtype=torch.float32)
+            layers[-1].coverage = h_enc.new_zeros(h_enc.shape[:2], dtype=torch.float32)  # (B, S)
+        cache = DecoderCache(layers=layers, src_mask=enc.src_mask)
+        if self.cfg.copy:
+            cache.src, cache.h_enc = enc.src, h_enc
         return cache
 
     def decode_step(self, y_prev: Tensor, cache: DecoderCache, need_weights: bool = False,
@@ -213,13 +190,9 @@ class Seq2SeqTransformer(ModelBase):
         t = cache.step
         self_mask = self._self_mask(1, t + 1, t, y_prev.device)
         x_in = self._embed(y_prev, self.tgt_embed, self.dec_positions, self.dec_embed_norm, start=t)  # (B, 1, d_model)
-        cross_kv = [(lc.cross_k, lc.cross_v) for lc in cache.layers]
-        h, weights, cache.coverage = self._decoder_stack(x_in, cross_kv, self_mask, cache.src_mask,
-                                                         cache.layers, need_weights,
-                                                         need_last or self.needs_attention,
-                                                         cache.coverage, cache.group)
+        h, weights = self._decoder_stack(x_in, self_mask, cache, need_weights, need_last)
         cache.step += 1
-        return self._scores(h, x_in, weights[-1], cache.h_enc, cache.src)[:, -1], weights
+        return self._scores(h, x_in, weights[-1], cache)[:, -1], weights
 
 
 def count_parameters(model: nn.Module) -> int:
