@@ -483,6 +483,31 @@ def info(path: Path = typer.Argument(..., help="A model directory or an experime
     Console().print(table)
 
 
+@app.command()
+def serve(model: Path = typer.Option(..., "-m", "--model", help="Model directory."),
+          host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface)."),
+          port: int = typer.Option(8080, help="Port to listen on (0: a free one, printed on stderr)."),
+          threads: int = typer.Option(0, help="torch threads of the translating worker (0: torch's default)."),
+          max_texts: int = typer.Option(1024, help="Texts per request; more are refused (413)."),
+          max_chars: int = typer.Option(200_000, help="Characters per request; more are refused (413)."),
+          max_beam: int = typer.Option(16, help="The largest beam a request may ask for."),
+          max_queue: int = typer.Option(16_384, help="Texts waiting to be translated; more: 503."),
+          window_ms: float = typer.Option(5.0, help="How long a request waits for others to batch with.")):
+    """Serve translations over HTTP: POST /translate, GET /health, GET /info (pip install 's2s[serve]').
+
+    The model is loaded once; requests arriving together are translated in one batch.
+    SIGTERM or Ctrl-C finish the requests in flight, then exit.
+
+    Example: `s2s serve -m exp/qs --port 8080` then
+    `curl -s localhost:8080/translate -d '{"texts": ["Clipboard management"]}'`
+    """
+    from s2s.serve import ServeLimits, serve as run_serve
+
+    limits = ServeLimits(max_texts=max_texts, max_chars=max_chars, max_beam=max_beam,
+                         max_queued_texts=max_queue, window_ms=window_ms)
+    run_serve(model, host, port, limits, threads)
+
+
 # --------------------------------------------------------------------------- #
 def _detach_stdout() -> None:
     """Point fd 1 at /dev/null so the interpreter's final flush of a dead stdout

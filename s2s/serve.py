@@ -1,0 +1,470 @@
+"""Serving translations over HTTP: ``s2s serve -m MODEL``.
+
+The model is loaded once and owned by one worker thread; the HTTP handlers
+only read, check and queue.  The worker takes the oldest queued request,
+waits out a short batching window from its arrival for company, then gathers
+every queued request with the same decode settings, up to
+``decode.batch_tokens`` source tokens, runs one ``Translator.translate_chunk``
+over all their texts and hands each request its share.  Requests that arrive
+together are thus translated together, sorted by length into token-bounded
+batches as ``s2s translate`` does with a file; a request that waited while the
+worker was busy waits no longer.
+
+    POST /translate  {"texts": ["Hello", ...], "beam": 5, "nbest": 2, "alignments": true, "scores": true}
+                     -> {"translations": [{"text": ..., "score": ..., "alignment": [[j, t], ...],
+                                           "nbest": [{"text": ..., "score": ..., "alignment": ...}, ...]}]}
+    GET  /health     {"status": "ok", "requests": ..., "texts": ..., "batches": ..., "queued_texts": ..., "in_flight": ...}
+    GET  /info       the model's description (``s2s info``), its model.json, decode defaults, limits, counters
+
+Every failure is a one-line JSON body ``{"error": "..."}``: 400 a body that is
+not JSON, 413 a request over a size limit (refused, never queued), 422 a key
+that is unknown or of the wrong type or value, or an empty list, 503 a full
+queue or a server shutting down, 404/405 a wrong path or method.
+``build_app`` turns a Translator into a FastAPI app (for embedding);
+``serve`` loads a model directory and runs it under uvicorn until SIGTERM or
+Ctrl-C, which stop accepting connections, finish the requests in flight, and
+exit (143 after SIGTERM, 130 after Ctrl-C).
+"""
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import socket
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from s2s import __version__
+from s2s.config import DecodeConfig, replace
+from s2s.errors import ConfigError, S2SError
+from s2s.search import Hypothesis
+from s2s.translate import Translation, Translator
+
+log = logging.getLogger("s2s")
+
+REQUEST_KEYS = ("texts", "beam", "nbest", "alignments", "scores")
+
+
+class RequestError(S2SError):
+    """A request refused with HTTP ``status`` and a one-line message naming the key at fault."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """What one request may ask and how much may wait; over a limit is refused, never queued."""
+
+    max_texts: int = 1024  # texts in one request (413 beyond)
+    max_chars: int = 200_000  # characters in one request, all texts together (413 beyond)
+    max_beam: int = 16  # the largest beam a request may ask for (422 beyond)
+    max_queued_texts: int = 16_384  # texts waiting for the worker (503 beyond)
+    window_ms: float = 5.0  # the worker waits this long after a request's arrival for others to join it
+
+    def __post_init__(self) -> None:
+        for name, flag in (("max_texts", "--max-texts"), ("max_chars", "--max-chars"),
+                           ("max_beam", "--max-beam"), ("max_queued_texts", "--max-queue")):
+            if getattr(self, name) < 1:
+                raise S2SError(f"{flag} ({name}): must be >= 1, got {getattr(self, name)}")
+        if self.max_queued_texts < self.max_texts:
+            raise S2SError(f"--max-queue ({self.max_queued_texts}) is smaller than --max-texts "
+                           f"({self.max_texts}): a full-size request could never be queued")
+        if not 0 <= self.window_ms <= 1000:
+            raise S2SError(f"--window-ms (window_ms): must be in [0, 1000], got {self.window_ms}")
+
+    @property
+    def max_body_bytes(self) -> int:
+        """A body that can hold max_chars characters: 12 bytes each at worst (a JSON
+        escaped surrogate pair, \\ud83d\\ude42), plus 64 KiB for the rest."""
+        return 12 * self.max_chars + 65_536
+
+
+# --------------------------------------------------------------------------- #
+# requests and responses
+@dataclass(frozen=True)
+class SearchRequest:
+    """The per-request settings that change the search: requests batch together only when equal."""
+
+    beam: int
+    nbest: int
+    alignments: bool
+
+
+@dataclass(frozen=True)
+class TranslateRequest:
+    texts: list[str]
+    search: SearchRequest
+    scores: bool  # only shapes the response
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def parse_request(body: bytes, decode: DecodeConfig, limits: ServeLimits,
+                  can_align: bool = True) -> TranslateRequest:
+    """Check a POST /translate body; ``decode`` gives the defaults of beam and nbest."""
+    try:
+        data = json.loads(body)
+    except ValueError as e:  # UnicodeDecodeError too
+        raise RequestError(400, f"request body: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise RequestError(422, f"request body: expected a JSON object with a key texts, got {_type_name(data)}")
+    for key in data:
+        if key not in REQUEST_KEYS:
+            raise RequestError(422, f"{key}: unknown key (valid keys: {', '.join(REQUEST_KEYS)})")
+    if "texts" not in data:
+        raise RequestError(422, "texts: missing (a list of strings to translate)")
+    texts = data["texts"]
+    if not isinstance(texts, list):
+        raise RequestError(422, f"texts: expected a list of strings, got {_type_name(texts)}")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise RequestError(422, f"texts[{i}]: expected a string, got {_type_name(text)}")
+    if not texts:
+        raise RequestError(422, "texts: empty list, nothing to translate")
+    if len(texts) > limits.max_texts:
+        raise RequestError(413, f"texts: {len(texts)} texts, over this server's limit of "
+                                f"{limits.max_texts} per request")
+    chars = sum(len(t) for t in texts)
+    if chars > limits.max_chars:
+        raise RequestError(413, f"texts: {chars} characters, over this server's limit of "
+                                f"{limits.max_chars} per request")
+    for key in ("beam", "nbest"):
+        value = data.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise RequestError(422, f"{key}: expected an integer, got {_type_name(value)}")
+    for key in ("alignments", "scores"):
+        if not isinstance(data.get(key, False), bool):
+            raise RequestError(422, f"{key}: expected true or false, got {_type_name(data[key])}")
+    beam = decode.beam if data.get("beam") is None else data["beam"]
+    nbest = decode.nbest if data.get("nbest") is None else data["nbest"]
+    if beam > limits.max_beam:
+        raise RequestError(422, f"beam: {beam} is over this server's limit of {limits.max_beam}")
+    try:
+        replace(decode, "", beam=beam, nbest=nbest)
+    except ConfigError as e:
+        raise RequestError(422, str(e).removeprefix("decode.")) from None
+    alignments = data.get("alignments", False)
+    if alignments and not can_align:
+        raise RequestError(422, "alignments: this model has no cross-attention to align with")
+    return TranslateRequest(texts, SearchRequest(beam, nbest, alignments), data.get("scores", False))
+
+
+def hypothesis_json(text: str, h: Optional[Hypothesis], scores: bool, alignments: bool) -> dict:
+    """One hypothesis; an empty input's is empty text scored 0 (log 1), as `translate --nbest` prints."""
+    out: dict[str, Any] = {"text": text}
+    if scores:
+        out["score"] = h.score if h is not None else 0.0
+    if alignments:
+        out["alignment"] = [[j, t] for j, t in (h.alignment or [])] if h is not None else []
+    return out
+
+
+def translation_json(t: Translation, request: TranslateRequest) -> dict:
+    """The best hypothesis's fields, and with nbest > 1 all of them best first under "nbest"."""
+    hyps = list(zip(t.texts, t.hypotheses)) or [("", None)]
+    scores, alignments = request.scores, request.search.alignments
+    out = hypothesis_json(*hyps[0], scores, alignments)
+    if request.search.nbest > 1:
+        out["nbest"] = [hypothesis_json(text, h, scores, alignments) for text, h in hyps]
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# the batching queue
+@dataclass
+class _Job:
+    texts: list[str]
+    search: SearchRequest
+    future: Future
+    arrived: float  # time.monotonic() at submit
+    n_tokens: Optional[int] = None  # source tokens, counted by the worker
+
+
+@dataclass
+class QueueStats:
+    requests: int = 0  # answered (or failed)
+    texts: int = 0
+    batches: int = 0  # translate calls, each over one group of requests
+    queued_texts: int = 0
+    in_flight: int = 0  # submitted, not yet answered
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class BatchingQueue:
+    """Requests in, one model-owning worker thread, a Future per request.
+
+    ``submit`` queues a request's texts and returns a Future of its
+    Translations (in order); the worker groups queued requests with equal
+    ``SearchRequest`` into one ``translate_chunk`` call of at most
+    ``batch_tokens`` source tokens (a single larger request goes alone), after
+    waiting up to ``window_s`` from the oldest one's arrival for others to join.
+    ``close`` refuses new requests, finishes the queued ones and stops the worker.
+    """
+
+    def __init__(self, translator: Translator, window_s: float = 0.005, max_queued_texts: int = 16_384,
+                 batch_tokens: Optional[int] = None):
+        self.translator = translator
+        self.base_decode, self.base_alignments = translator.decode, translator.alignments
+        self.window_s = window_s
+        self.max_queued_texts = max_queued_texts
+        self.batch_tokens = batch_tokens or translator.decode.batch_tokens
+        self._pending: deque[_Job] = deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._stats = QueueStats()
+        self._thread = threading.Thread(target=self._run, name="s2s-translate", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stats(self) -> QueueStats:
+        with self._cond:
+            return QueueStats(**asdict(self._stats))
+
+    def submit(self, texts: Sequence[str], search: SearchRequest) -> Future:
+        future: Future = Future()
+        with self._cond:
+            if self._closing:
+                raise RequestError(503, "the server is shutting down")
+            if self._stats.queued_texts + len(texts) > self.max_queued_texts:
+                raise RequestError(503, f"queue full ({self._stats.queued_texts} texts waiting, "
+                                        f"limit {self.max_queued_texts}); retry later")
+            self._pending.append(_Job(list(texts), search, future, time.monotonic()))
+            self._stats.queued_texts += len(texts)
+            self._stats.in_flight += 1
+            self._cond.notify()
+        return future
+
+    def close(self) -> None:
+        """Refuse new requests, translate the queued ones, stop the worker."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    # -- the worker ------------------------------------------------------- #
+    def _run(self) -> None:
+        while (group := self._next_group()) is not None:
+            self._translate(group)
+
+    def _tokens(self, job: _Job) -> int:
+        if job.n_tokens is None:
+            cap = self.translator.max_input
+            job.n_tokens = sum(min(len(ids), cap) for ids in self.translator.tok.encode_src(job.texts))
+        return job.n_tokens
+
+    def _next_group(self) -> Optional[list[_Job]]:
+        """Block until a request is queued; return it with its batch (None once closed and empty)."""
+        with self._cond:
+            while not self._pending:
+                if self._closing:
+                    return None
+                self._cond.wait()
+            head = self._pending[0]
+            # 1. the batching window: wait for company until head.arrived + window, or a full batch
+            while not self._closing:
+                left = head.arrived + self.window_s - time.monotonic()
+                if left <= 0 or sum(self._tokens(j) for j in self._pending
+                                    if j.search == head.search) >= self.batch_tokens:
+                    break
+                self._cond.wait(left)
+            # 2. the head and every queued request with its settings, up to batch_tokens
+            group, tokens, kept = [], 0, deque()
+            for job in self._pending:
+                if job.search == head.search and (not group or tokens + self._tokens(job) <= self.batch_tokens):
+                    group.append(job)
+                    tokens += self._tokens(job)
+                else:
+                    kept.append(job)
+            self._pending = kept
+            self._stats.queued_texts -= sum(len(j.texts) for j in group)
+            self._stats.batches += 1
+        return group
+
+    def _translate(self, group: list[_Job]) -> None:
+        live = [job for job in group if job.future.set_running_or_notify_cancel()]  # not abandoned
+        try:
+            if live:
+                search = group[0].search
+                self.translator.decode = replace(self.base_decode, "decode.", beam=search.beam, nbest=search.nbest)
+                self.translator.alignments = search.alignments
+                found = self.translator.translate_chunk([t for job in live for t in job.texts])
+                start = 0
+                for job in live:
+                    job.future.set_result(found[start:start + len(job.texts)])
+                    start += len(job.texts)
+        except Exception as e:  # a bug, not a bad request: every request of the group hears of it
+            log.exception("translating a batch of %d requests failed", len(live))
+            for job in live:
+                if not job.future.done():
+                    job.future.set_exception(e)
+        finally:
+            self.translator.decode, self.translator.alignments = self.base_decode, self.base_alignments
+            with self._cond:
+                self._stats.requests += len(group)
+                self._stats.texts += sum(len(j.texts) for j in group)
+                self._stats.in_flight -= len(group)
+
+
+# --------------------------------------------------------------------------- #
+# the HTTP app
+def _require_server_libraries() -> None:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise S2SError(f"s2s serve needs FastAPI and uvicorn ({e.name} is not installed): "
+                       "pip install 's2s[serve]'") from None
+
+
+def model_info(directory: str | Path) -> dict:
+    """A model directory's description: ``s2s info``'s rows, its model.json, its languages."""
+    from s2s.modeldir import describe, load_spec, read_meta
+
+    d = Path(directory)
+    cfg, _ = load_spec(d)
+    return {"model": str(d), "src_lang": cfg.data.src_lang, "tgt_lang": cfg.data.tgt_lang,
+            "description": dict(describe(d)), "model_json": read_meta(d)}
+
+
+async def _read_body(request, limit: int) -> bytes:
+    """The request body, refused (413) as soon as it is known to exceed ``limit`` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise RequestError(413, f"request body: {int(declared)} bytes, over this server's limit of {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(413, f"request body: over this server's limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def build_app(translator: Translator, limits: ServeLimits = ServeLimits(), info: Optional[dict] = None):
+    """A FastAPI app serving ``translator`` through a BatchingQueue, started and drained by
+    the app's lifespan; ``info`` (e.g. :func:`model_info`) is what GET /info describes."""
+    _require_server_libraries()
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+
+    queue = BatchingQueue(translator, limits.window_ms / 1000, limits.max_queued_texts)
+    can_align = translator.model.cfg.arch == "encoder_decoder"
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        queue.start()
+        yield
+        await asyncio.to_thread(queue.close)  # the queued requests are translated first
+        s = queue.stats()
+        log.info("stopped after %d requests (%d texts in %d batches)", s.requests, s.texts, s.batches)
+
+    app = FastAPI(title="s2s", version=__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.queue = queue
+
+    def error(status: int, message: str) -> JSONResponse:
+        return JSONResponse({"error": " ".join(str(message).split())}, status_code=status)
+
+    @app.exception_handler(RequestError)
+    async def refused(_request, e: RequestError):
+        return error(e.status, str(e))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request, e: HTTPException):  # 404, 405
+        return error(e.status_code, f"{_request.method} {_request.url.path}: {e.detail}")
+
+    @app.exception_handler(Exception)
+    async def internal(_request, e: Exception):
+        return error(500, f"internal error ({type(e).__name__}); the server's log has the details")
+
+    @app.post("/translate")
+    async def translate(request: Request):
+        body = await _read_body(request, limits.max_body_bytes)
+        req = parse_request(body, queue.base_decode, limits, can_align)
+        found = await asyncio.wrap_future(queue.submit(req.texts, req.search))
+        return {"translations": [translation_json(t, req) for t in found]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", **queue.stats().as_dict()}
+
+    @app.get("/info")
+    async def describe():
+        return {**(info or {}), "s2s_version": __version__, "decode": asdict(queue.base_decode),
+                "limits": asdict(limits), "stats": queue.stats().as_dict()}
+
+    return app
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port and listening (port 0: a free one, read it from getsockname)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, socket.gaierror) as e:
+        raise S2SError(f"--host {host}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise S2SError(f"{host}:{port}: cannot listen ({e.strerror or e})") from None
+    return sock
+
+
+def uvicorn_server(app):
+    """A uvicorn server for ``app``: no access log, and on shutdown it waits for every
+    request in flight (no graceful-shutdown timeout)."""
+    import uvicorn
+
+    return uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                         timeout_graceful_shutdown=None))
+
+
+def _exit_143(_sig, _frame) -> None:
+    raise SystemExit(143)
+
+
+def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8080,
+          limits: ServeLimits = ServeLimits(), threads: int = 0) -> None:
+    """Load ``model_dir`` once and serve it until SIGTERM (drain, exit 143) or Ctrl-C (drain, 130).
+    ``threads``: torch's intra-op threads for the worker (0: torch's default, one per core)."""
+    _require_server_libraries()
+    import torch
+
+    if threads < 0:
+        raise S2SError(f"--threads: {threads} is negative")
+    if threads:
+        torch.set_num_threads(threads)
+    translator = Translator.from_dir(model_dir)
+    app = build_app(translator, limits, model_info(model_dir))
+    sock = listen_socket(host, port)
+    bound = sock.getsockname()
+    shown = f"[{bound[0]}]" if sock.family == socket.AF_INET6 else bound[0]
+    log.info("serving %s on http://%s:%d (POST /translate, GET /health, GET /info; %d torch threads)",
+             model_dir, shown, bound[1], torch.get_num_threads())
+    # uvicorn takes over SIGTERM and SIGINT, drains, restores these handlers and re-raises the signal
+    previous = signal.signal(signal.SIGTERM, _exit_143)
+    try:
+        uvicorn_server(app).run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sock.close()

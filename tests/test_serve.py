@@ -1,0 +1,274 @@
+"""`s2s serve`: the HTTP API over real loopback sockets, its batching, its refusals, its shutdown."""
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from s2s.serve import ServeLimits, build_app, listen_socket, uvicorn_server  # noqa: E402
+from s2s.translate import Translator  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(prepared, tmp_path_factory) -> Path:
+    from s2s.config import load_config
+    from s2s.trainer import train
+
+    cfg = load_config(prepared, ["train.max_steps=4", "train.validate_every=2"])
+    return train(cfg, tmp_path_factory.mktemp("serve") / "run", show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def dev_lines(corpus) -> list[str]:
+    return (corpus / "dev.en").read_text(encoding="utf-8").splitlines()
+
+
+@contextlib.contextmanager
+def running(translator: Translator, limits: ServeLimits):
+    """The app on a free loopback port, served by uvicorn in a thread; yields (base URL, queue)."""
+    app = build_app(translator, limits, {"model": "test"})
+    sock = listen_socket("127.0.0.1", 0)
+    server = uvicorn_server(app)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.01)
+    try:
+        yield url, app.state.queue
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    """A server with a 50 ms batching window (so that requests sent together surely meet)
+    and small limits; its own Translator (the worker changes its decode settings)."""
+    limits = ServeLimits(max_texts=40, max_chars=3000, max_beam=4, max_queued_texts=400, window_ms=50)
+    with running(Translator.from_dir(model_dir), limits) as (url, queue):
+        yield url, queue
+
+
+def http(url: str, body=None, method=None) -> tuple[int, str]:
+    """(status, body text) of one request; ``body``: bytes as they are, anything else as JSON."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"} if data is not None else {})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def translate(url: str, **request) -> list[dict]:
+    status, text = http(url + "/translate", request)
+    assert status == 200, text
+    return json.loads(text)["translations"]
+
+
+# --------------------------------------------------------------------------- #
+def test_outputs_equal_the_translators(server, model_dir, dev_lines):
+    url, _ = server
+    lines = dev_lines[:12] + ["", "Clipboard management"]
+    expected = Translator.from_dir(model_dir).translate(lines)
+    assert [t["text"] for t in translate(url, texts=lines)] == expected
+    assert set(translate(url, texts=lines[:1])[0]) == {"text"}  # scores, alignments, nbest on request only
+
+
+def test_nbest_scores_and_alignments_equal_the_translators(server, model_dir, dev_lines):
+    url, _ = server
+    lines = dev_lines[:5] + [""]
+    reference = Translator.from_dir(model_dir, beam=3, nbest=2)
+    reference.alignments = True
+    want = reference.translate_chunk(lines)
+    got = translate(url, texts=lines, beam=3, nbest=2, scores=True, alignments=True)
+    assert len(got) == len(lines)
+    for t, g in zip(want[:5], got[:5]):
+        hyps = [{"text": text, "score": h.score, "alignment": [list(a) for a in h.alignment]}
+                for text, h in zip(t.texts, t.hypotheses)]
+        assert g == {**hyps[0], "nbest": hyps}
+    assert got[5] == {"text": "", "score": 0.0, "alignment": [], "nbest": [{"text": "", "score": 0.0, "alignment": []}]}
+
+
+def test_concurrent_requests_are_answered_correctly_and_batched(server, model_dir, dev_lines):
+    url, queue = server
+    greedy = Translator.from_dir(model_dir, beam=1)
+    default = Translator.from_dir(model_dir)
+    jobs = [([dev_lines[i]], 1 if i % 2 else None) for i in range(8)]  # two decode settings, interleaved
+    jobs.append((dev_lines[8:11], None))
+    want = [(greedy if beam else default).translate(lines) for lines, beam in jobs]
+    before = queue.stats()
+    got: list = [None] * len(jobs)
+    start = threading.Barrier(len(jobs))
+
+    def client(k: int) -> None:
+        lines, beam = jobs[k]
+        start.wait()
+        got[k] = [t["text"] for t in translate(url, texts=lines, **({"beam": beam} if beam else {}))]
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == want
+    after = queue.stats()
+    assert after.requests - before.requests == len(jobs)
+    assert after.texts - before.texts == sum(len(lines) for lines, _ in jobs)
+    assert 2 <= after.batches - before.batches < len(jobs)  # two settings never share a batch
+    status, text = http(url + "/health")
+    assert status == 200 and json.loads(text)["batches"] == after.batches
+
+
+def test_info_describes_the_model(server):
+    url, _ = server
+    status, text = http(url + "/info")
+    info = json.loads(text)
+    assert status == 200 and info["model"] == "test"
+    assert info["decode"]["beam"] == 2 and info["limits"]["max_texts"] == 40
+    assert set(info["stats"]) == {"requests", "texts", "batches", "queued_texts", "in_flight"}
+
+
+BAD = [
+    (b'{"texts": ["a"', 400, "request body: not valid JSON"),
+    (b'{"texts": ["\xff"]}', 400, "not valid JSON"),
+    (b"", 400, "not valid JSON"),
+    ([1, 2], 422, "expected a JSON object with a key texts, got a list"),
+    ({}, 422, "texts: missing"),
+    ({"texts": "hello"}, 422, "texts: expected a list of strings, got a string"),
+    ({"texts": ["a", 3]}, 422, "texts[1]: expected a string, got an integer"),
+    ({"texts": []}, 422, "texts: empty list"),
+    ({"texts": ["a"], "tgt_lang": "de"}, 422, "tgt_lang: unknown key (valid keys: texts, beam"),
+    ({"texts": ["a"], "glossary": {"a": "b"}}, 422, "glossary: unknown key"),
+    ({"texts": ["a"], "beam": "5"}, 422, "beam: expected an integer, got a string"),
+    ({"texts": ["a"], "beam": True}, 422, "beam: expected an integer, got a boolean"),
+    ({"texts": ["a"], "beam": 0}, 422, "beam: must be >= 1"),
+    ({"texts": ["a"], "beam": 5}, 422, "beam: 5 is over this server's limit of 4"),
+    ({"texts": ["a"], "beam": 2, "nbest": 3}, 422, "nbest: must be in [1, beam]"),
+    ({"texts": ["a"], "scores": "yes"}, 422, "scores: expected true or false, got a string"),
+    ({"texts": ["a"] * 41}, 413, "texts: 41 texts, over this server's limit of 40"),
+    ({"texts": ["x" * 2000, "y" * 1001]}, 413, "texts: 3001 characters, over this server's limit of 3000"),
+    (b" " * 200_000 + b'{"texts": ["a"]}', 413, "request body: 200016 bytes, over this server's limit"),
+]
+
+
+@pytest.mark.parametrize("body,status,needle", BAD, ids=[b[2].split(":")[0] + str(i) for i, b in enumerate(BAD)])
+def test_bad_requests_get_a_one_line_json_error(server, body, status, needle):
+    url, queue = server
+    before = queue.stats().requests
+    got, text = http(url + "/translate", body)
+    assert got == status, text
+    assert "\n" not in text.strip() and "Traceback" not in text
+    error = json.loads(text)
+    assert list(error) == ["error"] and needle in error["error"], error
+    assert queue.stats().requests == before  # refused, never queued
+
+
+@pytest.mark.parametrize("path,method,status", [("/nope", "GET", 404), ("/translate", "GET", 405),
+                                                ("/health", "POST", 405)])
+def test_wrong_paths_and_methods_get_a_json_error(server, path, method, status):
+    url, _ = server
+    got, text = http(url + path, b"{}" if method == "POST" else None, method)
+    assert got == status and json.loads(text) == {"error": json.loads(text)["error"]}
+    assert path in json.loads(text)["error"]
+
+
+class GatedTranslator(Translator):
+    """Translates only once ``gate`` is set: holds the worker busy for as long as a test needs."""
+
+    gate = threading.Event()
+
+    def translate_chunk(self, *args, **kwargs):
+        assert self.gate.wait(60)
+        return super().translate_chunk(*args, **kwargs)
+
+
+def wait_for(condition, what: str, timeout: float = 30) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_a_full_queue_answers_503_and_the_queued_requests_still_complete(model_dir, dev_lines):
+    GatedTranslator.gate.clear()
+    limits = ServeLimits(max_texts=2, max_queued_texts=3, window_ms=0)
+    with running(GatedTranslator.from_dir(model_dir), limits) as (url, queue):
+        answers: dict = {}
+
+        def send(name: str, texts: list[str]) -> threading.Thread:
+            t = threading.Thread(target=lambda: answers.__setitem__(name, http(url + "/translate", {"texts": texts})))
+            t.start()
+            return t
+
+        first = send("first", dev_lines[:2])  # taken by the worker, which waits at the gate
+        wait_for(lambda: queue.stats().batches == 1, "the worker to take the first request")
+        second = send("second", dev_lines[2:4])  # queued: 2 of 3 texts
+        wait_for(lambda: queue.stats().queued_texts == 2, "the second request to queue")
+        status, text = http(url + "/translate", {"texts": dev_lines[4:6]})
+        assert status == 503 and "queue full (2 texts waiting, limit 3)" in json.loads(text)["error"]
+        GatedTranslator.gate.set()
+        first.join(60)
+        second.join(60)
+        assert answers["first"][0] == answers["second"][0] == 200
+        assert [t["text"] for t in json.loads(answers["second"][1])["translations"]] == \
+            Translator.from_dir(model_dir).translate(dev_lines[2:4])
+
+
+def test_sigterm_finishes_the_request_in_flight_then_exits(model_dir, dev_lines):
+    """The real command in a subprocess: SIGTERM while a long request is being translated."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "s2s", "serve", "-m", str(model_dir), "--port", "0",
+                             "--threads", "1"], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stderr.readline()  # "s2s: serving DIR on http://127.0.0.1:PORT ..."
+        match = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+        assert match, line
+        url = f"http://127.0.0.1:{match.group(1)}"
+        lines = (dev_lines * 2)[:32]
+        answer: dict = {}
+
+        def long_request() -> None:
+            answer["response"] = http(url + "/translate", {"texts": lines, "beam": 4})
+            answer["at"] = time.time()
+
+        client = threading.Thread(target=long_request)
+        client.start()
+        wait_for(lambda: json.loads(http(url + "/health")[1])["in_flight"] == 1, "the request to arrive")
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.time()
+        client.join(120)
+        code = proc.wait(60)
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    status, text = answer["response"]
+    assert status == 200, text
+    assert answer["at"] > signalled  # the request was in flight when SIGTERM came, and was finished
+    assert [t["text"] for t in json.loads(text)["translations"]] == \
+        Translator.from_dir(model_dir, beam=4).translate(lines)
+    assert code == 143, err
+    assert "Traceback" not in err and "stopped after 1 requests (32 texts in 1 batches)" in err, err
+    with pytest.raises(urllib.error.URLError):  # no longer listening
+        urllib.request.urlopen(url + "/health", timeout=5)
