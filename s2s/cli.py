@@ -492,7 +492,10 @@ def serve(model: Path = typer.Option(..., "-m", "--model", help="Model directory
           max_chars: int = typer.Option(200_000, help="Characters per request; more are refused (413)."),
           max_beam: int = typer.Option(16, help="The largest beam a request may ask for."),
           max_queue: int = typer.Option(16_384, help="Texts waiting to be translated; more: 503."),
-          window_ms: float = typer.Option(5.0, help="How long a request waits for others to batch with.")):
+          window_ms: float = typer.Option(5.0, help="How long a request waits for others to batch with."),
+          set_: Optional[List[str]] = typer.Option(None, "--set", metavar="decode.KEY=VALUE",
+                                                   help="A decode setting for every request, e.g. "
+                                                        "--set decode.batch_tokens=2048 (repeatable).")):
     """Serve translations over HTTP: POST /translate, GET /health, GET /info (pip install 's2s[serve]').
 
     The model is loaded once; requests arriving together are translated in one batch.
@@ -501,11 +504,11 @@ def serve(model: Path = typer.Option(..., "-m", "--model", help="Model directory
     Example: `s2s serve -m exp/qs --port 8080` then
     `curl -s localhost:8080/translate -d '{"texts": ["Clipboard management"]}'`
     """
-    from s2s.serve import ServeLimits, serve as run_serve
+    from s2s.serve import ServeLimits, decode_overrides, serve as run_serve
 
     limits = ServeLimits(max_texts=max_texts, max_chars=max_chars, max_beam=max_beam,
                          max_queued_texts=max_queue, window_ms=window_ms)
-    run_serve(model, host, port, limits, threads)
+    run_serve(model, host, port, limits, threads, decode_overrides(set_ or []))
 
 
 # --------------------------------------------------------------------------- #

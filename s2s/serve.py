@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from s2s import __version__
-from s2s.config import DecodeConfig, replace
+from s2s.config import DecodeConfig, parse_override, replace
 from s2s.errors import ConfigError, S2SError
 from s2s.search import Hypothesis
 from s2s.translate import Translation, Translator
@@ -443,10 +443,24 @@ def _exit_143(_sig, _frame) -> None:
     raise SystemExit(143)
 
 
+def decode_overrides(items: Sequence[str]) -> dict:
+    """``--set decode.KEY=VALUE`` items -> {KEY: VALUE} (checked when applied, like a loaded config)."""
+    out = {}
+    for item in items:
+        key, value = parse_override(item)
+        section, _, name = key.partition(".")
+        if section != "decode" or not name:
+            raise S2SError(f"--set {item}: s2s serve takes decode.* keys only "
+                           "(the model's other settings are fixed by its training)")
+        out[name] = value
+    return out
+
+
 def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8080,
-          limits: ServeLimits = ServeLimits(), threads: int = 0) -> None:
+          limits: ServeLimits = ServeLimits(), threads: int = 0, decode: Optional[dict] = None) -> None:
     """Load ``model_dir`` once and serve it until SIGTERM (drain, exit 143) or Ctrl-C (drain, 130).
-    ``threads``: torch's intra-op threads for the worker (0: torch's default, one per core)."""
+    ``threads``: torch's intra-op threads for the worker (0: torch's default, one per core);
+    ``decode``: settings replacing the model's decode section (every request's defaults)."""
     _require_server_libraries()
     import torch
 
@@ -454,7 +468,7 @@ def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8080,
         raise S2SError(f"--threads: {threads} is negative")
     if threads:
         torch.set_num_threads(threads)
-    translator = Translator.from_dir(model_dir)
+    translator = Translator.from_dir(model_dir, **(decode or {}))
     app = build_app(translator, limits, model_info(model_dir))
     sock = listen_socket(host, port)
     bound = sock.getsockname()

@@ -18,7 +18,8 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from s2s.serve import ServeLimits, build_app, listen_socket, uvicorn_server  # noqa: E402
+from s2s.errors import S2SError  # noqa: E402
+from s2s.serve import ServeLimits, build_app, decode_overrides, listen_socket, uvicorn_server  # noqa: E402
 from s2s.translate import Translator  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -192,6 +193,14 @@ def test_wrong_paths_and_methods_get_a_json_error(server, path, method, status):
     assert path in json.loads(text)["error"]
 
 
+def test_set_takes_decode_keys_only(model_dir):
+    assert decode_overrides(["decode.beam=3", "decode.alpha=1.0"]) == {"beam": 3, "alpha": 1.0}
+    with pytest.raises(S2SError, match=r"--set model.d_model=8: s2s serve takes decode\.\* keys only"):
+        decode_overrides(["model.d_model=8"])
+    with pytest.raises(S2SError, match="decode.beem"):
+        Translator.from_dir(model_dir, **decode_overrides(["decode.beem=3"]))
+
+
 class GatedTranslator(Translator):
     """Translates only once ``gate`` is set: holds the worker busy for as long as a test needs."""
 
@@ -238,7 +247,7 @@ def test_sigterm_finishes_the_request_in_flight_then_exits(model_dir, dev_lines)
     """The real command in a subprocess: SIGTERM while a long request is being translated."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "s2s", "serve", "-m", str(model_dir), "--port", "0",
-                             "--threads", "1"], stderr=subprocess.PIPE, text=True, env=env)
+                             "--threads", "1", "--set", "decode.beam=4"], stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stderr.readline()  # "s2s: serving DIR on http://127.0.0.1:PORT ..."
         match = re.search(r"http://127\.0\.0\.1:(\d+)", line)
@@ -248,7 +257,7 @@ def test_sigterm_finishes_the_request_in_flight_then_exits(model_dir, dev_lines)
         answer: dict = {}
 
         def long_request() -> None:
-            answer["response"] = http(url + "/translate", {"texts": lines, "beam": 4})
+            answer["response"] = http(url + "/translate", {"texts": lines})  # beam 4: the --set default
             answer["at"] = time.time()
 
         client = threading.Thread(target=long_request)
