@@ -281,3 +281,13 @@ def test_sigterm_finishes_the_request_in_flight_then_exits(model_dir, dev_lines)
     assert "Traceback" not in err and "stopped after 1 requests (32 texts in 1 batches)" in err, err
     with pytest.raises(urllib.error.URLError):  # no longer listening
         urllib.request.urlopen(url + "/health", timeout=5)
+
+
+def test_a_port_in_use_is_one_error_naming_it():
+    taken = listen_socket("127.0.0.1", 0)
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(S2SError, match=rf"127\.0\.0\.1:{port}: cannot listen \(Address already in use\)"):
+            listen_socket("127.0.0.1", port)
+    finally:
+        taken.close()
