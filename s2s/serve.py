@@ -475,8 +475,11 @@ def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8080,
     shown = f"[{bound[0]}]" if sock.family == socket.AF_INET6 else bound[0]
     log.info("serving %s on http://%s:%d (POST /translate, GET /health, GET /info; %d torch threads)",
              model_dir, shown, bound[1], torch.get_num_threads())
-    # uvicorn takes over SIGTERM and SIGINT, drains, restores these handlers and re-raises the signal
-    previous = signal.signal(signal.SIGTERM, _exit_143)
+    # uvicorn takes over SIGTERM and SIGINT, drains, restores the handlers it found and re-raises the
+    # signal: the CLI's (s2s: terminated by SIGTERM, exit 143), or else this one (exit 143, cleanly)
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_143)
     try:
         uvicorn_server(app).run(sockets=[sock])
     finally:

@@ -279,6 +279,7 @@ def test_sigterm_finishes_the_request_in_flight_then_exits(model_dir, dev_lines)
         Translator.from_dir(model_dir, beam=4).translate(lines)
     assert code == 143, err
     assert "Traceback" not in err and "stopped after 1 requests (32 texts in 1 batches)" in err, err
+    assert err.strip().splitlines()[-1] == "s2s: terminated by SIGTERM", err
     with pytest.raises(urllib.error.URLError):  # no longer listening
         urllib.request.urlopen(url + "/health", timeout=5)
 
