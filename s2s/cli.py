@@ -496,7 +496,7 @@ def serve(model: Path = typer.Option(..., "-m", "--model", help="Model directory
           set_: Optional[List[str]] = typer.Option(None, "--set", metavar="decode.KEY=VALUE",
                                                    help="A decode setting for every request, e.g. "
                                                         "--set decode.batch_tokens=2048 (repeatable).")):
-    """Serve translations over HTTP: POST /translate, GET /health, GET /info (pip install 's2s[serve]').
+    """Serve translations over HTTP: POST /translate, GET /health, GET /info (FastAPI, uvicorn: the serve extra).
 
     The model is loaded once; requests arriving together are translated in one batch.
     SIGTERM or Ctrl-C finish the requests in flight, then exit.
