@@ -8,6 +8,7 @@ a pipe.  A bad input is one line ``s2s: error: ...`` and a non-zero exit
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -551,8 +552,35 @@ def _signals_raise_terminated():
             signal.signal(s, h)
 
 
+class _ClosedStream:
+    """Stands in for a standard stream the shell closed (``<&-``, ``>&-``): Python sets
+    it to None; using it raises an OSError naming it, which ``run`` prints as one line."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def _closed(self, *args, **kwargs):
+        raise OSError(errno.EBADF, f"{'input' if self.name == '<stdin>' else 'output'} is closed", self.name)
+
+    read = readline = write = writelines = fileno = _closed
+    buffer = property(_closed)
+
+    def isatty(self) -> bool:
+        return False
+
+    def flush(self) -> None:
+        pass
+
+    def __iter__(self):
+        self._closed()
+
+
 def run() -> None:
     """Entry point: run the app, turning every expected failure into one line and an exit code."""
+    if sys.stdin is None:
+        sys.stdin = _ClosedStream("<stdin>")
+    if sys.stdout is None:
+        sys.stdout = _ClosedStream("<stdout>")
     try:
         with _signals_raise_terminated():
             code = app(standalone_mode=False)  # typer returns an exit code for Ctrl-C and typer.Exit
@@ -581,6 +609,11 @@ def run() -> None:
         print(f"s2s: error: {e.filename or '<stdout>'}: {e.strerror or e}", file=sys.stderr)
         if not e.filename:
             _detach_stdout()
+        sys.exit(1)
+    except MemoryError:  # a size the checks before allocating let through
+        if _DEBUG["on"]:
+            raise
+        print("s2s: error: out of memory", file=sys.stderr)
         sys.exit(1)
     except Exception as e:
         if hasattr(e, "show") and hasattr(e, "exit_code"):  # click's usage errors (typer vendors click)

@@ -60,11 +60,16 @@ class TokenizerConfig:
     # SentencePiece models that maps pieces to the model's ids (Marian's vocab.json)
     vocab_file: str = ""
     prefix_id: int = -1  # an id put before every source and target (BART's <s>); -1: none
+    # ids just past the SentencePiece pieces decode as <extra_id_N>, the last one <extra_id_0>
+    # (transformers' T5Tokenizer: an imported T5 has 100); ids past those decode to nothing
+    extra_ids: int = 0
 
     def __post_init__(self) -> None:
         _check(self.type != "byte_bpe" or (self.vocab_file and self.joint), "tokenizer.type",
                "byte_bpe needs tokenizer.vocab_file and tokenizer.joint: true")
-        _check(self.vocab_size >= 16, "tokenizer.vocab_size", "must be >= 16")
+        _check(16 <= self.vocab_size < 2**31, "tokenizer.vocab_size",
+               "must be in [16, 2^31) (SentencePiece ids are 32-bit)")
+        _check(self.extra_ids >= 0, "tokenizer.extra_ids", "must be >= 0")
         for key in ("pad_id", "unk_id", "bos_id", "eos_id"):
             _check(getattr(self, key) >= 0, f"tokenizer.{key}", "must be >= 0")
         _check(self.eos_id != self.pad_id, "tokenizer.eos_id", "must differ from tokenizer.pad_id")
@@ -271,6 +276,7 @@ class DecodeConfig:
     batch_tokens: int = 4096  # source tokens per decoding batch
     batch_size: int = 0  # at most this many sentences per decoding batch (0: only batch_tokens limits)
     max_input_tokens: int = 1024  # longer inputs are truncated with a warning
+    max_output_tokens: int = 1024  # a*|x|+b is capped here (and by a learned position table)
 
     def __post_init__(self) -> None:
         _check(self.beam >= 1, "decode.beam", "must be >= 1")
@@ -291,6 +297,7 @@ class DecodeConfig:
         _check(self.batch_tokens >= 1, "decode.batch_tokens", "must be >= 1")
         _check(self.batch_size >= 0, "decode.batch_size", "must be >= 0")
         _check(self.max_input_tokens >= 1, "decode.max_input_tokens", "must be >= 1")
+        _check(self.max_output_tokens >= 1, "decode.max_output_tokens", "must be >= 1")
 
 
 def check_arch_supports(model: ModelConfig, decode: DecodeConfig, alignments: bool = False) -> None:

@@ -429,7 +429,11 @@ def _import_tokenizer(path: Path, family: str, out: Path, sections: dict) -> dic
         if not spm_path.is_file():
             raise S2SError(f"{spm_path}: not found (T5's tokenizer is a SentencePiece model)")
         shutil.copyfile(spm_path, out / "spm.model")
-        tok.update(joint=True, vocab_size=sections["model"]["vocab_size"])
+        # transformers' T5Tokenizer puts extra_ids sentinels (default 100) after the pieces
+        extra = settings.get("extra_ids") or sum(
+            1 for t in settings.get("additional_special_tokens") or [] if str(t).startswith("<extra_id_"))
+        tok.update(joint=True, vocab_size=sections["model"]["vocab_size"],
+                   extra_ids=int(extra) if "extra_ids" in settings or extra else 100)
     elif family == "bart":
         vocab, merges = path / "vocab.json", path / "merges.txt"
         for p in (vocab, merges):
@@ -551,7 +555,7 @@ def _export_tokenizer(src_dir: Path, cfg: ExperimentConfig, tok, family: str, ou
                     "target_lang": cfg.data.tgt_lang, "separate_vocabs": False}
     elif family == "t5" and not cfg.tokenizer.vocab_file:
         shutil.copyfile(src_spm, out / "spiece.model")
-        settings = {"tokenizer_class": "T5Tokenizer", "extra_ids": 0}
+        settings = {"tokenizer_class": "T5Tokenizer", "extra_ids": cfg.tokenizer.extra_ids}
     else:
         log.warning("export hf: %s's Hugging Face tokenizer is not written (weights and config only)", family)
         return

@@ -5,18 +5,24 @@ BLEU = min(1, e^{1 - r/c}) * exp(sum_{n=1}^{4} w_n log p_n)   (docs/model.md (42
 ROUGE-N/L: F1 of n-gram / longest-common-subsequence overlap, per sentence,
 averaged over the corpus (x100), Porter stemming on, as summarization papers report it,
 over tokens of every script (:class:`AllScriptsTokenizer`).
+TER = (edits + shifts) / reference words, summed over the lines of at most
+TER_MAX_WORDS words (its shift search grows faster than the line; longer lines
+are left out of TER with a warning naming them, and the signature says so).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import unicodedata
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from sacrebleu.metrics import BLEU, CHRF, TER
 
 METRICS = ("bleu", "chrf", "ter", "rouge")
+TER_MAX_WORDS = 1000  # TER scores lines of at most this many words (hypothesis and each reference)
+log = logging.getLogger("s2s")
 
 
 @dataclass
@@ -38,11 +44,38 @@ def corpus_scores(hyps: Sequence[str], refs: Sequence[Sequence[str]],
         if name == "rouge":
             out.extend(rouge_scores(hyps, refs))
             continue
-        metric = {"bleu": BLEU, "chrf": CHRF, "ter": TER}[name]()
+        if name == "ter":
+            ter = ter_score(hyps, refs)
+            out.extend([ter] if ter is not None else [])
+            continue
+        metric = {"bleu": BLEU, "chrf": CHRF}[name]()
         result = metric.corpus_score(list(hyps), [list(r) for r in refs])
         out.append(Score(name=name, score=round(result.score, 2),
                          signature=str(metric.get_signature()), details=str(result)))
     return out
+
+
+def ter_score(hyps: Sequence[str], refs: Sequence[Sequence[str]],
+              max_words: int = TER_MAX_WORDS) -> Optional[Score]:
+    """Corpus TER over the lines whose hypothesis and references all have at most
+    ``max_words`` words; the others are skipped with a warning (None when none is left)."""
+    too_long = [i for i, h in enumerate(hyps)
+                if max(len(h.split()), *(len(r[i].split()) for r in refs)) > max_words]
+    if too_long:
+        shown = ", ".join(str(i + 1) for i in too_long[:10]) + (", ..." if len(too_long) > 10 else "")
+        log.warning("TER: line%s %s skipped: over %d words (TER's shift search grows faster than the line); "
+                    "BLEU and chrF score every line", "s" if len(too_long) > 1 else "", shown, max_words)
+    skip = set(too_long)
+    keep = [i for i in range(len(hyps)) if i not in skip]
+    if not keep:
+        log.warning("TER: no line of at most %d words, not scored", max_words)
+        return None
+    metric = TER()
+    result = metric.corpus_score([hyps[i] for i in keep], [[r[i] for i in keep] for r in refs])
+    details = str(result) + (f" ({len(too_long)} of {len(hyps)} lines over {max_words} words skipped)"
+                             if too_long else "")
+    return Score(name="ter", score=round(result.score, 2),
+                 signature=f"{metric.get_signature()}|maxwords:{max_words}", details=details)
 
 
 def corpus_bleu(hyps: Sequence[str], refs: Sequence[str]) -> float:

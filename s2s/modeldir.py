@@ -11,8 +11,10 @@ weights); the run's training checkpoints live in DIR/checkpoints/.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,9 +50,50 @@ def vocab_sizes(cfg: ExperimentConfig, tok: Tokenizer) -> tuple[int, int]:
     return tok.src_vocab_size, tok.tgt_vocab_size
 
 
+def available_memory() -> int:
+    """Bytes that can be allocated now: MemAvailable + SwapFree (Linux), else the physical memory."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            info = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)}
+        return info["MemAvailable"] + info.get("SwapFree", 0)
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def count_model_parameters(cfg: ExperimentConfig, src_v: int, tgt_v: int, pad_id: int = 0) -> int:
+    """Parameters of the model ``cfg`` describes, counted on the meta device (nothing allocated);
+    sizes whose product overflows are an error naming the largest size key."""
+    from s2s.model import count_parameters
+
+    try:
+        with torch.device("meta"):
+            return count_parameters(make_model(cfg.model, src_v, tgt_v, pad_id))
+    except (RuntimeError, OverflowError, ValueError) as e:
+        raise S2SError(f"{_largest_size_key(cfg, tgt_v)}: the model's tensors are too large to "
+                       f"exist ({str(e).splitlines()[0]})") from None
+
+
+def _largest_size_key(cfg: ExperimentConfig, vocab: int) -> str:
+    m = cfg.model
+    sizes = {"model.d_model": m.d_model, "model.d_ff": m.d_ff, "model.heads": m.heads,
+             "model.head_dim": m.head_dim, "model.enc_layers": m.enc_layers, "model.dec_layers": m.dec_layers,
+             "model.vocab_size" if m.vocab_size else "tokenizer.vocab_size": vocab}
+    if m.positions == "learned":
+        sizes["model.max_positions"] = m.max_positions
+    key = max(sizes, key=sizes.get)
+    return f"{key}={sizes[key]}"
+
+
 def build_model(cfg: ExperimentConfig, tok: Tokenizer) -> S2SModel:
-    """The model a config describes, sized to the tokenizer's vocabularies."""
-    return make_model(cfg.model, *vocab_sizes(cfg, tok), tok.pad_id)
+    """The model a config describes, sized to the tokenizer's vocabularies; one whose fp32
+    weights (4 bytes a parameter) exceed the memory available is refused before allocating."""
+    src_v, tgt_v = vocab_sizes(cfg, tok)
+    n = count_model_parameters(cfg, src_v, tgt_v, tok.pad_id)
+    if 4 * n > available_memory():
+        raise S2SError(f"{_largest_size_key(cfg, tgt_v)}: the model has {n:,} parameters, "
+                       f"{4 * n / 2**30:,.1f} GiB of fp32 weights, more than the "
+                       f"{available_memory() / 2**30:,.1f} GiB of memory available")
+    return make_model(cfg.model, src_v, tgt_v, tok.pad_id)
 
 
 def write_config(directory: Path, cfg: ExperimentConfig) -> None:
@@ -79,15 +122,33 @@ def save_weights(model: torch.nn.Module, path: Path) -> str:
     check_finite(model, path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        st_save_model(model, str(tmp))
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        digest = file_sha256(tmp)
+        digest = write_weights(model, tmp)
         tmp.replace(path)
-    except OSError as e:
+    except (OSError, SafetensorError) as e:
         tmp.unlink(missing_ok=True)
-        raise S2SError(f"{path}: write failed ({e.strerror})") from None
+        raise S2SError(f"{path}: write failed ({write_error(e)})") from None
     return digest
+
+
+def write_weights(model: torch.nn.Module, path: Path) -> str:
+    """Write and fsync safetensors (no checks, not atomic); return the sha256.  A failed
+    write raises OSError, also when safetensors reports it (SafetensorError)."""
+    try:
+        st_save_model(model, str(path))
+    except SafetensorError as e:
+        raise OSError(errno.EIO, write_error(e), str(path)) from None
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+    return file_sha256(path)
+
+
+def write_error(e: Exception) -> str:
+    """The reason of a failed write: an OSError's strerror, or the OS error inside a SafetensorError
+    (``Error while serializing: I/O error: No space left on device (os error 28)``)."""
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    m = re.search(r"os error (\d+)", str(e))
+    return os.strerror(int(m.group(1))) if m else str(e).splitlines()[0]
 
 
 def save_model_dir(directory: Path, model: torch.nn.Module, cfg: ExperimentConfig,
@@ -209,7 +270,7 @@ def load_model_dir(directory: str | Path, device: str | torch.device = "cpu") ->
 def describe(path: str | Path) -> list[tuple[str, str]]:
     """Rows for ``s2s info``: the architecture, its exact parameter count and the
     budget P ~= 12 N_enc d^2 + 16 N_dec d^2 + V d (docs/model.md (20)) beside it."""
-    from s2s.model import count_parameters, parameter_budget
+    from s2s.model import parameter_budget
 
     p = Path(path)
     meta = None
@@ -222,10 +283,8 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
     else:
         cfg = load_config(p)
         src_v = tgt_v = cfg.model.vocab_size or cfg.tokenizer.vocab_size
-    with torch.device("meta"):  # count without allocating
-        model = make_model(cfg.model, src_v, tgt_v, cfg.tokenizer.pad_id)
+    n = count_model_parameters(cfg, src_v, tgt_v, cfg.tokenizer.pad_id)  # counted without allocating
     m = cfg.model
-    n = count_parameters(model)
     budget = parameter_budget(m, tgt_v)
     rows = [
         ("architecture", f"{m.arch}, {m.norm}-norm, {m.activation} FFN, {m.positions} positions"),

@@ -4,11 +4,15 @@ matrix (``s2s align``)."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Optional
 
 from s2s.errors import S2SError
 from s2s.textio import atomic_write, read_lines
+
+ALIGN_MAX_PIECES = 100  # `s2s align` draws at most this many pieces per axis (<= 4,700 x 4,150 pixels)
+log = logging.getLogger("s2s")
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -62,13 +66,21 @@ def plot_run(run_dir: str | Path, out: Optional[str | Path] = None) -> Path:
 
 
 def plot_attention(A, src_pieces: list[str], tgt_pieces: list[str], out: str | Path, title: str) -> Path:
-    """A heatmap of A (T, S): target pieces down, source pieces across, each row summing to 1."""
+    """A heatmap of A (T, S): target pieces down, source pieces across, each row summing to 1.
+    At most ALIGN_MAX_PIECES pieces per axis are drawn (the first ones), with a warning."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     T, S = len(tgt_pieces), len(src_pieces)
+    if max(T, S) > ALIGN_MAX_PIECES:
+        cut = [f"the first {ALIGN_MAX_PIECES} of {n} {side} pieces"
+               for n, side in ((S, "source"), (T, "target")) if n > ALIGN_MAX_PIECES]
+        log.warning("align: drawing %s (at most %d per axis)", " and ".join(cut), ALIGN_MAX_PIECES)
+        title += f" ({', '.join(cut)})"
+        T, S = min(T, ALIGN_MAX_PIECES), min(S, ALIGN_MAX_PIECES)
+        A, src_pieces, tgt_pieces = A[:T, :S], src_pieces[:S], tgt_pieces[:T]
     fig, ax = plt.subplots(figsize=(max(4.0, 0.45 * S + 2), max(3.0, 0.4 * T + 1.5)))
     image = ax.imshow(A, cmap="Blues", vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(S), src_pieces, rotation=60, ha="right", fontsize=8)

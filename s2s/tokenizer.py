@@ -49,6 +49,7 @@ class Tokenizer:
     eos_id: int = EOS_ID
     vocab: Optional[dict[str, int]] = None
     prefix_id: int = -1  # put before every sequence (BART's <s>); -1: none
+    extra_ids: int = 0  # sentinel ids past the SentencePiece pieces (an imported T5: 100)
 
     def __post_init__(self) -> None:
         self._pieces = {i: p for p, i in self.vocab.items()} if self.vocab is not None else None
@@ -82,11 +83,28 @@ class Tokenizer:
         return self._encode(self.tgt, lines)
 
     def decode_tgt(self, ids: Iterable[int]) -> str:
+        """Text of target ids; the specials are dropped, and so is any id that names no piece.
+        SentencePiece ids n..n+extra_ids-1 past its n pieces are the sentinels, <extra_id_0>
+        the last (transformers' T5Tokenizer), written out as their text."""
         specials = self.specials
         ids = [int(i) for i in ids if i not in specials]
-        if self._pieces is None:
+        if self._pieces is not None:
+            return self.tgt.decode_pieces([self._pieces[i] for i in ids if i in self._pieces])
+        n = self.tgt.get_piece_size()
+        if all(0 <= i < n for i in ids):
             return self.tgt.decode(ids)
-        return self.tgt.decode_pieces([self._pieces[i] for i in ids if i in self._pieces])
+        text, run = "", []  # runs of pieces decoded by SentencePiece, sentinels written between them
+        for i in [*ids, None]:
+            if i is not None and 0 <= i < n:
+                run.append(i)
+                continue
+            if run:  # a run after a sentinel keeps the space its first piece starts with
+                space = " " if text and self.tgt.id_to_piece(run[0]).startswith("\u2581") else ""
+                text += space + self.tgt.decode(run)
+                run = []
+            if i is not None and n <= i < n + self.extra_ids:
+                text += sentinel(n + self.extra_ids - 1 - i)
+        return text
 
     def sentinel_ids(self) -> list[int]:
         """Ids of <extra_id_0>, <extra_id_1>, ... as far as the vocabulary has them."""
@@ -103,7 +121,10 @@ class Tokenizer:
         if self._pieces is not None:
             return self._pieces.get(int(i), "<unk>")
         proc = self.src if side == "src" else self.tgt
-        return proc.id_to_piece(int(i)) if int(i) < proc.get_piece_size() else f"<id {int(i)}>"
+        n = proc.get_piece_size()
+        if n <= int(i) < n + self.extra_ids:
+            return sentinel(n + self.extra_ids - 1 - int(i))
+        return proc.id_to_piece(int(i)) if 0 <= int(i) < n else f"<id {int(i)}>"
 
     # ------------------------------------------------------------------ #
     @staticmethod
@@ -136,7 +157,8 @@ class Tokenizer:
             src = _load_model(src_path, tok, check_ids=vocab is None)
             tgt = src if tok.joint else _load_model(tgt_path, tok, check_ids=vocab is None)
         return cls(src=src, tgt=tgt, joint=tok.joint, pad_id=tok.pad_id, unk_id=tok.unk_id,
-                   bos_id=tok.bos_id, eos_id=tok.eos_id, vocab=vocab, prefix_id=tok.prefix_id)
+                   bos_id=tok.bos_id, eos_id=tok.eos_id, vocab=vocab, prefix_id=tok.prefix_id,
+                   extra_ids=tok.extra_ids)
 
 
 class ByteLevelBPE:

@@ -19,6 +19,7 @@ newest complete one exactly where it stopped.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -46,8 +47,9 @@ from s2s.data import BinDataset, Batch, data_signature, token_batches, tokenizer
 from s2s.errors import S2SError
 from s2s.metrics import corpus_bleu
 from s2s.model import S2SModel
-from s2s.modeldir import (CHECKPOINT_STATE, CONFIG, META, WEIGHTS, build_model, copy_tokenizer, load_model_dir,
-                          load_weights, read_meta, save_model_dir, save_weights, write_config)
+from s2s.modeldir import (CHECKPOINT_STATE, CONFIG, META, WEIGHTS, build_model, check_finite, copy_tokenizer,
+                          load_model_dir, load_weights, read_meta, save_model_dir, write_config,
+                          write_error, write_weights)
 from s2s.outdir import check_run_dir, lock_run_dir
 from s2s.textio import atomic_dir, atomic_write, file_sha256, read_lines
 from s2s.tokenizer import PAD_ID, Tokenizer, resolve_tokenizer_config
@@ -175,9 +177,14 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.opti
                 tensors[f"state.{idx}.{key}"] = value.contiguous()
             else:
                 scalars[f"{idx}.{key}"] = value
-    with atomic_dir(target, replace=True) as tmp:  # a step redone after resuming from an older one
-        digests = {WEIGHTS: save_weights(model, tmp / WEIGHTS)}
-        save_file(tensors, str(tmp / OPTIMIZER))
+    check_finite(model, target)
+    with atomic_dir(target, replace=True) as tmp:  # replace: a step redone after resuming from an older one;
+        # a failed write (OSError) is `target: write failed (...)`
+        digests = {WEIGHTS: write_weights(model, tmp / WEIGHTS)}
+        try:
+            save_file(tensors, str(tmp / OPTIMIZER))
+        except SafetensorError as e:  # a full disk, as safetensors reports it
+            raise OSError(errno.EIO, write_error(e)) from None
         digests[OPTIMIZER] = file_sha256(tmp / OPTIMIZER)
         (tmp / CHECKPOINT_STATE).write_text(json.dumps({
             "train_state": asdict(state), "param_groups": opt["param_groups"],

@@ -60,7 +60,7 @@ def hard_alignment(A: torch.Tensor, src_len: int, tgt_len: int) -> list[tuple[in
 
 
 def max_output_lengths(src_lens: torch.Tensor, a: float, b: int, cap: Optional[int]) -> torch.Tensor:
-    """max_len(x) = floor(a * |x| + b), capped by the model's position limit."""
+    """max_len(x) = floor(a * |x| + b), capped by decode.max_output_tokens and the model's position limit."""
     out = (a * src_lens.float() + b).floor().long().clamp(min=1)
     return out.clamp(max=cap) if cap is not None else out
 
@@ -72,12 +72,12 @@ class Translator:
         (data.max_src_tokens, e.g. for summarization); inputs are cut the same way, silently."""
         self.model = model.eval()
         self.tok = tokenizer
-        self.decode = decode
         self.device = torch.device(device)
         learned = model.cfg.positions == "learned"
         # one stack over [x; y] (prefix_lm, decoder_only) fits x and y in one position table: half each
         table = model.cfg.max_positions // (1 if model.cfg.arch == "encoder_decoder" else 2)
         self.position_cap = table - 1 if learned else None
+        self.decode = decode
         self.max_input = decode.max_input_tokens
         if learned:
             self.max_input = min(self.max_input, table)
@@ -86,6 +86,31 @@ class Translator:
         self.precision = "fp32"  # or bf16: autocast while searching
         self.extra_models: list[S2SModel] = []  # an ensemble's other members
         self.weights: Optional[list[float]] = None  # the members' weights (None: equal)
+
+    @property
+    def decode(self) -> DecodeConfig:
+        return self._decode
+
+    @decode.setter
+    def decode(self, decode: DecodeConfig) -> None:
+        """Decode settings, checked against the model: a beam wider than the target vocabulary V
+        is an error (it would allocate K x V scores a step for nothing); output lengths are capped
+        at decode.max_output_tokens and the learned position table, with a warning when
+        max_len_b alone goes past them."""
+        V = self.model.cfg.vocab_size or self.tok.tgt_vocab_size
+        if decode.beam > V:
+            raise S2SError(f"decode.beam: {decode.beam} is more than the {V} tokens of the target vocabulary")
+        cap = self.output_cap(decode)
+        if decode.max_len_b > cap:
+            log.warning("decode.max_len_b: %d is more than the %d output tokens %s allows; outputs stop there",
+                        decode.max_len_b, cap, "the model's learned position table"
+                        if self.position_cap is not None and self.position_cap < decode.max_output_tokens
+                        else "decode.max_output_tokens")
+        self._decode = decode
+
+    def output_cap(self, decode: DecodeConfig) -> int:
+        """The longest output: decode.max_output_tokens, and the learned position table's rows."""
+        return min(decode.max_output_tokens, self.position_cap or decode.max_output_tokens)
 
     @classmethod
     def from_dir(cls, directory: str | Path, device: str = "cpu", **decode_overrides) -> "Translator":
@@ -175,7 +200,7 @@ class Translator:
         src = pad_sequences(src_ids, self.tok.pad_id).to(self.device)  # (B, S)
         src_lens = torch.tensor([len(s) - 1 for s in src_ids], device=self.device)
         max_len = max_output_lengths(src_lens, self.decode.max_len_a, self.decode.max_len_b,
-                                     self.position_cap)
+                                     self.output_cap(self.decode))
         prefix = None
         if prefix_ids is not None and any(prefix_ids):
             prefix = pad_sequences(prefix_ids, pad_id=-1).to(self.device)  # (B, P)

@@ -640,3 +640,140 @@ def test_a_signal_during_translate_leaves_no_output(env, tmp_path, signum, code,
     assert proc.returncode == code, (err, sorted(p.name for p in tmp_path.iterdir()))
     assert err.strip().splitlines()[-1] == last and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt"]  # no partial file left
+
+
+# --------------------------------------------------------------------------- #
+# Unbounded inputs: long lines, huge sizes, closed streams (issue 18, items 7-9)
+# --------------------------------------------------------------------------- #
+
+def test_ter_skips_a_line_over_its_word_limit(tmp_path, capsys, monkeypatch, caplog):
+    """TER's shift search grows faster than the line: a 20,000-word line is left out of TER
+    with a warning naming it, quickly, while BLEU and chrF still score it."""
+    from s2s.metrics import TER_MAX_WORDS
+
+    long_hyp = " ".join(f"w{i % 50}" for i in range(20_000))
+    long_ref = " ".join(f"w{i % 37}" for i in range(20_000))
+    hyp, ref = tmp_path / "hyp", tmp_path / "ref"
+    hyp.write_text(f"a small cat\n{long_hyp}\nthe dog runs\n")
+    ref.write_text(f"a small dog\n{long_ref}\nthe dog ran\n")
+    start = time.time()
+    out, _ = cli_ok(capsys, monkeypatch, "score", hyp, ref, "--json")
+    assert time.time() - start < 60
+    assert f"TER: line 2 skipped: over {TER_MAX_WORDS} words" in caplog.text
+    scores = json.loads(out)
+    assert set(scores) == {"bleu", "chrf", "ter"}
+    assert scores["ter"]["signature"].endswith(f"|maxwords:{TER_MAX_WORDS}")
+    # TER of the two short lines alone: 1 + 1 edits over 3 + 3 reference words
+    assert scores["ter"]["score"] == round(100 * 2 / 6, 2)
+
+
+def test_align_on_a_long_source_draws_a_bounded_figure(env, tmp_path, capsys, monkeypatch, caplog):
+    from PIL import Image
+
+    from s2s.plot import ALIGN_MAX_PIECES
+
+    src = " ".join((env["corpus"] / "dev.en").read_text().split()[:300])
+    tgt = " ".join((env["corpus"] / "dev.de").read_text().split()[:300])
+    out = tmp_path / "a.png"
+    start = time.time()
+    cli_ok(capsys, monkeypatch, "align", "-m", env["model"], "--src", src, "--tgt", tgt, "-o", out)
+    assert time.time() - start < 120
+    assert f"align: drawing the first {ALIGN_MAX_PIECES} of" in caplog.text and "source pieces" in caplog.text
+    width, height = Image.open(out).size
+    # figure inches: max(4, 0.45 S + 2) x max(3, 0.4 T + 1.5) at 100 dpi, S and T at most the cap
+    assert width <= 100 * (0.45 * ALIGN_MAX_PIECES + 2) and height <= 100 * (0.4 * ALIGN_MAX_PIECES + 1.5)
+
+
+@pytest.mark.parametrize("closed", ["stdin", "stdout"])
+def test_closed_standard_streams(env, tmp_path, capsys, monkeypatch, closed):
+    """`s2s translate -m M <&-` / `>&-` and `s2s score - REF <&-`: Python sets the closed
+    stream to None; the command says so in one line."""
+    if closed == "stdin":
+        monkeypatch.setattr(sys, "stdin", None)
+        assert_error(cli(capsys, monkeypatch, "translate", "-m", env["model"]), "<stdin>: input is closed")
+        monkeypatch.setattr(sys, "stdin", None)
+        assert_error(cli(capsys, monkeypatch, "score", "-", env["corpus"] / "dev.de"), "<stdin>: input is closed")
+    else:
+        monkeypatch.setattr(sys, "stdin", open(env["corpus"] / "dev.en"))
+        monkeypatch.setattr(sys, "stdout", None)
+        assert_error(cli(capsys, monkeypatch, "translate", "-m", env["model"], "--beam", "1"),
+                     "<stdout>: output is closed")
+
+
+def test_export_into_the_current_directory_is_not_a_traceback(env, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("ctranslate2")
+    work = tmp_path / "here"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    code, _, err = cli(capsys, monkeypatch, "export", "ct2", "-m", env["model"], "-o", ".")
+    assert "Traceback" not in err
+    assert code == 0 or err.strip().splitlines()[-1].startswith("s2s: error: "), err
+
+
+def test_sizes_past_what_can_exist_are_one_line_errors(env, tmp_path, capsys, monkeypatch):
+    import yaml
+
+    assert_error(cli(capsys, monkeypatch, "tokenizer", "train", env["cfg"],
+                     "--set", "tokenizer.vocab_size=100000000000"), "tokenizer.vocab_size")
+    monkeypatch.setattr(sys, "stdin", open(env["corpus"] / "dev.en"))
+    assert_error(cli(capsys, monkeypatch, "translate", "-m", env["model"], "--beam", "1000000000"),
+                 "decode.beam: 1000000000 is more than the")
+    for key, value in (("d_model", 10**12), ("vocab_size", 10**10)):
+        model = tmp_path / key
+        shutil.copytree(env["model"], model)
+        cfg = yaml.safe_load((model / "config.yaml").read_text())
+        cfg["model"][key] = value
+        (model / "config.yaml").write_text(yaml.safe_dump(cfg))
+        monkeypatch.setattr(sys, "stdin", open(env["corpus"] / "dev.en"))
+        assert_error(cli(capsys, monkeypatch, "translate", "-m", model), f"model.{key}={value}")
+        code, _, err = cli(capsys, monkeypatch, "info", model)
+        assert "Traceback" not in err
+        if key == "d_model":  # 3e24 elements overflow even an unallocated tensor
+            assert_error((code, "", err), f"model.{key}={value}")
+        else:  # counted without allocating
+            assert code == 0
+
+
+def test_max_len_b_is_capped_by_the_documented_maximum(env, tmp_path, capsys, monkeypatch, caplog):
+    from s2s.config import DecodeConfig
+
+    src = tmp_path / "one.en"
+    src.write_text("Clipboard management\n")
+    start = time.time()
+    cli_ok(capsys, monkeypatch, "translate", "-m", env["model"], "-i", src, "--beam", "1",
+           "--max-len-b", "1000000000")
+    assert time.time() - start < 120
+    assert "decode.max_len_b: 1000000000 is more than the" in caplog.text
+    from s2s.translate import Translator
+
+    t = Translator.from_dir(env["model"], beam=1, max_len_b=10**9)
+    (hyp,), = t.search_sorted(t.encode_lines(["Clipboard management"], 1))
+    assert len(hyp.tokens) < DecodeConfig().max_output_tokens
+
+
+@pytest.mark.parametrize("writer", ["optimizer", "weights"])
+def test_checkpoint_write_failing_inside_safetensors(env, tmp_path, monkeypatch, writer):
+    """safetensors reports a full disk as SafetensorError, not OSError: still
+    `RUN/checkpoints/step-N: write failed (No space left on device)`, nothing left behind."""
+    import torch
+    from safetensors import SafetensorError
+
+    import s2s.modeldir
+    import s2s.trainer
+    from s2s.errors import S2SError
+    from s2s.trainer import TrainState, save_checkpoint
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(s2s.trainer if writer == "optimizer" else s2s.modeldir,
+                        "save_file" if writer == "optimizer" else "st_save_model", full)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    with pytest.raises(S2SError) as e:
+        save_checkpoint(run_dir, model, optimizer, TrainState(step=4), keep=5)
+    assert str(e.value) == f"{run_dir / 'checkpoints' / 'step-00000004'}: write failed (No space left on device)"
+    assert list((run_dir / "checkpoints").iterdir()) == []

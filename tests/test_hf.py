@@ -382,3 +382,36 @@ def test_pickled_code_in_a_bin_file_is_refused(tmp_path):
         pickle.dump({"x": Evil()}, f)
     with pytest.raises(S2SError, match="cannot read as plain weights"):
         model_from_hf(tmp_path)
+
+
+def test_t5_ids_past_the_sentencepiece_pieces_decode_like_transformers(pair, tmp_path, corpus):
+    """An imported T5 whose vocabulary (V = 320) is larger than its SentencePiece model: ids past
+    the pieces are transformers' <extra_id_N> sentinels (the last of them <extra_id_0>), ids past
+    those decode to nothing, and translating never crashes on them."""
+    from s2s.modeldir import load_spec
+    from s2s.translate import Translator
+
+    hf, _, _, path = pair
+    if hf.config.model_type != "t5":
+        pytest.skip("T5's sentinels")
+    import_hf(path, tmp_path / "s2s")
+    _, tok = load_spec(tmp_path / "s2s")
+    n = tok.tgt.get_piece_size()
+    assert n + tok.extra_ids <= V  # some ids are sentinels, some are past even those
+    theirs = transformers.AutoTokenizer.from_pretrained(path)
+    assert theirs.convert_tokens_to_ids("<extra_id_0>") == n + tok.extra_ids - 1
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        ids = torch.randint(3, V, (12,), generator=g).tolist()
+        assert tok.decode_tgt(ids) == theirs.decode(ids), ids
+    assert tok.decode_tgt([n + tok.extra_ids - 1, 10**9]) == "<extra_id_0>"
+    translator = Translator.from_dir(tmp_path / "s2s", beam=2, max_len_b=20)
+    model = translator.model
+    out_rows = model.tgt_embed.weight if model.output_proj is None else model.output_proj.weight  # (V, d)
+    with torch.no_grad():  # make the sentinels' output rows win: the random model then emits them
+        out_rows[n:n + tok.extra_ids] *= 10
+    lines = (corpus / "dev.en").read_text().splitlines()[:8]
+    found = translator.search_sorted(translator.encode_lines(lines, 1))
+    assert any(i >= n for hyps in found for i in hyps[0].tokens)  # the case that crashed
+    texts = translator.translate(lines)
+    assert len(texts) == len(lines) and any("<extra_id_" in t for t in texts)
