@@ -16,20 +16,19 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
-
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_model as st_load_model
-from safetensors.torch import save_model as st_save_model
+from typing import TYPE_CHECKING, Optional
 
 from s2s import __version__
 from s2s.config import ExperimentConfig, load_config, to_yaml
 from s2s.errors import S2SError
-from s2s.model import Seq2SeqTransformer, make_model
 from s2s.outdir import check_output_dir, output_dir
 from s2s.textio import atomic_write, file_sha256
 from s2s.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # torch is imported where weights are touched: `s2s info` reads configs only
+    import torch
+
+    from s2s.model import Seq2SeqTransformer
 
 FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
@@ -50,6 +49,8 @@ def vocab_sizes(cfg: ExperimentConfig, tok: Tokenizer) -> tuple[int, int]:
 
 def build_model(cfg: ExperimentConfig, tok: Tokenizer) -> Seq2SeqTransformer:
     """The model a config describes, sized to the tokenizer's vocabularies."""
+    from s2s.model import make_model
+
     return make_model(cfg.model, *vocab_sizes(cfg, tok), tok.pad_id)
 
 
@@ -68,6 +69,8 @@ def copy_tokenizer(cfg: ExperimentConfig, src_dir: Path, directory: Path) -> Non
 
 def check_finite(model: torch.nn.Module, path: Path) -> None:
     """A non-finite parameter is never written: it would poison every later resume."""
+    import torch
+
     for name, p in model.named_parameters():
         if not bool(torch.isfinite(p).all()):
             raise S2SError(f"{path}: not written, parameter {name} holds NaN or Inf "
@@ -76,6 +79,8 @@ def check_finite(model: torch.nn.Module, path: Path) -> None:
 
 def save_weights(model: torch.nn.Module, path: Path) -> str:
     """Write safetensors atomically; return the file's sha256."""
+    from safetensors.torch import save_model as st_save_model
+
     check_finite(model, path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
@@ -148,6 +153,9 @@ def read_meta(directory: Path) -> dict:
 
 
 def load_weights(model: torch.nn.Module, path: Path, sha256: Optional[str] = None) -> None:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_model as st_load_model
+
     if not path.is_file():
         raise S2SError(f"{path}: weights not found")
     if sha256 is not None and file_sha256(path) != sha256:
@@ -209,7 +217,7 @@ def load_model_dir(directory: str | Path, device: str | torch.device = "cpu") ->
 def describe(path: str | Path) -> list[tuple[str, str]]:
     """Rows for ``s2s info``: the architecture, its exact parameter count and the
     budget P ~= 12 N_enc d^2 + 16 N_dec d^2 + V d (docs/model.md (20)) beside it."""
-    from s2s.model import count_parameters, parameter_budget
+    from s2s.params import parameter_budget, parameter_count
 
     p = Path(path)
     meta = None
@@ -222,10 +230,8 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
     else:
         cfg = load_config(p)
         src_v = tgt_v = cfg.model.vocab_size or cfg.tokenizer.vocab_size
-    with torch.device("meta"):  # count without allocating
-        model = make_model(cfg.model, src_v, tgt_v, cfg.tokenizer.pad_id)
     m = cfg.model
-    n = count_parameters(model)
+    n = parameter_count(m, src_v, tgt_v)  # from the config: no weights, no torch
     budget = parameter_budget(m, tgt_v)
     rows = [
         ("architecture", f"{m.arch}, {m.norm}-norm, {m.activation} FFN, {m.positions} positions"),
@@ -257,13 +263,19 @@ def run_dir_of(path: Path) -> Path:
     return path.parent.parent if path.parent.name == "checkpoints" else path
 
 
-@torch.no_grad()
 def average_checkpoints(paths: list[str | Path], out: str | Path, force: bool = False) -> Path:
     """theta_avg = (1/n) sum_i theta_i over n checkpoints of one architecture,
     written as a model directory (config and tokenizer from the first one's run).
 
     ``out`` is never a run directory nor one holding an input (see s2s.outdir);
     ``force`` replaces an earlier ``average`` output there."""
+    import torch
+
+    with torch.no_grad():
+        return _average_checkpoints(paths, out, force)
+
+
+def _average_checkpoints(paths: list[str | Path], out: str | Path, force: bool) -> Path:
     if not paths:
         raise S2SError("average: no checkpoints given")
     dirs = [Path(p) for p in paths]

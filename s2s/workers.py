@@ -237,8 +237,7 @@ def _translate_parallel(spec: TranslatorSpec, items: Iterator[Any], out: TextIO,
     tasks, results = ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(spec, tasks, results, log.getEffectiveLevel()),
                          name=f"s2s-translate-{i + 1}", daemon=True) for i in range(n)]
-    for p in procs:
-        p.start()
+    _start(procs)
     clean = False
     try:
         chunks = _chunks(items, chunk_lines, paired)
@@ -285,6 +284,22 @@ def _translate_parallel(spec: TranslatorSpec, items: Iterator[Any], out: TextIO,
         clean = True
     finally:
         _stop(procs, tasks, results, clean)
+
+
+def _start(procs) -> None:
+    """Start the workers with SIGINT ignored from their first instruction on (a new
+    interpreter keeps an ignored SIGINT ignored), so that Ctrl-C while they import
+    torch prints no traceback of theirs: the parent alone handles it."""
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, old)
 
 
 def _receive(results, procs) -> tuple:
@@ -340,8 +355,9 @@ class _Collect(logging.Handler):
 
 
 def _worker(spec: TranslatorSpec, tasks, results, log_level: int) -> None:
-    """A decoding process: build the translator once, then translate chunks until None."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    """A decoding process: build the translator once, then translate chunks until None.
+    SIGINT stays ignored (see :func:`_start`): Ctrl-C is the parent's to handle."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # also when started from another thread
     collect = _Collect()
     s2s_log = logging.getLogger("s2s")
     s2s_log.handlers[:] = [collect]
