@@ -131,7 +131,8 @@ def test_cli_workers_hostile_input_and_summarize(model_dir, tmp_path):
         for workers in (1, 2):
             out = tmp_path / f"{command}{workers}.txt"
             r = s2s(command, "-m", model_dir, "-i", src, "-o", out, "--errors", "replace",
-                    "--workers", workers, "--device", "cpu")
+                    "--workers", workers, "--device", "cpu", "--threads", 1,
+                    "--max-len-a", 0, "--max-len-b", 12)  # random weights never stop: cap them
             assert r.returncode == 0, r.stderr.decode()
             got.append(out.read_bytes())
         assert got[0] == got[1] and got[0].count(b"\n") == len(HOSTILE)
@@ -143,7 +144,8 @@ def test_cli_workers_hostile_input_and_summarize(model_dir, tmp_path):
 
 
 def test_cli_unbuffered_uses_one_process_and_says_so(model_dir):
-    r = s2s("translate", "-m", model_dir, "--unbuffered", "--workers", "2", "--beam", "1", input=b"hello\n\n")
+    r = s2s("translate", "-m", model_dir, "--unbuffered", "--workers", "2", "--beam", "1", "--max-len-b", 5,
+            input=b"hello\n\n")
     assert r.returncode == 0, r.stderr.decode()
     assert r.stdout.count(b"\n") == 2
     assert "--unbuffered: translating line by line in one process (--workers 2 not used)" in r.stderr.decode()
@@ -152,7 +154,7 @@ def test_cli_unbuffered_uses_one_process_and_says_so(model_dir):
 def test_cli_device(model_dir):
     import torch
 
-    r = s2s("translate", "-m", model_dir, "--device", "cpu", "--workers", "1", input=b"hello\n")
+    r = s2s("translate", "-m", model_dir, "--device", "cpu", "--workers", "1", "--max-len-b", 5, input=b"hello\n")
     assert r.returncode == 0 and r.stdout.count(b"\n") == 1, r.stderr.decode()
     r = s2s("translate", "-m", model_dir, "--device", "tpu", input=b"hello\n")
     assert r.returncode == 1 and r.stderr.decode() == (
