@@ -21,8 +21,8 @@ from typing import List, Optional
 
 import typer
 
-from s2s.config import DecodeConfig, load_config, replace
-from s2s.errors import ConfigError, S2SError
+from s2s.config import load_config
+from s2s.errors import S2SError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
                   help="Train and run encoder-decoder transformers for translation and summarization.")
@@ -182,6 +182,7 @@ def distill(config: Path = typer.Argument(..., help="Experiment YAML whose data.
             output: str = typer.Option(..., "-o", "--output", help="Prefix of the distilled corpus: "
                                                                    "writes OUT.{src_lang} and OUT.{tgt_lang}."),
             beam: Optional[int] = typer.Option(None, "--beam", "-b", help="Beam size (default: the teacher's)."),
+            device: str = typer.Option("auto", help="auto (the GPU when torch sees one), cpu, cuda, cuda:N or mps."),
             set_: Optional[List[str]] = SetOption):
     """Sequence-level knowledge distillation: the teacher translates the training sources.
 
@@ -193,7 +194,7 @@ def distill(config: Path = typer.Argument(..., help="Experiment YAML whose data.
 
     cfg = _load(config, set_)
     overrides = {"beam": beam} if beam is not None else {}
-    for path in distill_corpus(model, cfg, output, **overrides):
+    for path in distill_corpus(model, cfg, output, device, **overrides):
         typer.echo(str(path))
 
 
@@ -255,22 +256,26 @@ def translate(
     alignments: bool = typer.Option(False, "--alignments",
                                     help="Append ` ||| j-t ...`: source subword j aligned to target subword t."),
     errors: str = typer.Option("strict", help="Invalid UTF-8 input: strict (error) or replace."),
+    workers: int = typer.Option(0, help="Decoding processes, each with cores/N threads (0: one per core "
+                                        "on the CPU for inputs over 200 lines, one on a GPU; "
+                                        "--unbuffered: always one)."),
+    device: str = typer.Option("auto", help="auto (the GPU when torch sees one), cpu, cuda, cuda:N or mps."),
 ):
     """Translate stdin (or --input) line by line to stdout: exactly one output line per input line.
 
     Example: `s2s translate -m exp --beam 5 < test.en | s2s score - test.de`
     """
-    import torch
-
+    from s2s.device import check_device_name
     from s2s.textio import atomic_write, read_lines
-    from s2s.translate import TranslateProgress, Translator, write_translations
+    from s2s.workers import TranslateProgress, TranslatorSpec, translate_stream
 
     if errors not in ("strict", "replace"):
         raise S2SError(f"--errors: {errors!r} is not strict or replace")
     if threads < 0:
         raise S2SError(f"--threads: {threads} is negative")
-    if threads:
-        torch.set_num_threads(threads)
+    if workers < 0:
+        raise S2SError(f"--workers: {workers} is negative")
+    check_device_name(device)
     overrides = {k: v for k, v in dict(beam=beam, alpha=alpha, length_penalty=length_penalty,
                                        stop=stop, nbest=nbest, max_len_a=max_len_a, max_len_b=max_len_b,
                                        min_len=min_len, batch_tokens=batch_tokens, batch_size=batch_size,
@@ -281,33 +286,23 @@ def translate(
     if sampling:
         overrides.update(sampling=True, beam=overrides.get("beam", 1), nbest=overrides.get("nbest", 1),
                          coverage_penalty=overrides.get("coverage_penalty", 0.0))
-    translator = Translator.from_dirs(model, weights=parse_weights(ensemble_weights, len(model)))
-    if ctx.info_name == "summarize":
-        untouched = DecodeConfig()
-        overrides = {**{k: v for k, v in SUMMARIZE_DEFAULTS.items()
-                        if getattr(translator.decode, k) == getattr(untouched, k)}, **overrides}
-    try:
-        translator.decode = replace(translator.decode, "decode.", **overrides)
-    except ConfigError as e:
-        raise S2SError(f"translate options: {e}") from None
-    for member in [translator.model, *translator.extra_models] if alignments else []:
-        if member.cfg.arch != "encoder_decoder":
-            raise S2SError(f"--alignments: model.arch {member.cfg.arch} has no cross-attention to align with")
-    translator.alignments = alignments
-    translator.set_arithmetic(precision, quantize)
+    weights = parse_weights(ensemble_weights, len(model))
+    spec = TranslatorSpec(tuple(str(m) for m in model), overrides,
+                          SUMMARIZE_DEFAULTS if ctx.info_name == "summarize" else {}, device, precision,
+                          quantize, alignments, nbest_rows=nbest is not None, threads=threads,
+                          weights=None if weights is None else tuple(weights))
     if input != "-" and not Path(input).exists():
         raise S2SError(f"{input}: no such file")
     interactive = unbuffered or (input == "-" and sys.stdin.isatty())
     lines = read_lines(input, errors)
     prefixes = None if prefix_file is None else read_lines(prefix_file, errors)
-    show_nbest = translator.decode.nbest > 1 or nbest is not None
     progress = None if interactive else TranslateProgress()  # shows only when stderr is a terminal
     try:
         if output is not None:
             with atomic_write(output) as f:
-                write_translations(translator, lines, f, show_nbest, interactive, prefixes, progress)
+                translate_stream(spec, lines, f, workers, interactive, prefixes, progress)
         else:
-            write_translations(translator, lines, sys.stdout, show_nbest, interactive, prefixes, progress)
+            translate_stream(spec, lines, sys.stdout, workers, interactive, prefixes, progress)
     finally:
         if progress is not None:
             progress.close()
@@ -326,7 +321,8 @@ def align(model: Path = typer.Option(..., "-m", "--model", help="Model directory
           tgt: Optional[str] = typer.Option(None, "--tgt", help="Its target (default: the model's translation)."),
           layer: Optional[int] = typer.Option(None, help="Decoder layer, 0-based or -1 for the last "
                                                         "(default: the mean over layers); heads are averaged."),
-          output: Path = typer.Option(Path("attention.png"), "-o", "--output", help="PNG to write.")):
+          output: Path = typer.Option(Path("attention.png"), "-o", "--output", help="PNG to write."),
+          device: str = typer.Option("auto", help="auto (the GPU when torch sees one), cpu, cuda, cuda:N or mps.")):
     """Draw the cross-attention of a target over its source as a heatmap with the subword pieces on the axes.
 
     Example: `s2s align -m exp --src "Clipboard management" -o attn.png`
@@ -336,7 +332,7 @@ def align(model: Path = typer.Option(..., "-m", "--model", help="Model directory
     from s2s.plot import plot_attention
     from s2s.translate import Translator, cross_attention
 
-    translator = Translator.from_dir(model)
+    translator = Translator.from_dir(model, device)
     if translator.model.cfg.arch != "encoder_decoder":
         raise S2SError(f"{model}: model.arch {translator.model.cfg.arch} has no cross-attention to draw")
     n_layers = translator.model.cfg.dec_layers
@@ -349,8 +345,9 @@ def align(model: Path = typer.Option(..., "-m", "--model", help="Model directory
         tgt_ids = translator.search_sorted([src_ids])[0][0].tokens + [translator.tok.eos_id]
     else:
         tgt_ids = translator.tok.encode_tgt([tgt.strip()])[0]
-    A = cross_attention(translator.model, torch.tensor([src_ids]), torch.tensor([tgt_ids]), layer,
-                        translator.tok.bos_id)[0]
+    on = translator.device
+    A = cross_attention(translator.model, torch.tensor([src_ids], device=on), torch.tensor([tgt_ids], device=on),
+                        layer, translator.tok.bos_id)[0].cpu()
     tok = translator.tok
     which = "mean over layers" if layer is None else f"layer {layer}"
     path = plot_attention(A.numpy(), [tok.piece(i, "src") for i in src_ids],

@@ -22,6 +22,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from s2s.device import DEVICES, is_device_name
 from s2s.errors import ConfigError
 
 # --------------------------------------------------------------------------- #
@@ -220,6 +221,7 @@ class TrainConfig:
     precision: Literal["fp32", "bf16"] = "fp32"
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
     compile: bool = False  # train through torch.compile(model) (compiles on the first batches)
+    device: str = "auto"  # auto (the GPU when torch sees one) | cpu | cuda | cuda:N | mps; dev BLEU too
     log_every: int = 50
     validate_every: int = 1000  # steps between dev loss/BLEU (and checkpoints)
     dev_bleu_sentences: int = 300  # dev sentences translated for BLEU; 0 skips BLEU
@@ -243,6 +245,8 @@ class TrainConfig:
         _check(0.0 <= self.adam_beta1 < 1.0 and 0.0 <= self.adam_beta2 < 1.0, "train.adam_beta1",
                "Adam betas must be in [0, 1)")
         _check(self.clip_norm >= 0, "train.clip_norm", "must be >= 0")
+        _check(is_device_name(self.device), "train.device",
+               f"{self.device!r} is not one of {', '.join(DEVICES)} (or cuda:N)")
         parse_duration(self.max_time, "train.max_time")
         _check(bool(self.max_steps or self.max_epochs or self.max_time), "train.max_steps",
                "set at least one of train.max_steps, train.max_epochs, train.max_time")

@@ -64,14 +64,18 @@ def _comm_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_world() -> tuple[World, torch.device]:
+def init_world(device: str = "auto") -> tuple[World, torch.device]:
     """The process group torchrun describes in the environment (WORLD_SIZE, RANK,
     LOCAL_RANK, MASTER_ADDR, MASTER_PORT), and this rank's device: gloo on CPUs,
-    NCCL with one GPU per local rank.  Without torchrun: one process, rank 0."""
-    cuda = torch.cuda.is_available()
+    NCCL with one GPU per local rank.  Without torchrun: one process, rank 0.
+    ``device`` (train.device): auto takes the GPU when there is one."""
+    from s2s.device import resolve_device
+
+    wanted = resolve_device(device, "train.device")
+    cuda = wanted.type == "cuda"
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size <= 1:
-        return World(), torch.device("cuda" if cuda else "cpu")
+        return World(), wanted
     import torch.distributed as dist
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -18,20 +18,19 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
-
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_model as st_load_model
-from safetensors.torch import save_model as st_save_model
+from typing import TYPE_CHECKING, Optional
 
 from s2s import __version__
 from s2s.config import ExperimentConfig, load_config, to_yaml
 from s2s.errors import S2SError
-from s2s.model import S2SModel, make_model
 from s2s.outdir import check_output_dir, output_dir
 from s2s.textio import atomic_write, file_sha256
 from s2s.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # torch is imported where weights are touched: `s2s info` reads configs only
+    import torch
+
+    from s2s.model import S2SModel
 
 FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
@@ -60,17 +59,19 @@ def available_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def count_model_parameters(cfg: ExperimentConfig, src_v: int, tgt_v: int, pad_id: int = 0) -> int:
-    """Parameters of the model ``cfg`` describes, counted on the meta device (nothing allocated);
-    sizes whose product overflows are an error naming the largest size key."""
-    from s2s.model import count_parameters
+MAX_TENSOR_ELEMENTS = 2**63 - 1  # torch indexes tensor elements with int64
 
-    try:
-        with torch.device("meta"):
-            return count_parameters(make_model(cfg.model, src_v, tgt_v, pad_id))
-    except (RuntimeError, OverflowError, ValueError) as e:
+
+def count_model_parameters(cfg: ExperimentConfig, src_v: int, tgt_v: int) -> int:
+    """Parameters of the model ``cfg`` describes, counted from the config (nothing allocated,
+    no torch); a count past what a tensor can index is an error naming the largest size key."""
+    from s2s.params import parameter_count
+
+    n = parameter_count(cfg.model, src_v, tgt_v)
+    if n > MAX_TENSOR_ELEMENTS:
         raise S2SError(f"{_largest_size_key(cfg, tgt_v)}: the model's tensors are too large to "
-                       f"exist ({str(e).splitlines()[0]})") from None
+                       f"exist ({n:.3g} parameters)")
+    return n
 
 
 def _largest_size_key(cfg: ExperimentConfig, vocab: int) -> str:
@@ -88,11 +89,13 @@ def build_model(cfg: ExperimentConfig, tok: Tokenizer) -> S2SModel:
     """The model a config describes, sized to the tokenizer's vocabularies; one whose fp32
     weights (4 bytes a parameter) exceed the memory available is refused before allocating."""
     src_v, tgt_v = vocab_sizes(cfg, tok)
-    n = count_model_parameters(cfg, src_v, tgt_v, tok.pad_id)
+    n = count_model_parameters(cfg, src_v, tgt_v)
     if 4 * n > available_memory():
         raise S2SError(f"{_largest_size_key(cfg, tgt_v)}: the model has {n:,} parameters, "
                        f"{4 * n / 2**30:,.1f} GiB of fp32 weights, more than the "
                        f"{available_memory() / 2**30:,.1f} GiB of memory available")
+    from s2s.model import make_model
+
     return make_model(cfg.model, src_v, tgt_v, tok.pad_id)
 
 
@@ -111,6 +114,8 @@ def copy_tokenizer(cfg: ExperimentConfig, src_dir: Path, directory: Path) -> Non
 
 def check_finite(model: torch.nn.Module, path: Path) -> None:
     """A non-finite parameter is never written: it would poison every later resume."""
+    import torch
+
     for name, p in model.named_parameters():
         if not bool(torch.isfinite(p).all()):
             raise S2SError(f"{path}: not written, parameter {name} holds NaN or Inf "
@@ -119,6 +124,8 @@ def check_finite(model: torch.nn.Module, path: Path) -> None:
 
 def save_weights(model: torch.nn.Module, path: Path) -> str:
     """Write safetensors atomically; return the file's sha256."""
+    from safetensors import SafetensorError
+
     check_finite(model, path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
@@ -133,6 +140,9 @@ def save_weights(model: torch.nn.Module, path: Path) -> str:
 def write_weights(model: torch.nn.Module, path: Path) -> str:
     """Write and fsync safetensors (no checks, not atomic); return the sha256.  A failed
     write raises OSError, also when safetensors reports it (SafetensorError)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_model as st_save_model
+
     try:
         st_save_model(model, str(path))
     except SafetensorError as e:
@@ -209,6 +219,9 @@ def read_meta(directory: Path) -> dict:
 
 
 def load_weights(model: torch.nn.Module, path: Path, sha256: Optional[str] = None) -> None:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_model as st_load_model
+
     if not path.is_file():
         raise S2SError(f"{path}: weights not found")
     if sha256 is not None and file_sha256(path) != sha256:
@@ -270,7 +283,7 @@ def load_model_dir(directory: str | Path, device: str | torch.device = "cpu") ->
 def describe(path: str | Path) -> list[tuple[str, str]]:
     """Rows for ``s2s info``: the architecture, its exact parameter count and the
     budget P ~= 12 N_enc d^2 + 16 N_dec d^2 + V d (docs/model.md (20)) beside it."""
-    from s2s.model import parameter_budget
+    from s2s.params import parameter_budget
 
     p = Path(path)
     meta = None
@@ -283,8 +296,8 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
     else:
         cfg = load_config(p)
         src_v = tgt_v = cfg.model.vocab_size or cfg.tokenizer.vocab_size
-    n = count_model_parameters(cfg, src_v, tgt_v, cfg.tokenizer.pad_id)  # counted without allocating
     m = cfg.model
+    n = count_model_parameters(cfg, src_v, tgt_v)  # from the config: no weights, no torch
     budget = parameter_budget(m, tgt_v)
     rows = [
         ("architecture", f"{m.arch}, {m.norm}-norm, {m.activation} FFN, {m.positions} positions"),
@@ -316,13 +329,19 @@ def run_dir_of(path: Path) -> Path:
     return path.parent.parent if path.parent.name == "checkpoints" else path
 
 
-@torch.no_grad()
 def average_checkpoints(paths: list[str | Path], out: str | Path, force: bool = False) -> Path:
     """theta_avg = (1/n) sum_i theta_i over n checkpoints of one architecture,
     written as a model directory (config and tokenizer from the first one's run).
 
     ``out`` is never a run directory nor one holding an input (see s2s.outdir);
     ``force`` replaces an earlier ``average`` output there."""
+    import torch
+
+    with torch.no_grad():
+        return _average_checkpoints(paths, out, force)
+
+
+def _average_checkpoints(paths: list[str | Path], out: str | Path, force: bool) -> Path:
     if not paths:
         raise S2SError("average: no checkpoints given")
     dirs = [Path(p) for p in paths]

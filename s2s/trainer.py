@@ -314,7 +314,7 @@ class Trainer:
         self.cfg = cfg
         self.tc = cfg.train
         self.run_dir = run_dir
-        self.world, self.device = init_world()
+        self.world, self.device = init_world(self.tc.device)
         self.show_progress = show_progress and self.world.is_main
         if self.tc.threads:
             torch.set_num_threads(self.tc.threads)

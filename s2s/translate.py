@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence, TextIO
@@ -24,6 +23,7 @@ from s2s.errors import S2SError
 from s2s.model import S2SModel, Seq2SeqTransformer
 from s2s.search import EnsembleDecoder, Hypothesis, ModelDecoder, SearchSettings, ensemble_log_weights, search
 from s2s.tokenizer import BOS_ID, Tokenizer
+from s2s.workers import TranslateProgress, paired_lines  # noqa: F401 (TranslateProgress: re-exported)
 
 log = logging.getLogger("s2s")
 
@@ -118,13 +118,17 @@ class Translator:
         return cls.from_dirs([directory], device, **decode_overrides)
 
     @classmethod
-    def from_dirs(cls, directories: Sequence[str | Path], device: str = "cpu",
+    def from_dirs(cls, directories: Sequence[str | Path], device: str | torch.device = "cpu",
                   weights: Optional[Sequence[float]] = None, **decode_overrides) -> "Translator":
         """An ensemble of model directories (or training checkpoints, RUN/checkpoints/step-N)
         that share one tokenizer (the first one's config gives the decode settings); one
-        directory is a single model.  ``weights``: one per member (see :class:`EnsembleDecoder`)."""
+        directory is a single model.  ``weights``: one per member (see :class:`EnsembleDecoder`).
+        ``device``: cpu, cuda, cuda:N, mps, or auto (the GPU when torch sees one)."""
+        from s2s.device import resolve_device
         from s2s.modeldir import load_model_dir
 
+        if not isinstance(device, torch.device):
+            device = resolve_device(device)
         loaded = [load_model_dir(d, device) for d in directories]
         first = loaded[0]
         wanted = tokenizer_fingerprint(first.cfg, first.directory)  # sha256 of the SentencePiece files
@@ -287,7 +291,7 @@ class Translator:
                         prefixes: Optional[Iterable[str]] = None) -> Iterator[Translation]:
         """Translate a (possibly endless) stream of lines, yielding them in input order;
         ``prefixes``, one line per input line, are forced as each output's start."""
-        it = iter(lines) if prefixes is None else _paired(lines, prefixes)
+        it = iter(lines) if prefixes is None else paired_lines(lines, prefixes)
         line_no = 1
         while True:
             chunk = list(itertools.islice(it, chunk_lines))
@@ -304,48 +308,6 @@ class Translator:
         return [t.text for t in self.translate_lines(lines)]
 
 
-class TranslateProgress:
-    """Lines/s and output tokens/s on stderr while translating (when stderr is a
-    terminal; in a pipe or a log file, nothing), updated at most 4 times a second."""
-
-    def __init__(self, console=None):
-        from rich.console import Console
-
-        self.console = console or Console(stderr=True)
-        self.lines = self.tokens = 0
-        self.started = self.shown = time.time()
-        self._status = self.console.status("translating", spinner="dots") if self.console.is_terminal else None
-        if self._status is not None:
-            self._status.start()
-
-    def text(self) -> str:
-        dt = max(time.time() - self.started, 1e-9)
-        return (f"{self.lines:,} lines | {self.lines / dt:,.1f} lines/s | "
-                f"{self.tokens / dt:,.0f} tokens/s")
-
-    def update(self, t: Translation) -> None:
-        self.lines += 1
-        self.tokens += len(t.hypotheses[0].tokens) + 1 if t.hypotheses else 0
-        if self._status is not None and time.time() - self.shown >= 0.25:
-            self.shown = time.time()
-            self._status.update(self.text())
-
-    def close(self) -> None:
-        if self._status is not None:
-            self._status.stop()
-            self.console.print(f"s2s: {self.text()}", highlight=False)
-
-
-def _paired(lines: Iterable[str], prefixes: Iterable[str]) -> Iterator[tuple[str, str]]:
-    """(line, prefix) pairs; an error when one stream ends before the other."""
-    sentinel = object()
-    for n, (line, prefix) in enumerate(itertools.zip_longest(lines, prefixes, fillvalue=sentinel), 1):
-        if line is sentinel or prefix is sentinel:
-            short = "the input" if line is sentinel else "the prefix file"
-            raise S2SError(f"--prefix-file: {short} ends at line {n - 1}, the other goes on")
-        yield line, prefix
-
-
 def write_translations(translator: Translator, lines: Iterable[str], out: TextIO, nbest: bool = False,
                        line_by_line: bool = False, prefixes: Optional[Iterable[str]] = None,
                        progress: Optional[TranslateProgress] = None) -> None:
@@ -356,29 +318,32 @@ def write_translations(translator: Translator, lines: Iterable[str], out: TextIO
     subword j aligned to target subword t (Pharaoh format, 0-based).
     Flushed after every chunk, or every line with ``line_by_line``."""
     chunk = 1 if line_by_line else 1000
-
-    def aligned(h: Optional[Hypothesis]) -> str:  # " ||| 0-0 1-2 ..." with --alignments
-        if not translator.alignments:
-            return ""
-        return " ||| " + " ".join(f"{j}-{t}" for j, t in (h.alignment or [] if h else []))
-
     for t in translator.translate_lines(lines, chunk_lines=chunk, prefixes=prefixes):
         if progress is not None:
             progress.update(t)
-        if not nbest:
-            out.write(t.text + aligned(t.hypotheses[0] if t.hypotheses else None) + "\n")
-        elif t.hypotheses:
-            out.writelines(f"{t.line_no - 1} ||| {text} ||| {h.score:.4f}{aligned(h)}\n"
-                           for text, h in zip(t.texts, t.hypotheses))
-        else:
-            out.write(f"{t.line_no - 1} |||  ||| 0.0000{aligned(None)}\n")
+        out.write(format_translation(t, nbest, translator.alignments))
         if t.line_no % chunk == 0:
             out.flush()
     out.flush()
 
 
+def format_translation(t: Translation, nbest: bool = False, alignments: bool = False) -> str:
+    """The output line(s) of one input line, each ending in a newline (see :func:`write_translations`)."""
+    def aligned(h: Optional[Hypothesis]) -> str:  # " ||| 0-0 1-2 ..." with --alignments
+        if not alignments:
+            return ""
+        return " ||| " + " ".join(f"{j}-{t}" for j, t in (h.alignment or [] if h else []))
+
+    if not nbest:
+        return t.text + aligned(t.hypotheses[0] if t.hypotheses else None) + "\n"
+    if t.hypotheses:
+        return "".join(f"{t.line_no - 1} ||| {text} ||| {h.score:.4f}{aligned(h)}\n"
+                       for text, h in zip(t.texts, t.hypotheses))
+    return f"{t.line_no - 1} |||  ||| 0.0000{aligned(None)}\n"
+
+
 def distill_corpus(teacher: str | Path, cfg: ExperimentConfig, out_prefix: str | Path,
-                   **decode_overrides) -> tuple[Path, Path]:
+                   device: str = "auto", **decode_overrides) -> tuple[Path, Path]:
     """Sequence-level knowledge distillation (Kim and Rush 2016): the teacher translates the
     source side of ``data.train`` with beam search into ``OUT.{tgt_lang}``, beside a copy of
     the sources as ``OUT.{src_lang}``; a student recipe then trains on ``data.train: OUT``."""
@@ -387,7 +352,7 @@ def distill_corpus(teacher: str | Path, cfg: ExperimentConfig, out_prefix: str |
     if not cfg.data.train:
         raise S2SError("data.train: no training corpus configured")
     src_file = resolve_corpus(cfg.data.train, cfg.data.src_lang)
-    translator = Translator.from_dir(teacher, **decode_overrides)
+    translator = Translator.from_dir(teacher, device, **decode_overrides)
     out_src = Path(f"{out_prefix}.{cfg.data.src_lang}")
     out_tgt = Path(f"{out_prefix}.{cfg.data.tgt_lang}")
     with atomic_write(out_tgt) as f:

@@ -765,8 +765,10 @@ def test_checkpoint_write_failing_inside_safetensors(env, tmp_path, monkeypatch,
 
     def full(*args, **kwargs):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-    monkeypatch.setattr(s2s.trainer if writer == "optimizer" else s2s.modeldir,
-                        "save_file" if writer == "optimizer" else "st_save_model", full)
+    import safetensors.torch  # modeldir imports save_model where it writes: patch it at its source
+
+    monkeypatch.setattr(s2s.trainer if writer == "optimizer" else safetensors.torch,
+                        "save_file" if writer == "optimizer" else "save_model", full)
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.ones(1, 3)).sum().backward()

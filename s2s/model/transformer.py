@@ -25,6 +25,7 @@ from s2s.model.copy import CopyHead
 from s2s.model.interface import EncoderState
 from s2s.model.layers import DecoderLayer, EncoderLayer, make_norm
 from s2s.model.positions import LearnedPositions, RelativePositionBias, SinusoidalPositions
+from s2s.params import parameter_budget  # noqa: F401 (its home is s2s.params; re-exported)
 
 
 class Seq2SeqTransformer(ModelBase):
@@ -198,12 +199,3 @@ class Seq2SeqTransformer(ModelBase):
 def count_parameters(model: nn.Module) -> int:
     """Distinct parameters (a tied/shared matrix counts once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
-def parameter_budget(cfg: ModelConfig, vocab: int) -> int:
-    """P ~= 12 N_enc d^2 + 16 N_dec d^2 + V d  (docs/model.md (20); FFN width 4d);
-    one stack over [x; y] (prefix_lm, decoder_only): 12 (N_enc + N_dec) d^2 + V d."""
-    d = cfg.d_model
-    if cfg.arch != "encoder_decoder":
-        return 12 * (cfg.enc_layers + cfg.dec_layers) * d * d + vocab * d
-    return 12 * cfg.enc_layers * d * d + 16 * cfg.dec_layers * d * d + vocab * d

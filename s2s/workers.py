@@ -1,0 +1,381 @@
+"""Translating a stream of lines with one or N decoding processes, output in input order.
+
+    parent: read K lines -> chunk i -> task queue -> worker 1..N (each its own model,
+            cores/N torch threads) -> result queue -> write chunk i once 0..i-1 are written
+
+Each chunk is translated exactly as ``Translator.translate_chunk`` translates it in one
+process, so the output is one line per input line, in input order, whatever the number
+of workers.  At most 2N chunks are in flight (sent and not yet written), so memory stays
+bounded however long the input.  A bad input line stops the reading: the chunks before it
+are written, then the error, as with one process.  A worker that dies (killed, out of
+memory) is one error line; Ctrl-C stops every worker.
+
+This module imports no torch: the parent only reads, sends and writes.  Small models
+decode faster as N single-thread processes than as one N-thread process (a decoder
+step's matrices are too small to split between threads); see the README.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Iterator, Optional, TextIO
+
+from s2s.errors import S2SError
+
+log = logging.getLogger("s2s")
+
+CHUNK_LINES = 200  # lines per task sent to a worker (each worker sorts them into batches)
+
+
+@dataclass(frozen=True)
+class TranslatorSpec:
+    """Everything needed to build the same Translator in this process or in a worker."""
+
+    models: tuple[str, ...]  # model directories (more than one: an ensemble)
+    overrides: dict = field(default_factory=dict)  # decode keys set on the command line
+    defaults: dict = field(default_factory=dict)  # decode keys used where the model's config keeps the default
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
+    precision: str = "fp32"
+    quantize: Optional[str] = None
+    alignments: bool = False
+    nbest_rows: bool = False  # print `LINE ||| TEXT ||| SCORE` rows even for one hypothesis (--nbest 1)
+    threads: int = 0  # torch threads of the process that builds it (0: torch's default)
+    weights: Optional[tuple[float, ...]] = None  # ensemble weights, one per model
+
+    def build(self):
+        """Load the model(s) and apply the settings: a ready ``Translator``."""
+        import torch
+
+        from s2s.config import DecodeConfig
+        from s2s.config import replace as replace_config
+        from s2s.errors import ConfigError
+        from s2s.translate import Translator
+
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        translator = Translator.from_dirs(list(self.models), self.device, weights=self.weights)
+        untouched = DecodeConfig()
+        overrides = {**{k: v for k, v in self.defaults.items()
+                        if getattr(translator.decode, k) == getattr(untouched, k)}, **self.overrides}
+        try:
+            translator.decode = replace_config(translator.decode, "decode.", **overrides)
+        except ConfigError as e:
+            raise S2SError(f"translate options: {e}") from None
+        for member in [translator.model, *translator.extra_models] if self.alignments else []:
+            if member.cfg.arch != "encoder_decoder":
+                raise S2SError(f"--alignments: model.arch {member.cfg.arch} has no cross-attention to align with")
+        translator.alignments = self.alignments
+        translator.set_arithmetic(self.precision, self.quantize)
+        return translator
+
+    def shows_nbest(self, translator) -> bool:
+        return translator.decode.nbest > 1 or self.nbest_rows
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def _gpu_device_files() -> bool:
+    """Whether the machine has a GPU driver at all (so only then is torch imported to ask)."""
+    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd"))
+
+
+def auto_workers(device: str, cores: int) -> int:
+    """--workers 0 (auto): one single-thread worker per core on the CPU, one process on a GPU."""
+    if device == "cpu":
+        return cores
+    if device != "auto":
+        return 1
+    if not _gpu_device_files():
+        return cores
+    import torch
+
+    return 1 if torch.cuda.is_available() else cores
+
+
+def threads_per_worker(workers: int, cores: int, threads: int = 0) -> int:
+    """--threads when given, else the cores shared out: max(1, cores // workers)."""
+    return threads or max(1, cores // workers)
+
+
+# --------------------------------------------------------------------------- #
+def output_tokens(t) -> int:
+    """Tokens of a Translation's best hypothesis, </s> included (0 for an empty line)."""
+    return len(t.hypotheses[0].tokens) + 1 if t.hypotheses else 0
+
+
+class TranslateProgress:
+    """Lines/s and output tokens/s on stderr while translating (when stderr is a
+    terminal; in a pipe or a log file, nothing), updated at most 4 times a second."""
+
+    def __init__(self, console=None):
+        from rich.console import Console
+
+        self.console = console or Console(stderr=True)
+        self.lines = self.tokens = 0
+        self.started = self.shown = time.time()
+        self._status = self.console.status("translating", spinner="dots") if self.console.is_terminal else None
+        if self._status is not None:
+            self._status.start()
+
+    def text(self) -> str:
+        dt = max(time.time() - self.started, 1e-9)
+        return (f"{self.lines:,} lines | {self.lines / dt:,.1f} lines/s | "
+                f"{self.tokens / dt:,.0f} tokens/s")
+
+    def update(self, t) -> None:
+        """Count one Translation."""
+        self.add(1, output_tokens(t))
+
+    def add(self, lines: int, tokens: int) -> None:
+        """Count ``lines`` translated lines holding ``tokens`` output tokens."""
+        self.lines += lines
+        self.tokens += tokens
+        if self._status is not None and time.time() - self.shown >= 0.25:
+            self.shown = time.time()
+            self._status.update(self.text())
+
+    def close(self) -> None:
+        if self._status is not None:
+            self._status.stop()
+            self.console.print(f"s2s: {self.text()}", highlight=False)
+
+
+# --------------------------------------------------------------------------- #
+def translate_stream(spec: TranslatorSpec, lines: Iterable[str], out: TextIO, workers: int = 0,
+                     line_by_line: bool = False, prefixes: Optional[Iterable[str]] = None,
+                     progress: Optional[TranslateProgress] = None, chunk_lines: int = CHUNK_LINES) -> int:
+    """Translate ``lines`` into ``out`` (the format of ``s2s.translate.write_translations``)
+    with ``workers`` processes; returns the number of processes used.
+
+    ``workers`` 0 (auto): one single-thread worker per core on the CPU (see
+    :func:`auto_workers`), but one process when the whole input fits in one chunk.
+    ``line_by_line`` (--unbuffered) always runs in this one process.
+    """
+    cores = usable_cores()
+    n = workers or auto_workers(spec.device, cores)
+    if line_by_line and n > 1:
+        if workers > 1:
+            log.info("--unbuffered: translating line by line in one process (--workers %d not used)", workers)
+        n = 1
+    items: Iterator[Any] = iter(lines) if prefixes is None else paired_lines(lines, prefixes)
+    if n > 1 and not workers:  # auto: a short input is not worth starting processes for
+        head = list(itertools.islice(items, chunk_lines + 1))
+        if len(head) <= chunk_lines:
+            n = 1
+        items = itertools.chain(head, items)
+    if n == 1:
+        from s2s.translate import write_translations
+
+        translator = spec.build()
+        sources, prefix_lines = (items, None) if prefixes is None else _unzip(items)
+        write_translations(translator, sources, out, spec.shows_nbest(translator), line_by_line,
+                           prefix_lines, progress)
+        return 1
+    spec = replace(spec, threads=threads_per_worker(n, cores, spec.threads))
+    _translate_parallel(spec, items, out, n, prefixes is not None, progress, chunk_lines)
+    return n
+
+
+def _unzip(pairs: Iterator[tuple[str, str]]) -> tuple[Iterator[str], Iterator[str]]:
+    """Two lazy streams from one stream of (line, prefix) pairs, read in step."""
+    a, b = itertools.tee(pairs)
+    return (x for x, _ in a), (p for _, p in b)
+
+
+def paired_lines(lines: Iterable[str], prefixes: Iterable[str]) -> Iterator[tuple[str, str]]:
+    """(line, prefix) pairs; an error when one stream ends before the other."""
+    sentinel = object()
+    for n, (line, prefix) in enumerate(itertools.zip_longest(lines, prefixes, fillvalue=sentinel), 1):
+        if line is sentinel or prefix is sentinel:
+            short = "the input" if line is sentinel else "the prefix file"
+            raise S2SError(f"--prefix-file: {short} ends at line {n - 1}, the other goes on")
+        yield line, prefix
+
+
+def _chunks(items: Iterator[Any], k: int, paired: bool) -> Iterator[tuple[int, list, Optional[list]]]:
+    """(first line number, lines, prefixes or None) of each run of ``k`` items."""
+    line_no = 1
+    while chunk := list(itertools.islice(items, k)):
+        if paired:
+            yield line_no, [x for x, _ in chunk], [p for _, p in chunk]
+        else:
+            yield line_no, chunk, None
+        line_no += len(chunk)
+
+
+def _died(i: int, n: int, code: int) -> S2SError:
+    how = f"exit code {code}"
+    if code < 0:
+        try:
+            how = f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"killed by signal {-code}"
+        if -code == signal.SIGKILL:
+            how += ", out of memory?"
+    return S2SError(f"translate worker {i + 1} of {n} died ({how}); nothing after the last "
+                    "complete chunk was written")
+
+
+def _translate_parallel(spec: TranslatorSpec, items: Iterator[Any], out: TextIO, n: int, paired: bool,
+                        progress: Optional[TranslateProgress], chunk_lines: int) -> None:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # fork would copy torch's threads and locks
+    tasks, results = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(spec, tasks, results, log.getEffectiveLevel()),
+                         name=f"s2s-translate-{i + 1}", daemon=True) for i in range(n)]
+    _start(procs)
+    clean = False
+    try:
+        chunks = _chunks(items, chunk_lines, paired)
+        sent = written = 0
+        done: dict[int, tuple] = {}
+        reading, read_error, startup_logged = True, None, False
+        while True:
+            while reading and sent - written < 2 * n:  # bounded: at most 2N chunks in flight
+                try:
+                    chunk = next(chunks)
+                except StopIteration:
+                    reading = False
+                    break
+                except S2SError as e:  # a bad line: write what came before it, then fail
+                    read_error, reading = e, False
+                    break
+                tasks.put((sent, *chunk))
+                sent += 1
+            if written == sent:
+                break
+            msg = _receive(results, procs)
+            if msg[0] == "error":
+                _, kind, text = msg
+                if kind == "s2s":
+                    raise S2SError(text)
+                raise RuntimeError(f"a translate worker failed:\n{text}")
+            if msg[0] == "ready":
+                if not startup_logged:  # the same warnings from every worker: show them once
+                    _replay(msg[1])
+                    startup_logged = True
+                continue
+            _, index, text, n_lines, n_tokens, records = msg
+            done[index] = (text, n_lines, n_tokens, records)
+            while written in done:
+                text, n_lines, n_tokens, records = done.pop(written)
+                _replay(records)
+                out.write(text)
+                out.flush()
+                if progress is not None:
+                    progress.add(n_lines, n_tokens)
+                written += 1
+        if read_error is not None:
+            raise read_error
+        clean = True
+    finally:
+        _stop(procs, tasks, results, clean)
+
+
+def _start(procs) -> None:
+    """Start the workers with SIGINT ignored from their first instruction on (a new
+    interpreter keeps an ignored SIGINT ignored), so that Ctrl-C while they import
+    torch prints no traceback of theirs: the parent alone handles it."""
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, old)
+
+
+def _receive(results, procs) -> tuple:
+    """The next message of any worker; a worker that exited meanwhile is an error."""
+    while True:
+        try:
+            return results.get(timeout=0.2)
+        except queue.Empty:
+            for i, p in enumerate(procs):
+                if p.exitcode is not None:
+                    raise _died(i, len(procs), p.exitcode) from None
+
+
+def _replay(records: list[tuple[int, str]]) -> None:
+    for level, message in records:
+        log.log(level, "%s", message)
+
+
+def _stop(procs, tasks, results, clean: bool) -> None:
+    """Ask the workers to finish (clean), else end them now; never leave one behind."""
+    if clean:
+        for _ in procs:
+            tasks.put(None)
+        deadline = time.time() + 30
+        for p in procs:
+            p.join(max(0.0, deadline - time.time()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    tasks.cancel_join_thread()  # unread tasks must not keep this process from exiting
+    tasks.close()
+    results.close()
+
+
+class _Collect(logging.Handler):
+    """A worker's log lines, sent to the parent with the chunk they belong to."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[tuple[int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append((record.levelno, record.getMessage()))
+
+    def take(self) -> list[tuple[int, str]]:
+        taken, self.records = self.records, []
+        return taken
+
+
+def _worker(spec: TranslatorSpec, tasks, results, log_level: int) -> None:
+    """A decoding process: build the translator once, then translate chunks until None.
+    SIGINT stays ignored (see :func:`_start`): Ctrl-C is the parent's to handle."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # also when started from another thread
+    collect = _Collect()
+    s2s_log = logging.getLogger("s2s")
+    s2s_log.handlers[:] = [collect]
+    s2s_log.setLevel(log_level)
+    s2s_log.propagate = False
+    logging.getLogger().setLevel(logging.ERROR)  # other libraries: the parent shows their warnings once
+    try:
+        from s2s.translate import format_translation
+
+        translator = spec.build()
+        nbest = spec.shows_nbest(translator)
+        results.put(("ready", collect.take()))
+        while (task := tasks.get()) is not None:
+            index, first_line_no, lines, prefixes = task
+            found = translator.translate_chunk(lines, first_line_no, prefixes)
+            text = "".join(format_translation(t, nbest, translator.alignments) for t in found)
+            results.put(("done", index, text, len(found), sum(output_tokens(t) for t in found), collect.take()))
+    except S2SError as e:
+        results.put(("error", "s2s", str(e)))
+    except Exception:  # a bug: the parent shows the worker's traceback
+        results.put(("error", "bug", traceback.format_exc()))

@@ -1,0 +1,220 @@
+"""translate --workers (s2s.workers), --device, and a start-up that imports no torch."""
+
+import io
+import os
+import signal
+import subprocess
+import sys
+from multiprocessing import active_children
+from pathlib import Path
+
+import pytest
+
+from s2s.config import ModelConfig
+from s2s.errors import S2SError
+from s2s.params import parameter_count
+from s2s.workers import TranslatorSpec, auto_workers, threads_per_worker, translate_stream
+
+
+@pytest.fixture(scope="module")
+def model_dir(prepared, tmp_path_factory):
+    """An untrained model directory of the tiny config (its outputs: whatever the random weights say)."""
+    import torch
+
+    from s2s.config import load_config
+    from s2s.modeldir import build_model, save_model_dir
+    from s2s.tokenizer import Tokenizer
+
+    cfg = load_config(prepared)
+    tok = Tokenizer.load(cfg.data.dir, cfg.tokenizer, cfg.data)
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("workers") / "model"
+    save_model_dir(d, build_model(cfg, tok), cfg, Path(cfg.data.dir), {"step": 0})
+    return d
+
+
+HOSTILE = [b"Clipboard management", b"", b"   ", b"a\x00b NUL bytes", b"x " * 1500, b"\xff\xfe broken",
+           "émoji 🙂 and עברית".encode(), b"port scanner for discovering services", b"", b"last one"]
+
+
+def decoded(errors="replace"):
+    return [line.decode("utf-8", errors=errors) for line in HOSTILE]
+
+
+def run_stream(spec, lines, workers, chunk_lines=3):
+    out = io.StringIO()
+    used = translate_stream(spec, lines, out, workers=workers, chunk_lines=chunk_lines)
+    return out.getvalue(), used
+
+
+@pytest.mark.parametrize("settings", [{}, {"overrides": {"nbest": 2, "beam": 2}, "alignments": True,
+                                           "nbest_rows": True}])
+def test_two_workers_write_what_one_process_writes(model_dir, settings):
+    """Chunks of 3 lines over 2 workers: the same text, line for line, as one process."""
+    spec = TranslatorSpec((str(model_dir),), device="cpu", threads=1, **settings)
+    lines = decoded() * 2  # 20 lines, 7 chunks
+    one, used_one = run_stream(spec, lines, workers=1)
+    two, used_two = run_stream(spec, lines, workers=2)
+    assert (used_one, used_two) == (1, 2)
+    assert two == one
+    if not settings:
+        assert two.count("\n") == len(lines)
+        rows = two.split("\n")
+        assert rows[1] == rows[2] == ""  # empty and blank lines give empty lines
+    else:
+        numbers = {int(row.split(" ||| ")[0]) for row in two.splitlines()}
+        assert numbers == set(range(len(lines)))  # n-best rows numbered across chunks
+        assert all(row.count(" ||| ") == 3 for row in two.splitlines())  # ... with alignments
+
+
+def test_a_bad_line_stops_after_the_chunks_before_it(model_dir, tmp_path):
+    """--errors strict: the chunks before the bad line are written, then the error with file:line."""
+    from s2s.textio import read_lines
+
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\n".join([b"one", b"two", b"three", b"four", b"\xff five", b"six"]) + b"\n")
+    spec = TranslatorSpec((str(model_dir),), device="cpu", threads=1)
+    outs = []
+    for workers in (1, 2):
+        out = io.StringIO()
+        with pytest.raises(S2SError, match=rf"{bad}:5: invalid UTF-8"):
+            translate_stream(spec, read_lines(bad), out, workers=workers, chunk_lines=2)
+        outs.append(out.getvalue())
+    assert outs[1].count("\n") == 4  # lines 1-4: the two chunks before the one with line 5
+    assert outs[0] == ""  # one process reads its first chunk (1000 lines) before translating any
+
+
+def test_a_dead_worker_is_one_error(model_dir):
+    spec = TranslatorSpec((str(model_dir),), device="cpu", threads=1)
+
+    def lines():
+        for i in range(100_000):
+            if i == 30:
+                os.kill(active_children()[0].pid, signal.SIGKILL)
+            yield f"line {i}"
+
+    with pytest.raises(S2SError, match=r"translate worker \d of 2 died \(killed by SIGKILL"):
+        run_stream(spec, lines(), workers=2, chunk_lines=5)
+    assert not active_children()  # the other worker is gone too
+
+
+def test_a_bad_option_in_a_worker_is_the_one_line_error(model_dir):
+    spec = TranslatorSpec((str(model_dir),), {"beam": 0}, device="cpu", threads=1)
+    with pytest.raises(S2SError, match="translate options: decode.beam"):
+        run_stream(spec, decoded() * 2, workers=2)
+    assert not active_children()
+
+
+def test_auto_workers_and_threads():
+    assert auto_workers("cpu", 8) == 8 and auto_workers("cuda", 8) == 1 and auto_workers("mps", 8) == 1
+    assert threads_per_worker(2, 8) == 4 and threads_per_worker(8, 2) == 1 and threads_per_worker(2, 8, 3) == 3
+
+
+def test_auto_runs_a_short_input_in_this_process(model_dir):
+    spec = TranslatorSpec((str(model_dir),), device="cpu", threads=1)
+    text, used = run_stream(spec, decoded(), workers=0, chunk_lines=len(HOSTILE))
+    assert used == 1 and text.count("\n") == len(HOSTILE)
+
+
+def s2s(*args, input=None):
+    return subprocess.run([sys.executable, "-m", "s2s", *map(str, args)], input=input,
+                          capture_output=True, timeout=300)
+
+
+def test_cli_workers_hostile_input_and_summarize(model_dir, tmp_path):
+    """Through the command line: --workers 2 vs 1 on hostile bytes (--errors replace), -o complete;
+    summarize too; --errors strict names file:line and leaves no output file."""
+    src = tmp_path / "in.txt"
+    src.write_bytes(b"\n".join(HOSTILE) + b"\n")
+    for command in ("translate", "summarize"):
+        got = []
+        for workers in (1, 2):
+            out = tmp_path / f"{command}{workers}.txt"
+            r = s2s(command, "-m", model_dir, "-i", src, "-o", out, "--errors", "replace",
+                    "--workers", workers, "--device", "cpu", "--threads", 1,
+                    "--max-len-a", 0, "--max-len-b", 12)  # random weights never stop: cap them
+            assert r.returncode == 0, r.stderr.decode()
+            got.append(out.read_bytes())
+        assert got[0] == got[1] and got[0].count(b"\n") == len(HOSTILE)
+    out = tmp_path / "strict.txt"
+    r = s2s("translate", "-m", model_dir, "-i", src, "-o", out, "--workers", "2")
+    assert r.returncode == 1
+    assert r.stderr.decode().strip().splitlines()[-1] == f"s2s: error: {src}:6: invalid UTF-8 (byte 1 of the line)"
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_cli_unbuffered_uses_one_process_and_says_so(model_dir):
+    r = s2s("translate", "-m", model_dir, "--unbuffered", "--workers", "2", "--beam", "1", "--max-len-b", 5,
+            input=b"hello\n\n")
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.count(b"\n") == 2
+    assert "--unbuffered: translating line by line in one process (--workers 2 not used)" in r.stderr.decode()
+
+
+def test_cli_device(model_dir):
+    import torch
+
+    r = s2s("translate", "-m", model_dir, "--device", "cpu", "--workers", "1", "--max-len-b", 5, input=b"hello\n")
+    assert r.returncode == 0 and r.stdout.count(b"\n") == 1, r.stderr.decode()
+    r = s2s("translate", "-m", model_dir, "--device", "tpu", input=b"hello\n")
+    assert r.returncode == 1 and r.stderr.decode() == (
+        "s2s: error: --device: 'tpu' is not one of auto, cpu, cuda, mps (or cuda:N)\n")
+    if not torch.cuda.is_available():
+        r = s2s("translate", "-m", model_dir, "--device", "cuda", "--workers", "1", input=b"hello\n")
+        err = r.stderr.decode()
+        assert r.returncode == 1 and err.startswith("s2s: error: --device: cuda: torch sees no CUDA GPU")
+        assert err.count("\n") == 1 and r.stdout == b""
+
+
+def test_train_device_is_checked():
+    from s2s.config import TrainConfig
+    from s2s.errors import ConfigError
+
+    assert TrainConfig(max_steps=1, device="cuda:1").device == "cuda:1"
+    with pytest.raises(ConfigError, match="train.device: 'gpu' is not one of auto, cpu, cuda, mps"):
+        TrainConfig(max_steps=1, device="gpu")
+
+
+# --------------------------------------------------------------------------- #
+# Start-up: the parameter count from the config, and no torch where none is needed
+# --------------------------------------------------------------------------- #
+CONFIGS = [
+    {},
+    {"norm": "post", "positions": "learned", "max_positions": 40, "position_offset": 2, "embed_norm": True,
+     "tie_output": False, "output_bias": True},
+    {"positions": "t5_bias", "rel_buckets": 8, "norm_type": "rmsnorm", "bias": False, "gated_ffn": True,
+     "activation": "gelu", "share_embeddings": False, "head_dim": 12},
+    {"copy": True, "coverage": True, "dec_layers": 3},
+    {"arch": "prefix_lm", "positions": "learned", "max_positions": 64, "embed_norm": True},
+    {"arch": "decoder_only", "tie_output": False, "norm_type": "rmsnorm", "gated_ffn": True},
+]
+
+
+@pytest.mark.parametrize("overrides", CONFIGS)
+def test_parameter_count_from_the_config_is_the_models(overrides):
+    from s2s.model import count_parameters, make_model
+
+    cfg = ModelConfig(**{"d_model": 32, "heads": 4, "enc_layers": 2, "dec_layers": 1, "d_ff": 48, **overrides})
+    src_v, tgt_v = (50, 70) if not cfg.share_embeddings else (60, 60)
+    assert parameter_count(cfg, src_v, tgt_v) == count_parameters(make_model(cfg, src_v, tgt_v, 0))
+
+
+def test_help_score_and_info_import_no_torch(tmp_path, model_dir):
+    (tmp_path / "h.txt").write_text("a b c\n")
+    probe = (
+        "import sys\n"
+        "from s2s.cli import run\n"
+        "for args in (['--help'], ['score', '{h}', '{h}'], ['info', 'recipes/quickstart.yaml'],"
+        " ['info', '{m}']):\n"
+        "    sys.argv = ['s2s', *args]\n"
+        "    try:\n"
+        "        run()\n"
+        "    except SystemExit as e:\n"
+        "        assert not e.code, (args, e.code)\n"
+        "    assert 'torch' not in sys.modules, args\n"
+        "print('no torch')\n"
+    ).format(h=tmp_path / "h.txt", m=model_dir)
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("no torch")
