@@ -43,7 +43,7 @@ from s2s import __version__
 from s2s.config import ExperimentConfig, replace, to_dict
 from s2s.distributed import all_reduce_update, init_world, shard
 from s2s.data import BinDataset, Batch, data_signature, token_batches, tokenizer_fingerprint
-from s2s.errors import S2SError
+from s2s.errors import Interrupted, S2SError
 from s2s.metrics import corpus_bleu
 from s2s.modeldir import (CHECKPOINT_STATE, CONFIG, META, WEIGHTS, build_model, copy_tokenizer, load_model_dir,
                           load_weights, read_meta, save_model_dir, save_weights, write_config)
@@ -59,12 +59,8 @@ MAX_BAD_UPDATES = 20  # non-finite updates in a row before training gives up
 _CKPT_RE = re.compile(r"^step-(\d+)$")
 
 
-class TrainingInterrupted(S2SError):
+class TrainingInterrupted(Interrupted):
     """SIGINT/SIGTERM/SIGHUP: the step finished and a checkpoint was written."""
-
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 # --------------------------------------------------------------------------- #

@@ -392,3 +392,40 @@ def test_ensemble_alignments_average_the_members_attention(model_dir):
             assert h.alignment == hard_alignment(0.4 * A0 + 0.6 * A1, len(x) - 1, len(h.tokens))
             first_only += h.alignment != hard_alignment(A0, len(x) - 1, len(h.tokens))
     assert first_only  # the first member alone aligns differently: the check can tell
+
+
+def test_help_reads_like_a_usage_line():
+    """Metavars as people read them: CONFIG, CHECKPOINTS..., no <bool> on a flag, no list[Path]."""
+    for cmd, usage in ((["train"], "[OPTIONS] CONFIG"), (["average"], "[OPTIONS] CHECKPOINTS..."),
+                       (["score"], "[OPTIONS] HYP REFS..."), (["tokenizer", "train"], "[OPTIONS] CONFIG"),
+                       (["translate"], "[OPTIONS]"), ([], "[OPTIONS] COMMAND")):
+        r = runner.invoke(app, [*cmd, "--help"], env={"COLUMNS": "200"})
+        assert r.exit_code == 0, r.output
+        assert usage in r.stdout, (cmd, r.stdout)
+        for internal in ("<bool>", "list[", "{", "}"):
+            assert internal not in r.stdout, (cmd, internal)
+    r = runner.invoke(app, ["translate", "--help"], env={"COLUMNS": "200"})
+    for key in ("beam", "alpha", "max_len_b", "no_repeat_ngram", "top_p", "batch_tokens"):
+        assert f"(default: the model's decode.{key})" in r.stdout, key
+    assert "<path>" in r.stdout  # -m, repeatable: the type of one value
+
+
+def test_version():
+    from s2s import __version__
+
+    r = s2s("--version")
+    assert r.returncode == 0 and r.stdout == f"s2s {__version__}\n", r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train"], "Missing argument 'CONFIG'. (see `s2s train --help`)"),
+    (["train", "c.yaml", "--bogus"], "No such option: --bogus (see `s2s train --help`)"),
+    (["translate", "-m", "x", "--beam", "many"], "Invalid value for '--beam' / '-b'"),
+    (["no-such-command"], "No such command 'no-such-command'. (see `s2s --help`)"),
+])
+def test_usage_errors_are_one_line_exit_2(args, message):
+    """Usage errors look like every other error (not click's usage box) and exit 2."""
+    r = s2s(*args)
+    assert r.returncode == 2, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("s2s: error: ") and message in r.stderr, r.stderr

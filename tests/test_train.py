@@ -129,7 +129,7 @@ def test_sigint_writes_checkpoint_and_exits_nonzero(prepared, tmp_path, signum):
     assert proc.returncode == 128 + signum
     assert f"stopped by {signum.name}" in err and "checkpoint written" in err and "Traceback" not in err
     assert list_checkpoints(run)
-    assert err.strip().splitlines()[-1].startswith("s2s: error:")
+    assert err.strip().splitlines()[-1].startswith("s2s: interrupted: ")  # not an error
 
 
 def test_separate_vocabularies_end_to_end(corpus, tmp_path):
