@@ -13,6 +13,9 @@ from s2s.textio import atomic_write, read_lines
 
 def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
+    if run_dir.is_file():
+        raise S2SError(f"{run_dir}: is a file; plot takes a training run directory "
+                       "(the one holding metrics.jsonl)")
     if not path.is_file():
         raise S2SError(f"{path}: not found; is {run_dir} a training run?")
     rows = []

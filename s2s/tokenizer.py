@@ -214,7 +214,8 @@ def _sample(lines: Iterable[str], limit: int, seed: int) -> tuple[list[str], int
     return sample, n_lines
 
 
-def _train_one(sentences: list[str], out: Path, cfg: TokenizerConfig) -> None:
+def _train_one(sentences: list[str], out: Path, cfg: TokenizerConfig) -> int:
+    """Train one SentencePiece model into ``out``; return its number of pieces."""
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
@@ -233,6 +234,7 @@ def _train_one(sentences: list[str], out: Path, cfg: TokenizerConfig) -> None:
         raise S2SError(f"{out}: SentencePiece training failed: {str(e).splitlines()[0]}") from None
     with atomic_write(out, "wb") as f:
         f.write(model.getvalue())
+    return spm.SentencePieceProcessor(model_proto=model.getvalue()).get_piece_size()
 
 
 def train_tokenizer(tok: TokenizerConfig, data: DataConfig, out_dir: Optional[str | Path] = None,
@@ -257,15 +259,24 @@ def train_tokenizer(tok: TokenizerConfig, data: DataConfig, out_dir: Optional[st
         raise S2SError("tokenizer: s2s trains SentencePiece (unigram or bpe) with pad_id 0, unk_id 1, "
                        "bos_id 2, eos_id 3, no vocab_file and no prefix_id; leave those keys at their defaults")
     if tok.joint:
-        _train_one(src_lines + tgt_lines, src_path, tok)
-        written = [src_path]
+        sizes = {src_path: _train_one(src_lines + tgt_lines, src_path, tok)}
     else:
-        _train_one(src_lines, src_path, tok)
-        _train_one(tgt_lines, tgt_path, tok)
-        written = [src_path, tgt_path]
+        sizes = {src_path: _train_one(src_lines, src_path, tok), tgt_path: _train_one(tgt_lines, tgt_path, tok)}
+    trained = actual_vocab_size(tok, sizes)
     with atomic_write(out / SETTINGS) as f:  # what was trained, flags included
-        json.dump(dataclasses.asdict(tok), f, indent=2)
-    return written
+        json.dump(dataclasses.asdict(trained), f, indent=2)
+    return list(sizes)
+
+
+def actual_vocab_size(tok: TokenizerConfig, sizes: dict[Path, int]) -> TokenizerConfig:
+    """SentencePiece's soft limit (hard_vocab_limit=False) gives fewer pieces than asked when the
+    corpus is small: warn, and record the size trained (the largest side's) instead of the one asked."""
+    largest = max(sizes.values())
+    for path, n in sizes.items():
+        if n < tok.vocab_size:
+            log.warning("tokenizer.vocab_size: %d asked, but the corpus gives %s only %d pieces "
+                        "(SentencePiece's soft limit); recording vocab_size %d", tok.vocab_size, path, n, largest)
+    return dataclasses.replace(tok, vocab_size=largest) if largest < tok.vocab_size else tok
 
 
 def resolve_tokenizer_config(cfg: ExperimentConfig) -> ExperimentConfig:

@@ -280,6 +280,8 @@ def package_versions() -> dict:
 
 
 def check_prepared(cfg: ExperimentConfig) -> None:
+    if not cfg.data.train:
+        raise S2SError("data.train: no training corpus configured")
     data_dir = Path(cfg.data.dir)
     meta_path = data_dir / "meta.json"
     if not meta_path.is_file():
@@ -586,6 +588,13 @@ class Trainer:
         raise S2SError(f"{self.run_dir / CHECKPOINTS}: no undamaged checkpoint to resume from; "
                        "start a new run with another -o")
 
+    def restart_advice(self) -> str:
+        """--resume only when there is a checkpoint to resume from."""
+        ckpts = list_checkpoints(self.run_dir)
+        if ckpts:
+            return f"--resume from the last checkpoint ({ckpts[-1]})"
+        return f"start again (no checkpoint was written; remove {self.run_dir} or pass another -o)"
+
     def elapsed(self) -> float:
         """Wall-clock seconds of the whole run, earlier (resumed) segments included."""
         return self._base_elapsed + time.time() - self._started
@@ -603,6 +612,19 @@ class Trainer:
                 or (tc.max_steps and st.step >= tc.max_steps)
                 or (tc.max_epochs and st.epoch >= tc.max_epochs)
                 or elapsed + last_val_seconds >= tc.max_seconds)
+
+    def limit_reached(self, last_val_seconds: float) -> str:
+        """Which limit ``finished`` hit, and the key that lifts it."""
+        tc, st = self.tc, self.state
+        if self.patience_spent():
+            return (f"train.early_stopping: {tc.early_stopping} validations without a better dev "
+                    f"{tc.best_metric}; raise train.early_stopping to continue")
+        if tc.max_steps and st.step >= tc.max_steps:
+            return f"train.max_steps={tc.max_steps} reached; raise train.max_steps to continue"
+        if tc.max_epochs and st.epoch >= tc.max_epochs:
+            return f"train.max_epochs={tc.max_epochs} reached; raise train.max_epochs to continue"
+        return (f"the time budget train.max_time={tc.max_time} is used ({self.elapsed():.0f} s trained, "
+                f"{last_val_seconds:.0f} s per validation); raise train.max_time to continue")
 
     def should_stop(self, last_val_seconds: float) -> bool:
         """Stop before the next update: a limit is reached or a signal came (on any rank)."""
@@ -641,6 +663,8 @@ class Trainer:
         progress = Progress(tc.max_steps or None, tc.max_seconds, self.show_progress)
         self._base_elapsed, self._started = st.elapsed, time.time()
         last_val = st.validations[-1]["seconds"] if st.validations else 0.0
+        if resume and self.finished(last_val):
+            log.warning("%s: nothing to train: %s", self.run_dir, self.limit_reached(last_val))
         window = LogWindow()
         bad_steps = 0
         validated_at = st.validations[-1]["step"] if st.validations else -1
@@ -663,7 +687,7 @@ class Trainer:
                         if bad_steps >= MAX_BAD_UPDATES:
                             raise S2SError(f"{self.run_dir}: {bad_steps} non-finite updates in a row "
                                            f"after step {st.step}; lower train.lr or check the data, "
-                                           "then --resume from the last checkpoint")
+                                           f"then {self.restart_advice()}")
                         continue
                     bad_steps = 0
                     st.step += 1

@@ -253,6 +253,22 @@ def test_a_run_of_non_finite_losses_aborts(prepared, tmp_path, monkeypatch):
         train(load_config(prepared), tmp_path / "run", show_progress=False)
 
 
+@pytest.mark.parametrize("first_nan_call", [2, 4])
+def test_non_finite_abort_advises_resume_only_from_a_checkpoint(prepared, tmp_path, monkeypatch, first_nan_call):
+    """Before the first checkpoint (validate_every 3) there is nothing to --resume from."""
+    import s2s.trainer
+
+    monkeypatch.setattr(s2s.trainer, "label_smoothed_nll", _nan_on(lambda i: i >= first_nan_call))
+    monkeypatch.setattr(s2s.trainer, "MAX_BAD_UPDATES", 3)
+    run = tmp_path / "run"
+    with pytest.raises(S2SError) as e:
+        train(load_config(prepared), run, show_progress=False)
+    if first_nan_call == 2:
+        assert "--resume" not in str(e.value) and "start again (no checkpoint was written" in str(e.value)
+    else:
+        assert str(e.value).endswith(f"--resume from the last checkpoint ({run / 'checkpoints' / 'step-00000003'})")
+
+
 def test_non_finite_weights_are_never_written(prepared, tmp_path):
     from s2s.trainer import TrainState, save_checkpoint
 
