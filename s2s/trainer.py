@@ -30,7 +30,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -224,24 +224,55 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
 # Progress on stderr
 # --------------------------------------------------------------------------- #
 
-class Progress:
-    """A rich progress bar when stderr is a terminal, else a log line every ``log_every`` steps."""
+def clock(seconds: float) -> str:
+    """H:MM:SS."""
+    secs = max(0, int(seconds))
+    return f"{secs // 3600}:{secs % 3600 // 60:02d}:{secs % 60:02d}"
 
-    def __init__(self, total_steps: Optional[int], max_seconds: float, enabled: bool):
+
+def progress_line(step: int, total_steps: Optional[int], elapsed: float, max_seconds: float,
+                  loss: Optional[float], info: str = "") -> str:
+    """What the bar says: the step (of max_steps), time used and left of max_time, the last loss."""
+    parts = [f"step {step:,}" + (f"/{total_steps:,}" if total_steps else "")]
+    if math.isfinite(max_seconds):
+        parts.append(f"{clock(elapsed)} used, {clock(max_seconds - elapsed)} left of {clock(max_seconds)}")
+    else:
+        parts.append(clock(elapsed))
+    if loss is not None:
+        parts.append(f"loss {loss:.3f}")
+    if info:
+        parts.append(info)
+    return " | ".join(parts)
+
+
+class Progress:
+    """A rich progress bar when stderr is a terminal, else a log line every ``log_every`` steps.
+
+    The bar fills by steps against train.max_steps, else by time against train.max_time,
+    and from the first step on shows the step, time used and left, and that update's loss
+    (redrawn at most 4 times a second, so reading the loss costs one host sync per redraw)."""
+
+    REDRAW_SECONDS = 0.25
+
+    def __init__(self, total_steps: Optional[int], max_seconds: float, enabled: bool, console=None):
         self.enabled = enabled
         self.total = total_steps
         self.max_seconds = max_seconds
         self._bar = None
+        self._by_time = not total_steps and math.isfinite(max_seconds)
+        self._loss: Optional[float] = None
+        self._info = ""
+        self._drawn = -math.inf
         if enabled:
             from rich.console import Console
-            from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+            from rich.progress import BarColumn, Progress as RichProgress, TextColumn
 
-            console = Console(stderr=True)
+            console = console or Console(stderr=True)
             if console.is_terminal:
-                self._bar = RichProgress(TextColumn("[bold]train"), BarColumn(),
-                                         TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                self._bar = RichProgress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.fields[info]}"),
                                          console=console, transient=False)
-                self._task = self._bar.add_task("train", total=total_steps, info="")
+                total = max_seconds if self._by_time else total_steps
+                self._task = self._bar.add_task("train", total=total, info="")
                 self._bar.start()
 
     def eta(self, step: int, elapsed: float, rate: float) -> str:
@@ -252,12 +283,24 @@ class Progress:
             left.append(self.max_seconds - elapsed)
         if not left:
             return "?"
-        secs = max(0, int(min(left)))
-        return f"{secs // 3600}:{secs % 3600 // 60:02d}:{secs % 60:02d}"
+        return clock(min(left))
 
-    def update(self, step: int, info: str) -> None:
+    def step(self, step: int, elapsed: float, loss: Callable[[], float]) -> None:
+        """After every update: redraw the bar (throttled) with this update's loss."""
+        if self._bar is None or time.monotonic() - self._drawn < self.REDRAW_SECONDS:
+            return
+        self._loss = loss()
+        self._draw(step, elapsed)
+
+    def _draw(self, step: int, elapsed: float) -> None:
+        self._drawn = time.monotonic()
+        self._bar.update(self._task, completed=min(elapsed, self.max_seconds) if self._by_time else step,
+                         info=progress_line(step, self.total, elapsed, self.max_seconds, self._loss, self._info))
+
+    def update(self, step: int, info: str, elapsed: float = 0.0) -> None:
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, info=info)
+            self._info = info
+            self._draw(step, elapsed)
         elif self.enabled:
             log.info("step %d | %s", step, info)
 
@@ -692,6 +735,7 @@ class Trainer:
                     bad_steps = 0
                     st.step += 1
                     window.add(loss, *counts)
+                    progress.step(st.step, self.elapsed(), lambda: float(loss) / max(counts[0], 1))
                     if st.step % tc.log_every == 0:
                         if main:
                             self.log_progress(window, progress)
@@ -739,7 +783,7 @@ class Trainer:
         self.write_metrics({"step": st.step, "epoch": st.epoch, "loss": round(mean, 4), "lr": lr,
                             "tok_s": round(rate), "elapsed": round(elapsed, 1)})
         eta = progress.eta(st.step, elapsed, window.steps / seconds)
-        progress.update(st.step, f"loss {mean:.3f} | lr {lr:.2e} | {rate:,.0f} tok/s | ETA {eta}")
+        progress.update(st.step, f"mean loss {mean:.3f} | lr {lr:.2e} | {rate:,.0f} tok/s | ETA {eta}", elapsed)
 
     def checkpoint(self) -> None:
         """Rank 0's training state into checkpoints/step-N (atomically)."""

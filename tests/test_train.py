@@ -373,3 +373,40 @@ def test_prefetcher_returns_the_batches_asked_for():
     assert p.take((0, 2), b) == [7]  # asked for another position: built now, not the stale ones
     p.close()
     assert built.count([[3, 4]]) == 1
+
+
+def test_progress_bar_shows_step_time_and_loss_from_the_first_step(prepared, tmp_path, monkeypatch):
+    """On a terminal the bar shows, from update 1 (log_every is 50 here), the step, the time used and
+    left of train.max_time, and that update's loss; it fills against max_time when max_steps is unset."""
+    import io
+
+    from rich.console import Console
+
+    import s2s.trainer
+
+    buf = io.StringIO()
+    made = []
+
+    class Recorded(s2s.trainer.Progress):
+        def __init__(self, total, max_seconds, enabled):
+            super().__init__(total, max_seconds, enabled, Console(file=buf, force_terminal=True, width=200))
+            made.append(self)
+
+    monkeypatch.setattr(s2s.trainer, "Progress", Recorded)
+    monkeypatch.setattr(s2s.trainer.Progress, "REDRAW_SECONDS", 0.0)  # every update redrawn
+    cfg = load_config(prepared, ["train.max_steps=0", "train.max_time=15m", "train.log_every=50",
+                                 "train.validate_every=1000", "train.max_epochs=1"])
+    train(cfg, tmp_path / "run", show_progress=True)
+    text = buf.getvalue()
+    assert "step 1 |" in text and "left of 0:15:00" in text, text[-2000:]
+    first = text[text.index("step 1 |"):].split("\n")[0]
+    loss = float(first.split("loss ")[1].split()[0])
+    assert 0 < loss < 20 and math.isfinite(loss)
+    assert made[0]._by_time and made[0]._bar.tasks[0].total == 900
+
+
+def test_progress_line_formula():
+    from s2s.trainer import progress_line
+
+    assert progress_line(7, 100, 65.0, 900.0, 4.25) == "step 7/100 | 0:01:05 used, 0:13:55 left of 0:15:00 | loss 4.250"
+    assert progress_line(1, None, 3.0, math.inf, None, "lr 1.00e-03") == "step 1 | 0:00:03 | lr 1.00e-03"
