@@ -203,13 +203,37 @@ def test_a_tied_dev_bleu_keeps_the_model_with_the_lower_dev_loss(prepared, tmp_p
     assert load_model_dir(run).meta["step"] == 6
 
 
-def test_plot_draws_a_png(prepared, tmp_path):
-    from s2s.plot import plot_run
+def colour_pixels(image, hex_colour: str, tol: float = 0.12):
+    """How many pixels of an RGB(A) float image are within ``tol`` of a colour."""
+    import numpy as np
 
-    run = train(load_config(prepared), tmp_path / "run", show_progress=False)
+    rgb = np.array([int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    return int((np.abs(image[..., :3] - rgb).max(-1) < tol).sum())
+
+
+def test_plot_draws_curves_lr_schedule_and_kept_step(prepared, tmp_path):
+    import matplotlib.image
+
+    from s2s.plot import plot_run, read_curves
+
+    cfg = load_config(prepared, ["train.log_every=2"])
+    run = train(cfg, tmp_path / "run", show_progress=False)
     png = plot_run(run)
     assert png == run / "curves.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    image = matplotlib.image.imread(png)
+    assert image.shape[:2] == (400, 1500)  # figsize 15x4 inches at 100 dpi
+    thirds = [image[40:360, x:x + 500, :3] for x in (0, 500, 1000)]
+    assert all(t.std() > 0.05 for t in thirds)  # each panel has something drawn, not a blank frame
+    assert colour_pixels(thirds[2], "#d62728") > 100  # the learning-rate curve (tab:red)
+    assert colour_pixels(image, "#9467bd") > 100  # the kept step (tab:purple)
+    c = read_curves(run)
+    # the schedule at every update, not only at the log steps (2, 4, 6)
+    assert c.lr_steps == list(range(1, 7))
+    assert c.lr == [inverse_sqrt_lr(s, cfg.train.lr, cfg.train.warmup_steps) for s in range(1, 7)]
+    logged = {r["step"]: r["lr"] for r in c.train}
+    assert set(logged) == {2, 4, 6} and all(math.isclose(logged[s], c.lr[s - 1]) for s in logged)
+    assert c.best_step == json.loads((run / "model.json").read_text())["step"]
+    assert c.best_step in [r["step"] for r in c.dev if r["best"]]
     (run / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
     with pytest.raises(S2SError, match=r"metrics.jsonl:2: not a JSON line"):
         plot_run(run)
