@@ -8,6 +8,7 @@ A joint vocabulary is one model ``spm.model``; separate ones are
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -15,7 +16,7 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import sentencepiece as spm
 
@@ -214,22 +215,41 @@ def _sample(lines: Iterable[str], limit: int, seed: int) -> tuple[list[str], int
     return sample, n_lines
 
 
+@contextlib.contextmanager
+def status(text: str, console=None) -> Iterator[None]:
+    """A spinner with ``text`` and the elapsed time on stderr while the block runs, when stderr
+    is a terminal (SentencePiece releases the GIL, so it turns during training); else nothing."""
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = console or Console(stderr=True)
+    if not console.is_terminal:
+        yield
+        return
+    with Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False), TimeElapsedColumn(),
+                  console=console, transient=False) as bar:
+        bar.add_task(text, total=None)
+        yield
+
+
 def _train_one(sentences: list[str], out: Path, cfg: TokenizerConfig) -> int:
     """Train one SentencePiece model into ``out``; return its number of pieces."""
     model = io.BytesIO()
     try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(sentences), model_writer=model,
-            model_type=cfg.type, vocab_size=cfg.vocab_size,
-            character_coverage=cfg.character_coverage, byte_fallback=cfg.byte_fallback,
-            normalization_rule_name=cfg.normalization,
-            remove_extra_whitespaces=cfg.normalization != "identity",
-            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
-            pad_piece="<pad>", unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>",
-            user_defined_symbols=[sentinel(i) for i in range(cfg.sentinels)],
-            hard_vocab_limit=False, num_threads=2, minloglevel=2,
-            max_sentence_length=1 << 16, shuffle_input_sentence=True,
-        )
+        with status(f"training SentencePiece {cfg.type} ({cfg.vocab_size:,} pieces) on "
+                    f"{len(sentences):,} sentences for {out.name}"):
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=iter(sentences), model_writer=model,
+                model_type=cfg.type, vocab_size=cfg.vocab_size,
+                character_coverage=cfg.character_coverage, byte_fallback=cfg.byte_fallback,
+                normalization_rule_name=cfg.normalization,
+                remove_extra_whitespaces=cfg.normalization != "identity",
+                pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+                pad_piece="<pad>", unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>",
+                user_defined_symbols=[sentinel(i) for i in range(cfg.sentinels)],
+                hard_vocab_limit=False, num_threads=2, minloglevel=2,
+                max_sentence_length=1 << 16, shuffle_input_sentence=True,
+            )
     except RuntimeError as e:
         raise S2SError(f"{out}: SentencePiece training failed: {str(e).splitlines()[0]}") from None
     with atomic_write(out, "wb") as f:

@@ -429,3 +429,29 @@ def test_usage_errors_are_one_line_exit_2(args, message):
     assert r.returncode == 2, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert r.stderr.startswith("s2s: error: ") and message in r.stderr, r.stderr
+
+
+def test_tokenizer_training_shows_a_spinner_with_elapsed_time_on_a_terminal(corpus, tmp_path, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    import s2s.tokenizer
+    from s2s.config import load_config
+    from tests.conftest import TINY_YAML
+
+    cfg_path = tmp_path / "tiny.yaml"
+    cfg_path.write_text(TINY_YAML.format(d=corpus).replace(f"{corpus}/prep", f"{tmp_path}/prep"))
+    cfg = load_config(cfg_path)
+    real = s2s.tokenizer.status
+    for terminal in (True, False):
+        buf = io.StringIO()
+        monkeypatch.setattr(s2s.tokenizer, "status",
+                            lambda text: real(text, Console(file=buf, force_terminal=terminal, width=200)))
+        s2s.tokenizer.train_tokenizer(cfg.tokenizer, cfg.data, seed=1)
+        if terminal:
+            shown = buf.getvalue()
+            assert "training SentencePiece unigram (300 pieces) on 800 sentences for spm.model" in shown
+            assert "0:00:0" in shown  # the elapsed time
+        else:
+            assert buf.getvalue() == ""  # in a pipe or a log: nothing
