@@ -735,7 +735,7 @@ class Trainer:
                     bad_steps = 0
                     st.step += 1
                     window.add(loss, *counts)
-                    progress.step(st.step, self.elapsed(), lambda: float(loss) / max(counts[0], 1))
+                    progress.step(st.step, self.elapsed(), lambda loss=loss, n=counts[0]: float(loss) / max(n, 1))
                     if st.step % tc.log_every == 0:
                         if main:
                             self.log_progress(window, progress)

@@ -488,8 +488,8 @@ def test_tokenizer_training_shows_a_spinner_with_elapsed_time_on_a_terminal(corp
     real = s2s.tokenizer.status
     for terminal in (True, False):
         buf = io.StringIO()
-        monkeypatch.setattr(s2s.tokenizer, "status",
-                            lambda text: real(text, Console(file=buf, force_terminal=terminal, width=200)))
+        console = Console(file=buf, force_terminal=terminal, width=200)
+        monkeypatch.setattr(s2s.tokenizer, "status", lambda text, console=console: real(text, console))
         s2s.tokenizer.train_tokenizer(cfg.tokenizer, cfg.data, seed=1)
         if terminal:
             shown = buf.getvalue()
