@@ -458,8 +458,8 @@ def test_plot_given_a_file_says_so(env, tmp_path, capsys, monkeypatch):
 
 @pytest.mark.parametrize("full_disk", [True, False])
 def test_prepare_write_error_gives_the_reason(env, tmp_path, capsys, monkeypatch, full_disk):
-    """numpy's writer raises OSError without errno ("N requested and 0 written"): the message
-    names a full disk as such, and otherwise numpy's own words, never "(None)"."""
+    """A writer that raises OSError without errno (numpy's tofile: "N requested and 0 written"):
+    the message names a full disk as such, and otherwise the writer's own words, never "(None)"."""
     import s2s.data
     import s2s.textio
 
@@ -469,7 +469,7 @@ def test_prepare_write_error_gives_the_reason(env, tmp_path, capsys, monkeypatch
 
     def short_write(*args, **kwargs):
         raise OSError("6 requested and 0 written")
-    monkeypatch.setattr(s2s.data.np, "save", short_write)
+    monkeypatch.setattr(s2s.data.NpyAppender, "append", short_write)
     if full_disk:
         monkeypatch.setattr(s2s.textio.os, "statvfs", lambda p: os.statvfs_result((4096,) * 3 + (0,) * 7))
     r = cli(capsys, monkeypatch, "prepare", env["cfg"], "--set", f"data.dir={prep}")
