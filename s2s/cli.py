@@ -14,23 +14,79 @@ import logging
 import math
 import os
 import signal
+import re
 import sys
 import threading
 from pathlib import Path
 from typing import List, Optional
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
+from s2s import __version__
 from s2s.config import load_config
-from s2s.errors import S2SError
+from s2s.errors import Interrupted, S2SError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
-                  help="Train and run encoder-decoder transformers for translation and summarization.")
-tokenizer_app = typer.Typer(no_args_is_help=True, help="SentencePiece tokenizers.")
+
+# --------------------------------------------------------------------------- #
+# Help as people read it: CONFIG, not {config}; no <bool> on flags; <path> for a
+# repeatable path, not <list[Path]>.
+# --------------------------------------------------------------------------- #
+
+def _readable(params: list, ctx) -> list:
+    """Set the metavars typer leaves as internals (idempotent); ``params`` are click Parameters."""
+    for p in params:
+        if p.param_type_name == "argument" and p.metavar is None:
+            p.metavar = p.name.upper()
+        elif p.param_type_name == "option" and p.metavar is None and p.is_flag:
+            p.metavar = ""  # a flag takes no value
+        shown = p.display_type(ctx) if hasattr(p, "display_type") else ""
+        one = re.fullmatch(r"<list\[(\w+)\]>", shown or "")
+        if one:  # a repeatable option or argument: the type of one value
+            p.display_type_rich = lambda ctx, t=f"<{one.group(1).lower()}>": t
+    return params
+
+
+def _usage_pieces(params: list) -> list[str]:
+    """click's usage convention: CONFIG (required), [CONFIG] (optional), REFS... (repeated)."""
+    pieces = []
+    for p in params:
+        if p.param_type_name == "argument":
+            name = p.metavar + ("..." if p.nargs != 1 else "")
+            pieces.append(name if p.required else f"[{name}]")
+    return pieces
+
+
+class _Command(TyperCommand):
+    def get_params(self, ctx) -> list:
+        return _readable(super().get_params(ctx), ctx)
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        return [self.options_metavar, *_usage_pieces(self.get_params(ctx))]
+
+
+class _Group(TyperGroup):
+    def get_params(self, ctx) -> list:
+        return _readable(super().get_params(ctx), ctx)
+
+
+class _Typer(typer.Typer):
+    """typer.Typer whose commands and groups print readable help (see _readable)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(cls=_Group, **kwargs)
+
+    def command(self, *args, **kwargs):
+        return super().command(*args, cls=kwargs.pop("cls", _Command), **kwargs)
+
+
+app = _Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
+             help="Train and run encoder-decoder transformers for translation and summarization.")
+tokenizer_app = _Typer(no_args_is_help=True, help="SentencePiece tokenizers.")
 app.add_typer(tokenizer_app, name="tokenizer")
-export_app = typer.Typer(no_args_is_help=True, help="Write a model for another engine.")
+export_app = _Typer(no_args_is_help=True, help="Write a model for another engine.")
 app.add_typer(export_app, name="export")
-import_app = typer.Typer(no_args_is_help=True, help="Read a model of another toolkit.")
+import_app = _Typer(no_args_is_help=True, help="Read a model of another toolkit.")
 app.add_typer(import_app, name="import")
 
 log = logging.getLogger("s2s")
@@ -66,9 +122,17 @@ ForceOption = typer.Option(False, "--force", help="Replace an earlier output of 
                                                   "(never anything else: see s2s-output.json).")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"s2s {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
-         quiet: bool = typer.Option(False, "--quiet", "-q", help="Only warnings and errors on stderr.")):
+         quiet: bool = typer.Option(False, "--quiet", "-q", help="Only warnings and errors on stderr."),
+         version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                      help="Print the version and exit.")):
     _DEBUG["on"] = debug
     rank = launched_rank()  # under torchrun rank 0 speaks; the others only warn, naming their rank
     handler = _StderrHandler()
@@ -213,6 +277,11 @@ def parse_weights(text: Optional[str], members: int) -> Optional[list[float]]:
     return weights
 
 
+def _from_model(key: str, text: str) -> str:
+    """Help of a translate option whose default is the model's own decode setting."""
+    return f"{text} (default: the model's decode.{key})"
+
+
 # `s2s summarize` = translate with these, for each decode key the model's config leaves at its default
 SUMMARIZE_DEFAULTS = {"no_repeat_ngram": 3, "min_len": 3, "alpha": 1.0}
 
@@ -228,27 +297,37 @@ def translate(
     input: str = typer.Option("-", "--input", "-i", help="Input file; - reads stdin."),
     output: Optional[Path] = typer.Option(None, "--output", "-o",
                                           help="Write here (complete files only) instead of stdout."),
-    beam: Optional[int] = typer.Option(None, "--beam", "-b", help="Beam size; 1 = greedy."),
-    alpha: Optional[float] = typer.Option(None, help="Length penalty exponent of lp(m)."),
-    length_penalty: Optional[str] = typer.Option(None, help="gnmt: ((5+m)/6)^alpha, power: m^alpha, none."),
-    stop: Optional[str] = typer.Option(None, help="Beam: exact (no better hypothesis is cut off) or early "
-                                                  "(stop when none would win by ending next step)."),
-    nbest: Optional[int] = typer.Option(None, help="Print the K best (with --sampling: K samples) "
-                                                   "as `LINE ||| TEXT ||| SCORE`."),
-    max_len_a: Optional[float] = typer.Option(None, help="Max output length a*|x|+b: a."),
-    max_len_b: Optional[int] = typer.Option(None, help="Max output length a*|x|+b: b."),
-    min_len: Optional[int] = typer.Option(None, help="Minimum output tokens before </s>."),
-    no_repeat_ngram: Optional[int] = typer.Option(None, help="No n-gram of this size twice in an output."),
-    coverage_penalty: Optional[float] = typer.Option(None, help="beta of the coverage penalty (beam search; "
-                                                                "at --beam 1 a 1-beam search)."),
+    beam: Optional[int] = typer.Option(None, "--beam", "-b",
+                                       help=_from_model("beam", "Beam size; 1 = greedy.")),
+    alpha: Optional[float] = typer.Option(None, help=_from_model("alpha", "Length penalty exponent of lp(m).")),
+    length_penalty: Optional[str] = typer.Option(
+        None, help=_from_model("length_penalty", "gnmt: ((5+m)/6)^alpha, power: m^alpha, none.")),
+    stop: Optional[str] = typer.Option(
+        None, help=_from_model("stop", "Beam: exact (no better hypothesis is cut off) or early "
+                                       "(stop when none would win by ending next step).")),
+    nbest: Optional[int] = typer.Option(
+        None, help=_from_model("nbest", "Print the K best (with --sampling: K samples) "
+                                        "as `LINE ||| TEXT ||| SCORE`.")),
+    max_len_a: Optional[float] = typer.Option(None, help=_from_model("max_len_a", "Max output length a*|x|+b: a.")),
+    max_len_b: Optional[int] = typer.Option(None, help=_from_model("max_len_b", "Max output length a*|x|+b: b.")),
+    min_len: Optional[int] = typer.Option(None, help=_from_model("min_len", "Minimum output tokens before </s>.")),
+    no_repeat_ngram: Optional[int] = typer.Option(
+        None, help=_from_model("no_repeat_ngram", "No n-gram of this size twice in an output.")),
+    coverage_penalty: Optional[float] = typer.Option(
+        None, help=_from_model("coverage_penalty", "beta of the coverage penalty (beam search; "
+                                                   "at --beam 1 a 1-beam search).")),
     prefix_file: Optional[Path] = typer.Option(None, help="Force each output to start with the same line of this file."),
     sampling: bool = typer.Option(False, "--sampling", help="Sample each token instead of searching (beam 1)."),
-    temperature: Optional[float] = typer.Option(None, help="Sampling: q ∝ p^(1/T)."),
-    top_k: Optional[int] = typer.Option(None, help="Sampling: among the k most probable tokens."),
-    top_p: Optional[float] = typer.Option(None, help="Sampling: among the smallest set of mass >= p."),
-    seed: Optional[int] = typer.Option(None, help="Sampling: the same seed draws the same outputs."),
-    batch_tokens: Optional[int] = typer.Option(None, help="Source tokens per batch."),
-    batch_size: Optional[int] = typer.Option(None, help="At most this many sentences per batch."),
+    temperature: Optional[float] = typer.Option(None, help=_from_model("temperature", "Sampling: q ∝ p^(1/T).")),
+    top_k: Optional[int] = typer.Option(
+        None, help=_from_model("top_k", "Sampling: among the k most probable tokens.")),
+    top_p: Optional[float] = typer.Option(
+        None, help=_from_model("top_p", "Sampling: among the smallest set of mass >= p.")),
+    seed: Optional[int] = typer.Option(
+        None, help=_from_model("seed", "Sampling: the same seed draws the same outputs.")),
+    batch_tokens: Optional[int] = typer.Option(None, help=_from_model("batch_tokens", "Source tokens per batch.")),
+    batch_size: Optional[int] = typer.Option(
+        None, help=_from_model("batch_size", "At most this many sentences per batch.")),
     threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
     precision: str = typer.Option("fp32", help="fp32, or bf16 (autocast; fast only with native bf16 matmuls)."),
     quantize: Optional[str] = typer.Option(None, help="int8: dynamic int8 quantization of the linear layers (CPU)."),
@@ -580,10 +659,13 @@ def run() -> None:
         sys.stdout = _ClosedStream("<stdout>")
     try:
         with _signals_raise_terminated():
-            code = app(standalone_mode=False)  # typer returns an exit code for Ctrl-C and typer.Exit
+            code = app(standalone_mode=False, prog_name="s2s")  # an exit code for Ctrl-C and typer.Exit
     except Terminated as e:
         print(f"s2s: terminated by {e}", file=sys.stderr)
         sys.exit(128 + e.signum)
+    except Interrupted as e:  # Ctrl-C, SIGTERM or SIGHUP that the command handled (a checkpoint written)
+        print(f"s2s: interrupted: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
     except S2SError as e:
         if _DEBUG["on"]:
             raise
@@ -613,10 +695,16 @@ def run() -> None:
         print("s2s: error: out of memory", file=sys.stderr)
         sys.exit(1)
     except Exception as e:
-        if hasattr(e, "show") and hasattr(e, "exit_code"):  # click's usage errors (typer vendors click)
-            e.show()
-            sys.exit(e.exit_code)
-        raise
+        if not (hasattr(e, "format_message") and hasattr(e, "exit_code")):
+            raise  # not click's (typer vendors click): a bug, keep the traceback
+        ctx = getattr(e, "ctx", None)
+        if type(e).__name__ == "NoArgsIsHelpError":  # `s2s` or `s2s tokenizer` alone: the help
+            typer.echo(ctx.get_help(), err=True)
+            sys.exit(2)
+        # usage errors (exit 2) in the one format of every error; the command's --help has the rest
+        where = f" (see `{ctx.command_path} --help`)" if ctx is not None and e.exit_code == 2 else ""
+        print(f"s2s: error: {e.format_message()}{where}", file=sys.stderr)
+        sys.exit(e.exit_code)
     if isinstance(code, int) and code:
         if code == 130:
             print("s2s: interrupted", file=sys.stderr)

@@ -24,7 +24,7 @@ from s2s import __version__
 from s2s.config import ExperimentConfig, load_config, to_yaml
 from s2s.errors import S2SError
 from s2s.outdir import check_output_dir, output_dir
-from s2s.textio import atomic_write, file_sha256
+from s2s.textio import atomic_write, file_sha256, os_reason
 from s2s.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # torch is imported where weights are touched: `s2s info` reads configs only
@@ -184,7 +184,7 @@ def save_model_dir(directory: Path, model: torch.nn.Module, cfg: ExperimentConfi
         os.replace(new_weights, directory / WEIGHTS)
         os.replace(new_meta, directory / META)
     except OSError as e:
-        raise S2SError(f"{directory}: cannot write the model ({e.strerror})") from None
+        raise S2SError(f"{directory}: cannot write the model ({os_reason(e, directory / WEIGHTS)})") from None
     finally:
         new_weights.unlink(missing_ok=True)
         new_meta.unlink(missing_ok=True)
@@ -228,12 +228,35 @@ def load_weights(model: torch.nn.Module, path: Path, sha256: Optional[str] = Non
         raise S2SError(f"{path}: checksum mismatch (file corrupted or modified)")
     try:
         missing, unexpected = st_load_model(model, str(path), strict=False)
-    except (SafetensorError, OSError, RuntimeError) as e:
+    except RuntimeError as e:  # torch's "Error(s) in loading state_dict": name the tensor and shapes
+        wrong = shape_mismatches(model, path)
+        if not wrong:
+            raise S2SError(f"{path}: cannot load weights ({str(e).splitlines()[0]})") from None
+        name, expected, found = wrong[0]
+        more = f" (and {len(wrong) - 1} more tensors)" if len(wrong) > 1 else ""
+        raise S2SError(f"{path}: tensor {name} has shape {found} but the model's config.yaml expects "
+                       f"{expected}{more}; the config does not match these weights") from None
+    except (SafetensorError, OSError) as e:
         raise S2SError(f"{path}: cannot load weights ({str(e).splitlines()[0]})") from None
     if missing or unexpected:
         raise S2SError(f"{path}: weights do not match the config "
                        f"(missing: {', '.join(missing[:3]) or '-'}; "
                        f"unexpected: {', '.join(unexpected[:3]) or '-'})")
+
+
+def shape_mismatches(model: torch.nn.Module, path: Path) -> list[tuple[str, tuple, tuple]]:
+    """(name, shape the model expects, shape in the file) for each tensor present in both
+    whose shapes differ, in the model's order."""
+    from safetensors import safe_open
+
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    wrong = []
+    with safe_open(str(path), framework="pt") as f:
+        found = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    for name, shape in expected.items():
+        if name in found and found[name] != shape:
+            wrong.append((name, shape, found[name]))
+    return wrong
 
 
 def recorded_sha256(directory: Path) -> str:
@@ -251,6 +274,10 @@ def recorded_sha256(directory: Path) -> str:
 def load_spec(directory: Path) -> tuple[ExperimentConfig, Tokenizer]:
     """The config and tokenizer a model or run directory holds."""
     cfg = load_config(directory / CONFIG)
+    for p in Tokenizer.all_files(directory, cfg.tokenizer, cfg.data):
+        if not p.is_file():  # a trained model's tokenizer cannot be trained again: the copy is incomplete
+            raise S2SError(f"{p}: missing; the model directory {directory} is incomplete "
+                           "(copy it again from where it was trained or exported)")
     return cfg, Tokenizer.load(directory, cfg.tokenizer, cfg.data)
 
 

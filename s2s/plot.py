@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -17,6 +18,9 @@ log = logging.getLogger("s2s")
 
 def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
+    if run_dir.is_file():
+        raise S2SError(f"{run_dir}: is a file; plot takes a training run directory "
+                       "(the one holding metrics.jsonl)")
     if not path.is_file():
         raise S2SError(f"{path}: not found; is {run_dir} a training run?")
     rows = []
@@ -33,28 +37,81 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return rows
 
 
+@dataclass
+class Curves:
+    """What ``s2s plot`` draws, read from a run directory."""
+
+    train: list[dict]  # metrics.jsonl rows with "loss"
+    dev: list[dict]  # rows with "dev_loss"
+    lr_steps: list[int]  # every update 1..last logged step
+    lr: list[float]  # the schedule at each of them (or the logged values when there is no config)
+    best_step: Optional[int]  # the step whose weights the run keeps as its model
+
+
+def read_curves(run: Path) -> Curves:
+    rows = read_metrics(run)
+    train = [r for r in rows if "loss" in r]
+    dev = [r for r in rows if "dev_loss" in r]
+    if not train and not dev:
+        raise S2SError(f"{run / 'metrics.jsonl'}: no logged steps yet")
+    last = max(r["step"] for r in rows)
+    lr_steps, lr = list(range(1, last + 1)), schedule(run, last)
+    if lr is None:  # no readable config: the logged values
+        lr_steps, lr = [r["step"] for r in train if "lr" in r], [r["lr"] for r in train if "lr" in r]
+    return Curves(train, dev, lr_steps, lr, kept_step(run, dev))
+
+
+def schedule(run: Path, last: int) -> Optional[list[float]]:
+    """lr(s) of the run's own config for s = 1..last (the schedule is a pure function of the step)."""
+    from s2s.config import load_config
+    from s2s.trainer import inverse_sqrt_lr
+
+    try:
+        tc = load_config(run / "config.yaml").train
+    except S2SError:
+        return None
+    return [inverse_sqrt_lr(s, tc.lr, tc.warmup_steps) for s in range(1, last + 1)]
+
+
+def kept_step(run: Path, dev: list[dict]) -> Optional[int]:
+    """The step of the weights the run keeps: model.json's, else the last validation marked best."""
+    try:
+        step = json.loads((run / "model.json").read_text(encoding="utf-8")).get("step")
+        if isinstance(step, int):
+            return step
+    except (OSError, ValueError, AttributeError):
+        pass
+    best = [r["step"] for r in dev if r.get("best")]
+    return best[-1] if best else None
+
+
 def plot_run(run_dir: str | Path, out: Optional[str | Path] = None) -> Path:
-    """Draw train loss and dev loss, dev BLEU, and the learning rate against the update step."""
+    """Draw train and dev loss, dev BLEU and the learning rate against the update step,
+    with the kept best step marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     run = Path(run_dir)
-    rows = read_metrics(run)
-    train = [r for r in rows if "loss" in r]
-    dev = [r for r in rows if "dev_loss" in r]
-    if not train and not dev:
-        raise S2SError(f"{run / 'metrics.jsonl'}: no logged steps yet")
+    c = read_curves(run)
     fig, (ax_loss, ax_bleu, ax_lr) = plt.subplots(1, 3, figsize=(15, 4))
-    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train (label-smoothed)")
-    ax_loss.plot([r["step"] for r in dev], [r["dev_loss"] for r in dev], "o-", label="dev NLL")
+    ax_loss.plot([r["step"] for r in c.train], [r["loss"] for r in c.train], label="train (label-smoothed)")
+    ax_loss.plot([r["step"] for r in c.dev], [r["dev_loss"] for r in c.dev], "o-", label="dev NLL")
     ax_loss.set(title="loss per target token", xlabel="update")
-    ax_loss.legend()
-    bleu = [r for r in dev if "dev_bleu" in r]
+    bleu = [r for r in c.dev if "dev_bleu" in r]
     ax_bleu.plot([r["step"] for r in bleu], [r["dev_bleu"] for r in bleu], "o-", color="tab:green")
     ax_bleu.set(title="dev BLEU", xlabel="update")
-    ax_lr.plot([r["step"] for r in train], [r["lr"] for r in train], color="tab:red")
+    if c.best_step is not None:
+        for ax in (ax_loss, ax_bleu):
+            ax.axvline(c.best_step, color="tab:purple", linestyle="--", linewidth=1,
+                       label=f"kept model (step {c.best_step})")
+        kept = [r for r in bleu if r["step"] == c.best_step]
+        if kept:
+            ax_bleu.plot([c.best_step], [kept[0]["dev_bleu"]], "*", color="tab:purple", markersize=14)
+        ax_bleu.legend()
+    ax_loss.legend()
+    ax_lr.plot(c.lr_steps, c.lr, color="tab:red")
     ax_lr.set(title="learning rate", xlabel="update")
     fig.suptitle(str(run))
     fig.tight_layout()

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import gzip
 import hashlib
 import os
@@ -90,6 +91,18 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def os_reason(e: OSError, path: Path) -> str:
+    """Why a write failed, in words.  Some writers (numpy's tofile, a C fwrite) raise an
+    OSError without errno ("6 requested and 0 written"): a full disk is then named as such."""
+    if e.strerror:
+        return e.strerror
+    try:
+        full = os.statvfs(path.parent).f_bavail == 0
+    except (OSError, AttributeError):  # no statvfs (Windows) or the directory is gone
+        full = False
+    return os.strerror(errno.ENOSPC) if full else (str(e) or type(e).__name__)
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | Path, mode: str = "w") -> Iterator[IO]:
     """Open ``path.tmp-PID`` for writing; on success fsync and rename over ``path``."""
@@ -109,7 +122,7 @@ def atomic_write(path: str | Path, mode: str = "w") -> Iterator[IO]:
         _fsync_dir(target.parent)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise S2SError(f"{target}: write failed ({e.strerror})") from None
+        raise S2SError(f"{target}: write failed ({os_reason(e, target)})") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -8,6 +8,7 @@ A joint vocabulary is one model ``spm.model``; separate ones are
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -15,7 +16,7 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import sentencepiece as spm
 
@@ -236,25 +237,46 @@ def _sample(lines: Iterable[str], limit: int, seed: int) -> tuple[list[str], int
     return sample, n_lines
 
 
-def _train_one(sentences: list[str], out: Path, cfg: TokenizerConfig) -> None:
+@contextlib.contextmanager
+def status(text: str, console=None) -> Iterator[None]:
+    """A spinner with ``text`` and the elapsed time on stderr while the block runs, when stderr
+    is a terminal (SentencePiece releases the GIL, so it turns during training); else nothing."""
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = console or Console(stderr=True)
+    if not console.is_terminal:
+        yield
+        return
+    with Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False), TimeElapsedColumn(),
+                  console=console, transient=False) as bar:
+        bar.add_task(text, total=None)
+        yield
+
+
+def _train_one(sentences: list[str], out: Path, cfg: TokenizerConfig) -> int:
+    """Train one SentencePiece model into ``out``; return its number of pieces."""
     model = io.BytesIO()
     try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(sentences), model_writer=model,
-            model_type=cfg.type, vocab_size=cfg.vocab_size,
-            character_coverage=cfg.character_coverage, byte_fallback=cfg.byte_fallback,
-            normalization_rule_name=cfg.normalization,
-            remove_extra_whitespaces=cfg.normalization != "identity",
-            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
-            pad_piece="<pad>", unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>",
-            user_defined_symbols=[sentinel(i) for i in range(cfg.sentinels)],
-            hard_vocab_limit=False, num_threads=2, minloglevel=2,
-            max_sentence_length=1 << 16, shuffle_input_sentence=True,
-        )
+        with status(f"training SentencePiece {cfg.type} ({cfg.vocab_size:,} pieces) on "
+                    f"{len(sentences):,} sentences for {out.name}"):
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=iter(sentences), model_writer=model,
+                model_type=cfg.type, vocab_size=cfg.vocab_size,
+                character_coverage=cfg.character_coverage, byte_fallback=cfg.byte_fallback,
+                normalization_rule_name=cfg.normalization,
+                remove_extra_whitespaces=cfg.normalization != "identity",
+                pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+                pad_piece="<pad>", unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>",
+                user_defined_symbols=[sentinel(i) for i in range(cfg.sentinels)],
+                hard_vocab_limit=False, num_threads=2, minloglevel=2,
+                max_sentence_length=1 << 16, shuffle_input_sentence=True,
+            )
     except RuntimeError as e:
         raise S2SError(f"{out}: SentencePiece training failed: {str(e).splitlines()[0]}") from None
     with atomic_write(out, "wb") as f:
         f.write(model.getvalue())
+    return spm.SentencePieceProcessor(model_proto=model.getvalue()).get_piece_size()
 
 
 def train_tokenizer(tok: TokenizerConfig, data: DataConfig, out_dir: Optional[str | Path] = None,
@@ -279,15 +301,24 @@ def train_tokenizer(tok: TokenizerConfig, data: DataConfig, out_dir: Optional[st
         raise S2SError("tokenizer: s2s trains SentencePiece (unigram or bpe) with pad_id 0, unk_id 1, "
                        "bos_id 2, eos_id 3, no vocab_file and no prefix_id; leave those keys at their defaults")
     if tok.joint:
-        _train_one(src_lines + tgt_lines, src_path, tok)
-        written = [src_path]
+        sizes = {src_path: _train_one(src_lines + tgt_lines, src_path, tok)}
     else:
-        _train_one(src_lines, src_path, tok)
-        _train_one(tgt_lines, tgt_path, tok)
-        written = [src_path, tgt_path]
+        sizes = {src_path: _train_one(src_lines, src_path, tok), tgt_path: _train_one(tgt_lines, tgt_path, tok)}
+    trained = actual_vocab_size(tok, sizes)
     with atomic_write(out / SETTINGS) as f:  # what was trained, flags included
-        json.dump(dataclasses.asdict(tok), f, indent=2)
-    return written
+        json.dump(dataclasses.asdict(trained), f, indent=2)
+    return list(sizes)
+
+
+def actual_vocab_size(tok: TokenizerConfig, sizes: dict[Path, int]) -> TokenizerConfig:
+    """SentencePiece's soft limit (hard_vocab_limit=False) gives fewer pieces than asked when the
+    corpus is small: warn, and record the size trained (the largest side's) instead of the one asked."""
+    largest = max(sizes.values())
+    for path, n in sizes.items():
+        if n < tok.vocab_size:
+            log.warning("tokenizer.vocab_size: %d asked, but the corpus gives %s only %d pieces "
+                        "(SentencePiece's soft limit); recording vocab_size %d", tok.vocab_size, path, n, largest)
+    return dataclasses.replace(tok, vocab_size=largest) if largest < tok.vocab_size else tok
 
 
 def resolve_tokenizer_config(cfg: ExperimentConfig) -> ExperimentConfig:

@@ -31,7 +31,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -44,7 +44,7 @@ from s2s import __version__
 from s2s.config import ExperimentConfig, replace, to_dict
 from s2s.distributed import all_reduce_update, init_world, shard
 from s2s.data import BinDataset, Batch, data_signature, token_batches, tokenizer_fingerprint
-from s2s.errors import S2SError
+from s2s.errors import Interrupted, S2SError
 from s2s.metrics import corpus_bleu
 from s2s.model import S2SModel
 from s2s.modeldir import (CHECKPOINT_STATE, CONFIG, META, WEIGHTS, build_model, check_finite, copy_tokenizer,
@@ -62,12 +62,8 @@ MAX_BAD_UPDATES = 20  # non-finite updates in a row before training gives up
 _CKPT_RE = re.compile(r"^step-(\d+)$")
 
 
-class TrainingInterrupted(S2SError):
+class TrainingInterrupted(Interrupted):
     """SIGINT/SIGTERM/SIGHUP: the step finished and a checkpoint was written."""
-
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 # --------------------------------------------------------------------------- #
@@ -236,24 +232,55 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
 # Progress on stderr
 # --------------------------------------------------------------------------- #
 
-class Progress:
-    """A rich progress bar when stderr is a terminal, else a log line every ``log_every`` steps."""
+def clock(seconds: float) -> str:
+    """H:MM:SS."""
+    secs = max(0, int(seconds))
+    return f"{secs // 3600}:{secs % 3600 // 60:02d}:{secs % 60:02d}"
 
-    def __init__(self, total_steps: Optional[int], max_seconds: float, enabled: bool):
+
+def progress_line(step: int, total_steps: Optional[int], elapsed: float, max_seconds: float,
+                  loss: Optional[float], info: str = "") -> str:
+    """What the bar says: the step (of max_steps), time used and left of max_time, the last loss."""
+    parts = [f"step {step:,}" + (f"/{total_steps:,}" if total_steps else "")]
+    if math.isfinite(max_seconds):
+        parts.append(f"{clock(elapsed)} used, {clock(max_seconds - elapsed)} left of {clock(max_seconds)}")
+    else:
+        parts.append(clock(elapsed))
+    if loss is not None:
+        parts.append(f"loss {loss:.3f}")
+    if info:
+        parts.append(info)
+    return " | ".join(parts)
+
+
+class Progress:
+    """A rich progress bar when stderr is a terminal, else a log line every ``log_every`` steps.
+
+    The bar fills by steps against train.max_steps, else by time against train.max_time,
+    and from the first step on shows the step, time used and left, and that update's loss
+    (redrawn at most 4 times a second, so reading the loss costs one host sync per redraw)."""
+
+    REDRAW_SECONDS = 0.25
+
+    def __init__(self, total_steps: Optional[int], max_seconds: float, enabled: bool, console=None):
         self.enabled = enabled
         self.total = total_steps
         self.max_seconds = max_seconds
         self._bar = None
+        self._by_time = not total_steps and math.isfinite(max_seconds)
+        self._loss: Optional[float] = None
+        self._info = ""
+        self._drawn = -math.inf
         if enabled:
             from rich.console import Console
-            from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+            from rich.progress import BarColumn, Progress as RichProgress, TextColumn
 
-            console = Console(stderr=True)
+            console = console or Console(stderr=True)
             if console.is_terminal:
-                self._bar = RichProgress(TextColumn("[bold]train"), BarColumn(),
-                                         TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                self._bar = RichProgress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.fields[info]}"),
                                          console=console, transient=False)
-                self._task = self._bar.add_task("train", total=total_steps, info="")
+                total = max_seconds if self._by_time else total_steps
+                self._task = self._bar.add_task("train", total=total, info="")
                 self._bar.start()
 
     def eta(self, step: int, elapsed: float, rate: float) -> str:
@@ -264,12 +291,24 @@ class Progress:
             left.append(self.max_seconds - elapsed)
         if not left:
             return "?"
-        secs = max(0, int(min(left)))
-        return f"{secs // 3600}:{secs % 3600 // 60:02d}:{secs % 60:02d}"
+        return clock(min(left))
 
-    def update(self, step: int, info: str) -> None:
+    def step(self, step: int, elapsed: float, loss: Callable[[], float]) -> None:
+        """After every update: redraw the bar (throttled) with this update's loss."""
+        if self._bar is None or time.monotonic() - self._drawn < self.REDRAW_SECONDS:
+            return
+        self._loss = loss()
+        self._draw(step, elapsed)
+
+    def _draw(self, step: int, elapsed: float) -> None:
+        self._drawn = time.monotonic()
+        self._bar.update(self._task, completed=min(elapsed, self.max_seconds) if self._by_time else step,
+                         info=progress_line(step, self.total, elapsed, self.max_seconds, self._loss, self._info))
+
+    def update(self, step: int, info: str, elapsed: float = 0.0) -> None:
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, info=info)
+            self._info = info
+            self._draw(step, elapsed)
         elif self.enabled:
             log.info("step %d | %s", step, info)
 
@@ -292,6 +331,8 @@ def package_versions() -> dict:
 
 
 def check_prepared(cfg: ExperimentConfig) -> None:
+    if not cfg.data.train:
+        raise S2SError("data.train: no training corpus configured")
     data_dir = Path(cfg.data.dir)
     meta_path = data_dir / "meta.json"
     if not meta_path.is_file():
@@ -598,6 +639,13 @@ class Trainer:
         raise S2SError(f"{self.run_dir / CHECKPOINTS}: no undamaged checkpoint to resume from; "
                        "start a new run with another -o")
 
+    def restart_advice(self) -> str:
+        """--resume only when there is a checkpoint to resume from."""
+        ckpts = list_checkpoints(self.run_dir)
+        if ckpts:
+            return f"--resume from the last checkpoint ({ckpts[-1]})"
+        return f"start again (no checkpoint was written; remove {self.run_dir} or pass another -o)"
+
     def elapsed(self) -> float:
         """Wall-clock seconds of the whole run, earlier (resumed) segments included."""
         return self._base_elapsed + time.time() - self._started
@@ -615,6 +663,19 @@ class Trainer:
                 or (tc.max_steps and st.step >= tc.max_steps)
                 or (tc.max_epochs and st.epoch >= tc.max_epochs)
                 or elapsed + last_val_seconds >= tc.max_seconds)
+
+    def limit_reached(self, last_val_seconds: float) -> str:
+        """Which limit ``finished`` hit, and the key that lifts it."""
+        tc, st = self.tc, self.state
+        if self.patience_spent():
+            return (f"train.early_stopping: {tc.early_stopping} validations without a better dev "
+                    f"{tc.best_metric}; raise train.early_stopping to continue")
+        if tc.max_steps and st.step >= tc.max_steps:
+            return f"train.max_steps={tc.max_steps} reached; raise train.max_steps to continue"
+        if tc.max_epochs and st.epoch >= tc.max_epochs:
+            return f"train.max_epochs={tc.max_epochs} reached; raise train.max_epochs to continue"
+        return (f"the time budget train.max_time={tc.max_time} is used ({self.elapsed():.0f} s trained, "
+                f"{last_val_seconds:.0f} s per validation); raise train.max_time to continue")
 
     def should_stop(self, last_val_seconds: float) -> bool:
         """Stop before the next update: a limit is reached or a signal came (on any rank)."""
@@ -653,6 +714,8 @@ class Trainer:
         progress = Progress(tc.max_steps or None, tc.max_seconds, self.show_progress)
         self._base_elapsed, self._started = st.elapsed, time.time()
         last_val = st.validations[-1]["seconds"] if st.validations else 0.0
+        if resume and self.finished(last_val):
+            log.warning("%s: nothing to train: %s", self.run_dir, self.limit_reached(last_val))
         window = LogWindow()
         bad_steps = 0
         validated_at = st.validations[-1]["step"] if st.validations else -1
@@ -675,11 +738,12 @@ class Trainer:
                         if bad_steps >= MAX_BAD_UPDATES:
                             raise S2SError(f"{self.run_dir}: {bad_steps} non-finite updates in a row "
                                            f"after step {st.step}; lower train.lr or check the data, "
-                                           "then --resume from the last checkpoint")
+                                           f"then {self.restart_advice()}")
                         continue
                     bad_steps = 0
                     st.step += 1
                     window.add(loss, *counts)
+                    progress.step(st.step, self.elapsed(), lambda loss=loss, n=counts[0]: float(loss) / max(n, 1))
                     if st.step % tc.log_every == 0:
                         if main:
                             self.log_progress(window, progress)
@@ -727,7 +791,7 @@ class Trainer:
         self.write_metrics({"step": st.step, "epoch": st.epoch, "loss": round(mean, 4), "lr": lr,
                             "tok_s": round(rate), "elapsed": round(elapsed, 1)})
         eta = progress.eta(st.step, elapsed, window.steps / seconds)
-        progress.update(st.step, f"loss {mean:.3f} | lr {lr:.2e} | {rate:,.0f} tok/s | ETA {eta}")
+        progress.update(st.step, f"mean loss {mean:.3f} | lr {lr:.2e} | {rate:,.0f} tok/s | ETA {eta}", elapsed)
 
     def checkpoint(self) -> None:
         """Rank 0's training state into checkpoints/step-N (atomically)."""

@@ -446,6 +446,115 @@ def test_plot_metrics(tmp_path, capsys, monkeypatch, kind):
     assert not (run_dir / "curves.png").exists()
 
 
+def test_plot_given_a_file_says_so(env, tmp_path, capsys, monkeypatch):
+    f = tmp_path / "metrics.jsonl"
+    f.write_text('{"step": 1, "loss": 2.0, "lr": 0.001}\n')
+    assert_error(cli(capsys, monkeypatch, "plot", f), f"{f}: is a file; plot takes a training run directory")
+
+
+# --------------------------------------------------------------------------- #
+# Errors that say what is wrong and what helps
+# --------------------------------------------------------------------------- #
+
+@pytest.mark.parametrize("full_disk", [True, False])
+def test_prepare_write_error_gives_the_reason(env, tmp_path, capsys, monkeypatch, full_disk):
+    """A writer that raises OSError without errno (numpy's tofile: "N requested and 0 written"):
+    the message names a full disk as such, and otherwise the writer's own words, never "(None)"."""
+    import s2s.data
+    import s2s.textio
+
+    prep = tmp_path / "prep"
+    shutil.copytree(env["work"] / "prep", prep)
+    (prep / "meta.json").unlink()
+
+    def short_write(*args, **kwargs):
+        raise OSError("6 requested and 0 written")
+    monkeypatch.setattr(s2s.data.NpyAppender, "append", short_write)
+    if full_disk:
+        monkeypatch.setattr(s2s.textio.os, "statvfs", lambda p: os.statvfs_result((4096,) * 3 + (0,) * 7))
+    r = cli(capsys, monkeypatch, "prepare", env["cfg"], "--set", f"data.dir={prep}")
+    reason = "No space left on device" if full_disk else "6 requested and 0 written"
+    assert_error(r, f"{prep}/train.", f".npy: write failed ({reason})")
+    assert "None" not in r[2]
+    assert not (prep / "meta.json").exists()
+
+
+def test_average_failure_leaves_nothing(env, tmp_path, capsys, monkeypatch):
+    import s2s.modeldir
+
+    out = tmp_path / "avg"
+    _fail_with(monkeypatch, s2s.modeldir, "st_save_model", errno.ENOSPC)
+    ckpts = list_checkpoints(env["model"])
+    assert_error(cli(capsys, monkeypatch, "average", *ckpts, "-o", out), "No space left on device")
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_config_that_does_not_match_the_weights_names_tensor_and_shapes(env, tmp_path, capsys, monkeypatch):
+    d = copy_model(env, tmp_path)
+    cfg = d / "config.yaml"
+    assert "d_ff: 64\n" in cfg.read_text()
+    cfg.write_text(cfg.read_text().replace("d_ff: 64\n", "d_ff: 96\n"))
+    monkeypatch.setattr(sys, "stdin", open(env["corpus"] / "dev.en"))
+    r = cli(capsys, monkeypatch, "translate", "-m", d, "--beam", "1")
+    assert_error(r, f"{d / 'model.safetensors'}: tensor ", "has shape (64, 32) but the model's config.yaml "
+                 "expects (96, 32)", "more tensors", "the config does not match these weights")
+    assert "Error(s) in loading" not in r[2]
+
+
+def test_tokenizer_missing_from_a_model_directory(env, tmp_path, capsys, monkeypatch):
+    d = copy_model(env, tmp_path)
+    (d / "spm.model").unlink()
+    monkeypatch.setattr(sys, "stdin", open(env["corpus"] / "dev.en"))
+    r = cli(capsys, monkeypatch, "translate", "-m", d)
+    assert_error(r, f"{d / 'spm.model'}: missing; the model directory {d} is incomplete")
+    assert "tokenizer train" not in r[2]  # training a new tokenizer cannot help a trained model
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "inf", "nan"])
+def test_non_finite_numbers_are_refused_at_config_load(env, tmp_path, capsys, monkeypatch, value):
+    r = cli(capsys, monkeypatch, "train", env["cfg"], "-o", tmp_path / "run", "--set", f"train.lr={value}")
+    assert_error(r, "train.lr: expected a finite number")
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_on_an_empty_config(tmp_path, capsys, monkeypatch):
+    cfg = tmp_path / "empty.yaml"
+    cfg.write_text("")
+    monkeypatch.chdir(tmp_path)
+    r = cli(capsys, monkeypatch, "train", cfg, "-o", tmp_path / "run")
+    assert_error(r, "data.train: no training corpus configured")
+
+
+def test_vocab_size_larger_than_the_corpus_gives_is_recorded_as_trained(tmp_path, capsys, monkeypatch, caplog):
+    """SentencePiece's soft limit gives fewer pieces on a small corpus: s2s warns and records the
+    size it trained, so tokenizer.json, the model and the embeddings agree."""
+    import sentencepiece as spm
+
+    cfg = corpus_config(tmp_path, GOOD, GOOD)
+    cli_ok(capsys, monkeypatch, "tokenizer", "train", cfg, "--vocab-size", "5000")
+    pieces = spm.SentencePieceProcessor(model_file=str(tmp_path / "prep" / "spm.model")).get_piece_size()
+    assert pieces < 5000
+    assert f"tokenizer.vocab_size: 5000 asked, but the corpus gives {tmp_path / 'prep' / 'spm.model'} " \
+           f"only {pieces} pieces" in caplog.text
+    assert json.loads((tmp_path / "prep" / "tokenizer.json").read_text())["vocab_size"] == pieces
+    cli_ok(capsys, monkeypatch, "prepare", cfg)  # the recorded settings are the ones prepared with
+
+
+def test_resume_when_the_time_budget_is_used_says_why(env, tmp_path, capsys, monkeypatch, caplog):
+    run = tmp_path / "run"
+    sets = ["--set", "train.max_steps=0", "--set", "train.max_time=1", "--set", "train.validate_every=1000"]
+    cli_ok(capsys, monkeypatch, "train", env["cfg"], "-o", run, *sets)
+    steps = len(list_checkpoints(run))
+    cli_ok(capsys, monkeypatch, "train", env["cfg"], "-o", run, "--resume", *sets)
+    err, _ = caplog.text, caplog.clear()
+    assert f"{run}: nothing to train: the time budget train.max_time=1 is used" in err
+    assert "raise train.max_time to continue" in err
+    assert len(list_checkpoints(run)) == steps
+    cli_ok(capsys, monkeypatch, "train", env["cfg"], "-o", run, "--resume", *sets[:-3],
+           "train.max_time=1h", "--set", "train.max_steps=1", "--set", "train.validate_every=1000")
+    assert "nothing to train: train.max_steps=1 reached; raise train.max_steps to continue" in caplog.text
+
+
 # --------------------------------------------------------------------------- #
 # Directory outputs: export ct2, export hf, import hf, average; train -o
 # --------------------------------------------------------------------------- #

@@ -82,9 +82,27 @@ def test_score_identical_is_perfect(tmp_path):
 
 
 def test_info_reports_budget(model_dir):
-    r = runner.invoke(app, ["info", str(model_dir)])
+    """The parameter count is the model's, and the budget is P = 12 N_enc d^2 + 16 N_dec d^2 + V d
+    with this model's N_enc = N_dec = 1, d = 32 and V its vocabulary."""
+    import re
+
+    import sentencepiece as spm
+
+    from s2s.modeldir import load_model_dir
+
+    r = runner.invoke(app, ["info", str(model_dir)], env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
-    assert "budget" in r.stdout and "parameters" in r.stdout
+    rows = {m.group(1).strip(): m.group(2).strip()
+            for m in re.finditer(r"│\s*(.+?)\s*│\s*(.+?)\s*│", r.stdout)}
+    V = spm.SentencePieceProcessor(model_file=str(model_dir / "spm.model")).get_piece_size()
+    N_enc, N_dec, d = 1, 1, 32
+    assert rows["layers"] == f"{N_enc} encoder + {N_dec} decoder"
+    assert rows["vocabulary (src / tgt)"].startswith(f"{V} / {V}")
+    n = sum(p.numel() for p in load_model_dir(model_dir).model.parameters())
+    assert rows["parameters"] == f"{n:,}"
+    P = 12 * N_enc * d**2 + 16 * N_dec * d**2 + V * d
+    budget = rows["budget 12·N_enc·d² + 16·N_dec·d² + V·d"]
+    assert budget == f"{P:,}  (actual/budget = {n / P:.3f})"
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -234,6 +252,11 @@ def test_hard_alignment_and_cross_attention_rows(model_dir):
 
 
 def test_align_draws_a_heatmap(model_dir, tmp_path):
+    import matplotlib.image
+    import numpy as np
+
+    from s2s.translate import Translator
+
     out = tmp_path / "attn.png"
     r = s2s("align", "-m", model_dir, "--src", "Clipboard management tool", "-o", out)
     assert r.returncode == 0, r.stderr
@@ -241,6 +264,17 @@ def test_align_draws_a_heatmap(model_dir, tmp_path):
     r = s2s("align", "-m", model_dir, "--src", "port scanner", "--tgt", "Portscanner", "--layer", "-1",
             "-o", tmp_path / "b.png")
     assert r.returncode == 0 and (tmp_path / "b.png").is_file(), r.stderr
+    # the figure is sized by the pieces on its axes: 0.45 in per source and 0.4 in per target piece
+    tr = Translator.from_dir(model_dir)
+    S, T = len(tr.encode_lines(["port scanner"], 1)[0]), len(tr.tok.encode_tgt(["Portscanner"])[0])
+    image = matplotlib.image.imread(tmp_path / "b.png")
+    assert image.shape[:2] == (round(100 * max(3.0, 0.4 * T + 1.5)), round(100 * max(4.0, 0.45 * S + 2)))
+    # the heatmap is drawn: the axes, left of the colour bar, are filled with blue cells (an
+    # untrained model attends almost uniformly, A = 1/S: one light shade), not a blank frame
+    rgb = image[:, : int(image.shape[1] * 0.75), :3]
+    blue = (rgb[..., 2] > rgb[..., 0] + 0.08) & (rgb.std(-1) > 0.02)
+    rows, cols = np.nonzero(blue)
+    assert blue.sum() > 0.6 * (rows.max() - rows.min() + 1) * (cols.max() - cols.min() + 1) > 2000
     r = s2s("align", "-m", model_dir, "--src", "x", "--layer", "7", "-o", tmp_path / "c.png")
     assert r.returncode == 1 and "--layer: 7 is not a layer" in r.stderr
 
@@ -259,9 +293,17 @@ def test_int8_and_bf16_decoding(model_dir, corpus):
     y = torch.tensor([[2, 8, 9]])
     ref, got = fp32.model(x, y), int8.model(x, y)
     assert (got - ref).abs().max() < 0.1 * ref.abs().max()  # int8 weights: close, not equal
-    for flags in (["--quantize", "int8"], ["--precision", "bf16"]):
+    import sacrebleu
+
+    src = (corpus / "dev.en").read_text().splitlines()[:8]
+    ref = s2s("translate", "-m", model_dir, "--beam", "2", input="\n".join(src) + "\n")
+    assert ref.returncode == 0, ref.stderr
+    for flags, min_bleu in ((["--quantize", "int8"], 40.0), (["--precision", "bf16"], 80.0)):
         r = s2s("translate", "-m", model_dir, "--beam", "2", *flags, input="\n".join(src) + "\n")
-        assert r.returncode == 0 and len(r.stdout.splitlines()) == 4, r.stderr
+        assert r.returncode == 0 and len(r.stdout.splitlines()) == len(src), r.stderr
+        # the same translations as fp32 but for rounding: BLEU against the fp32 output
+        same = sacrebleu.corpus_bleu(r.stdout.splitlines(), [ref.stdout.splitlines()]).score
+        assert same >= min_bleu, (flags, same)
     r = s2s("translate", "-m", model_dir, "--quantize", "int4", input="x\n")
     assert r.returncode == 1 and "--quantize: 'int4' is not int8" in r.stderr
 
@@ -392,3 +434,66 @@ def test_ensemble_alignments_average_the_members_attention(model_dir):
             assert h.alignment == hard_alignment(0.4 * A0 + 0.6 * A1, len(x) - 1, len(h.tokens))
             first_only += h.alignment != hard_alignment(A0, len(x) - 1, len(h.tokens))
     assert first_only  # the first member alone aligns differently: the check can tell
+
+
+def test_help_reads_like_a_usage_line():
+    """Metavars as people read them: CONFIG, CHECKPOINTS..., no <bool> on a flag, no list[Path]."""
+    for cmd, usage in ((["train"], "[OPTIONS] CONFIG"), (["average"], "[OPTIONS] CHECKPOINTS..."),
+                       (["score"], "[OPTIONS] HYP REFS..."), (["tokenizer", "train"], "[OPTIONS] CONFIG"),
+                       (["translate"], "[OPTIONS]"), ([], "[OPTIONS] COMMAND")):
+        r = runner.invoke(app, [*cmd, "--help"], env={"COLUMNS": "200"})
+        assert r.exit_code == 0, r.output
+        assert usage in r.stdout, (cmd, r.stdout)
+        for internal in ("<bool>", "list[", "{", "}"):
+            assert internal not in r.stdout, (cmd, internal)
+    r = runner.invoke(app, ["translate", "--help"], env={"COLUMNS": "200"})
+    for key in ("beam", "alpha", "max_len_b", "no_repeat_ngram", "top_p", "batch_tokens"):
+        assert f"(default: the model's decode.{key})" in r.stdout, key
+    assert "<path>" in r.stdout  # -m, repeatable: the type of one value
+
+
+def test_version():
+    from s2s import __version__
+
+    r = s2s("--version")
+    assert r.returncode == 0 and r.stdout == f"s2s {__version__}\n", r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train"], "Missing argument 'CONFIG'. (see `s2s train --help`)"),
+    (["train", "c.yaml", "--bogus"], "No such option: --bogus (see `s2s train --help`)"),
+    (["translate", "-m", "x", "--beam", "many"], "Invalid value for '--beam' / '-b'"),
+    (["no-such-command"], "No such command 'no-such-command'. (see `s2s --help`)"),
+])
+def test_usage_errors_are_one_line_exit_2(args, message):
+    """Usage errors look like every other error (not click's usage box) and exit 2."""
+    r = s2s(*args)
+    assert r.returncode == 2, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("s2s: error: ") and message in r.stderr, r.stderr
+
+
+def test_tokenizer_training_shows_a_spinner_with_elapsed_time_on_a_terminal(corpus, tmp_path, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    import s2s.tokenizer
+    from s2s.config import load_config
+    from tests.conftest import TINY_YAML
+
+    cfg_path = tmp_path / "tiny.yaml"
+    cfg_path.write_text(TINY_YAML.format(d=corpus).replace(f"{corpus}/prep", f"{tmp_path}/prep"))
+    cfg = load_config(cfg_path)
+    real = s2s.tokenizer.status
+    for terminal in (True, False):
+        buf = io.StringIO()
+        console = Console(file=buf, force_terminal=terminal, width=200)
+        monkeypatch.setattr(s2s.tokenizer, "status", lambda text, console=console: real(text, console))
+        s2s.tokenizer.train_tokenizer(cfg.tokenizer, cfg.data, seed=1)
+        if terminal:
+            shown = buf.getvalue()
+            assert "training SentencePiece unigram (300 pieces) on 800 sentences for spm.model" in shown
+            assert "0:00:0" in shown  # the elapsed time
+        else:
+            assert buf.getvalue() == ""  # in a pipe or a log: nothing

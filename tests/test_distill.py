@@ -66,6 +66,45 @@ def test_word_level_kd_trains_and_changes_the_updates(prepared, teacher, tmp_pat
     assert saved.train.distill.lambda_ == 0.7 and "lambda: 0.7" in (kd / "config.yaml").read_text()
 
 
+@pytest.mark.parametrize("lam, T", [(0.7, 2.0), (1.0, 1.0)])
+def test_word_level_kd_loss_of_a_training_batch_is_the_formula(prepared, teacher, tmp_path, lam, T):
+    """The loss the trainer backpropagates on a fixed batch of the training data, with the
+    teacher it loaded from train.distill.teacher, is
+    L_KD = (1 - lam) CE(y, p^s) + lam T^2 KL(p^t_T || p^s_T), summed over the real target tokens,
+    computed here token by token from the two models' scores."""
+    from safetensors.torch import load_file
+
+    from s2s.trainer import Trainer
+
+    cfg = load_config(prepared, [f"train.distill.teacher={teacher}", f"train.distill.lambda={lam}",
+                                 f"train.distill.temperature={T}", "train.label_smoothing=0",
+                                 "model.dropout=0"])
+    trainer = Trainer(cfg, tmp_path / "student", show_progress=False)
+    weights = load_file(teacher / "model.safetensors")
+    shared = [k for k in trainer.teacher.state_dict() if k in weights]  # tied tensors are stored once
+    assert len(shared) > 5 and all(torch.equal(trainer.teacher.state_dict()[k], weights[k]) for k in shared)
+    b = trainer.train_data.batch(trainer.epoch_batches(0)[0])
+    got = float(trainer.forward_backward(b, b.n_tgt_tokens))
+    with torch.no_grad():
+        z_s = trainer.model(b.src, b.tgt_in).double()  # (B, T, V)
+        z_t = trainer.teacher(b.src, b.tgt_in).double()
+    expected, n = 0.0, 0
+    for i in range(b.tgt_out.size(0)):
+        for t in range(b.tgt_out.size(1)):
+            y = int(b.tgt_out[i, t])
+            if y == trainer.tok.pad_id:
+                continue
+            n += 1
+            ce = -torch.log_softmax(z_s[i, t], -1)[y]
+            p_t, p_s = torch.softmax(z_t[i, t] / T, -1), torch.softmax(z_s[i, t] / T, -1)
+            kl = (p_t * (p_t.log() - p_s.log())).sum()
+            expected += float((1 - lam) * ce + lam * T * T * kl)
+    assert n == b.n_tgt_tokens > 10
+    assert got == pytest.approx(expected, rel=1e-4)
+    if lam == 1.0:  # then the reference data does not enter: only the teacher's distribution
+        assert got != pytest.approx(float(label_smoothed_nll(z_s, b.tgt_out, 0.0, trainer.tok.pad_id)), rel=1e-3)
+
+
 def test_teacher_with_another_tokenizer_is_refused(prepared, teacher, tmp_path):
     (tmp_path / "t").mkdir()
     for f in teacher.iterdir():

@@ -129,7 +129,7 @@ def test_sigint_writes_checkpoint_and_exits_nonzero(prepared, tmp_path, signum):
     assert proc.returncode == 128 + signum
     assert f"stopped by {signum.name}" in err and "checkpoint written" in err and "Traceback" not in err
     assert list_checkpoints(run)
-    assert err.strip().splitlines()[-1].startswith("s2s: error:")
+    assert err.strip().splitlines()[-1].startswith("s2s: interrupted: ")  # not an error
 
 
 def test_separate_vocabularies_end_to_end(corpus, tmp_path):
@@ -203,13 +203,37 @@ def test_a_tied_dev_bleu_keeps_the_model_with_the_lower_dev_loss(prepared, tmp_p
     assert load_model_dir(run).meta["step"] == 6
 
 
-def test_plot_draws_a_png(prepared, tmp_path):
-    from s2s.plot import plot_run
+def colour_pixels(image, hex_colour: str, tol: float = 0.12):
+    """How many pixels of an RGB(A) float image are within ``tol`` of a colour."""
+    import numpy as np
 
-    run = train(load_config(prepared), tmp_path / "run", show_progress=False)
+    rgb = np.array([int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    return int((np.abs(image[..., :3] - rgb).max(-1) < tol).sum())
+
+
+def test_plot_draws_curves_lr_schedule_and_kept_step(prepared, tmp_path):
+    import matplotlib.image
+
+    from s2s.plot import plot_run, read_curves
+
+    cfg = load_config(prepared, ["train.log_every=2"])
+    run = train(cfg, tmp_path / "run", show_progress=False)
     png = plot_run(run)
     assert png == run / "curves.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    image = matplotlib.image.imread(png)
+    assert image.shape[:2] == (400, 1500)  # figsize 15x4 inches at 100 dpi
+    thirds = [image[40:360, x:x + 500, :3] for x in (0, 500, 1000)]
+    assert all(t.std() > 0.05 for t in thirds)  # each panel has something drawn, not a blank frame
+    assert colour_pixels(thirds[2], "#d62728") > 100  # the learning-rate curve (tab:red)
+    assert colour_pixels(image, "#9467bd") > 100  # the kept step (tab:purple)
+    c = read_curves(run)
+    # the schedule at every update, not only at the log steps (2, 4, 6)
+    assert c.lr_steps == list(range(1, 7))
+    assert c.lr == [inverse_sqrt_lr(s, cfg.train.lr, cfg.train.warmup_steps) for s in range(1, 7)]
+    logged = {r["step"]: r["lr"] for r in c.train}
+    assert set(logged) == {2, 4, 6} and all(math.isclose(logged[s], c.lr[s - 1]) for s in logged)
+    assert c.best_step == json.loads((run / "model.json").read_text())["step"]
+    assert c.best_step in [r["step"] for r in c.dev if r["best"]]
     (run / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
     with pytest.raises(S2SError, match=r"metrics.jsonl:2: not a JSON line"):
         plot_run(run)
@@ -251,6 +275,22 @@ def test_a_run_of_non_finite_losses_aborts(prepared, tmp_path, monkeypatch):
     monkeypatch.setattr(s2s.trainer, "MAX_BAD_UPDATES", 3)
     with pytest.raises(S2SError, match="3 non-finite updates in a row after step 2"):
         train(load_config(prepared), tmp_path / "run", show_progress=False)
+
+
+@pytest.mark.parametrize("first_nan_call", [2, 4])
+def test_non_finite_abort_advises_resume_only_from_a_checkpoint(prepared, tmp_path, monkeypatch, first_nan_call):
+    """Before the first checkpoint (validate_every 3) there is nothing to --resume from."""
+    import s2s.trainer
+
+    monkeypatch.setattr(s2s.trainer, "label_smoothed_nll", _nan_on(lambda i: i >= first_nan_call))
+    monkeypatch.setattr(s2s.trainer, "MAX_BAD_UPDATES", 3)
+    run = tmp_path / "run"
+    with pytest.raises(S2SError) as e:
+        train(load_config(prepared), run, show_progress=False)
+    if first_nan_call == 2:
+        assert "--resume" not in str(e.value) and "start again (no checkpoint was written" in str(e.value)
+    else:
+        assert str(e.value).endswith(f"--resume from the last checkpoint ({run / 'checkpoints' / 'step-00000003'})")
 
 
 def test_non_finite_weights_are_never_written(prepared, tmp_path):
@@ -357,3 +397,40 @@ def test_prefetcher_returns_the_batches_asked_for():
     assert p.take((0, 2), b) == [7]  # asked for another position: built now, not the stale ones
     p.close()
     assert built.count([[3, 4]]) == 1
+
+
+def test_progress_bar_shows_step_time_and_loss_from_the_first_step(prepared, tmp_path, monkeypatch):
+    """On a terminal the bar shows, from update 1 (log_every is 50 here), the step, the time used and
+    left of train.max_time, and that update's loss; it fills against max_time when max_steps is unset."""
+    import io
+
+    from rich.console import Console
+
+    import s2s.trainer
+
+    buf = io.StringIO()
+    made = []
+
+    class Recorded(s2s.trainer.Progress):
+        def __init__(self, total, max_seconds, enabled):
+            super().__init__(total, max_seconds, enabled, Console(file=buf, force_terminal=True, width=200))
+            made.append(self)
+
+    monkeypatch.setattr(s2s.trainer, "Progress", Recorded)
+    monkeypatch.setattr(s2s.trainer.Progress, "REDRAW_SECONDS", 0.0)  # every update redrawn
+    cfg = load_config(prepared, ["train.max_steps=0", "train.max_time=15m", "train.log_every=50",
+                                 "train.validate_every=1000", "train.max_epochs=1"])
+    train(cfg, tmp_path / "run", show_progress=True)
+    text = buf.getvalue()
+    assert "step 1 |" in text and "left of 0:15:00" in text, text[-2000:]
+    first = text[text.index("step 1 |"):].split("\n")[0]
+    loss = float(first.split("loss ")[1].split()[0])
+    assert 0 < loss < 20 and math.isfinite(loss)
+    assert made[0]._by_time and made[0]._bar.tasks[0].total == 900
+
+
+def test_progress_line_formula():
+    from s2s.trainer import progress_line
+
+    assert progress_line(7, 100, 65.0, 900.0, 4.25) == "step 7/100 | 0:01:05 used, 0:13:55 left of 0:15:00 | loss 4.250"
+    assert progress_line(1, None, 3.0, math.inf, None, "lr 1.00e-03") == "step 1 | 0:00:03 | lr 1.00e-03"
