@@ -134,11 +134,16 @@ def main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks on e
          version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
                                       help="Print the version and exit.")):
     _DEBUG["on"] = debug
-    rank = launched_rank()  # under torchrun rank 0 speaks; the others only warn, naming their rank
+    configure_logging(launched_rank(), logging.WARNING if quiet else logging.INFO)
+
+
+def configure_logging(rank: int, level: int) -> None:
+    """s2s's log lines on stderr at ``level``.  Under torchrun (and in the ranks train.procs
+    starts) rank 0 speaks; the others only warn, naming their rank."""
     handler = _StderrHandler()
     handler.setFormatter(logging.Formatter(f"s2s: rank {rank}: %(message)s" if rank else "s2s: %(message)s"))
     logging.basicConfig(level=logging.WARNING, handlers=[handler])  # other libraries: warnings only
-    log.setLevel(logging.WARNING if quiet or rank else logging.INFO)
+    log.setLevel(max(level, logging.WARNING) if rank else level)
 
 
 def _load(config: Path, overrides: Optional[List[str]]):

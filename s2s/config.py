@@ -220,7 +220,11 @@ class TrainConfig:
     max_epochs: int = 0  # 0: no limit
     max_time: str = ""  # wall-clock budget: "900", "15m", "1h"; "" no limit
     precision: Literal["fp32", "bf16"] = "fp32"
-    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    threads: int = 0  # torch intra-op threads (per process); 0: torch's default, or cores / procs
+    # data-parallel processes on this machine (s2s.distributed.launch_local); an update takes
+    # procs * update_freq batches.  auto: one per core (train.threads each), fewer if memory is short
+    # (s2s.distributed.auto_procs); one per GPU on CUDA.  Ignored under torchrun.
+    procs: int | Literal["auto"] = 1
     compile: bool = False  # train through torch.compile(model) (compiles on the first batches)
     device: str = "auto"  # auto (the GPU when torch sees one) | cpu | cuda | cuda:N | mps; dev BLEU too
     log_every: int = 50
@@ -240,6 +244,7 @@ class TrainConfig:
         for key in ("max_steps", "max_epochs", "warmup_steps", "threads", "dev_bleu_sentences",
                     "early_stopping"):
             _check(getattr(self, key) >= 0, f"train.{key}", "must be >= 0")
+        _check(self.procs == "auto" or self.procs >= 1, "train.procs", "must be >= 1 or auto")
         _check(self.lr > 0, "train.lr", "must be > 0")
         _check(0.0 <= self.label_smoothing < 1.0, "train.label_smoothing", "must be in [0, 1)")
         _check(self.coverage_weight >= 0, "train.coverage_weight", "must be >= 0")
@@ -394,11 +399,21 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if value not in choices:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, choices))}")
         return value
-    if origin is typing.Union:  # Optional[X]
+    if origin is typing.Union:  # Optional[X], or one of several: int | Literal["auto"]
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
+        if value is None and len(args) < len(typing.get_args(tp)):
             return None
-        return _coerce(value, args[0], key)
+        for arg in args[:-1]:
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                pass
+        try:
+            return _coerce(value, args[-1], key)
+        except ConfigError:
+            if len(args) == 1:
+                raise
+        raise ConfigError(f"{key}: expected {' or '.join(map(_describe, args))}, got {value!r}") from None
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, got {value!r}")
@@ -423,6 +438,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return str(value)
     raise TypeError(f"unsupported config annotation {tp!r} for {key}")
+
+
+def _describe(tp: Any) -> str:
+    """How an error message names a type: 'an integer', 'auto'."""
+    if typing.get_origin(tp) is Literal:
+        return " or ".join(map(str, typing.get_args(tp)))
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
 
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:

@@ -86,12 +86,18 @@ def pretraining_config(cfg: ExperimentConfig) -> ExperimentConfig:
 
 def pretrain(cfg: ExperimentConfig, run_dir: Optional[str | Path] = None, resume: bool = False,
              show_progress: bool = True) -> Path:
-    """Denoising pretraining as ``cfg.pretrain`` describes; return the run (= model) directory."""
+    """Denoising pretraining as ``cfg.pretrain`` describes; return the run (= model) directory.
+    With train.procs > 1 (or auto) the data-parallel ranks run as processes of their own."""
+    from s2s.distributed import launch_local, process_split
     from s2s.trainer import Trainer
 
     target = run_dir or cfg.output_dir
     if not target:
         raise S2SError("output_dir: no run directory; set output_dir in the config or pass -o RUN_DIR")
+    procs, threads = process_split(cfg)
+    if procs > 1:
+        launch_local("pretrain", cfg, Path(target), resume, show_progress, procs, threads)
+        return Path(target)
     trainer = Trainer(pretraining_config(cfg), Path(target), show_progress)
     denoiser = Denoiser(cfg.pretrain, trainer.tok)
     eos = trainer.tok.eos_id

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from s2s import __version__
 from s2s.config import ExperimentConfig, replace, to_dict
-from s2s.distributed import all_reduce_update, init_world, shard
+from s2s.distributed import all_reduce_update, init_world, launch_local, process_split, shard
 from s2s.data import BinDataset, Batch, data_signature, token_batches, tokenizer_fingerprint
 from s2s.errors import Interrupted, S2SError
 from s2s.metrics import corpus_bleu
@@ -850,8 +850,13 @@ def _head(it, k: int):
 
 def train(cfg: ExperimentConfig, run_dir: Optional[str | Path] = None, resume: bool = False,
           show_progress: bool = True) -> Path:
-    """Train a model as ``cfg`` describes; return the run (= model) directory."""
+    """Train a model as ``cfg`` describes; return the run (= model) directory.
+    With train.procs > 1 (or auto) the data-parallel ranks run as processes of their own."""
     target = run_dir or cfg.output_dir
     if not target:
         raise S2SError("output_dir: no run directory; set output_dir in the config or pass -o RUN_DIR")
+    procs, threads = process_split(cfg)
+    if procs > 1:
+        launch_local("train", cfg, Path(target), resume, show_progress, procs, threads)
+        return Path(target)
     return Trainer(cfg, Path(target), show_progress).run(resume)

@@ -32,6 +32,10 @@ def test_defaults_load_and_round_trip(tmp_path):
     ("decode: {beam: 2, nbest: 3}\n", "decode.nbest"),
     ("model: [1, 2]\n", "model: expected a mapping"),
     ("tokenizer: {joint: 1}\n", "tokenizer.joint: expected true or false"),
+    ("train: {procs: 0}\n", "train.procs: must be >= 1 or auto"),
+    ("train: {procs: many}\n", "train.procs: expected an integer or auto, got 'many'"),
+    ("train: {procs: true}\n", "train.procs: expected an integer or auto, got True"),
+    ("train: {procs: 1.5}\n", "train.procs: expected an integer or auto"),
 ])
 def test_errors_name_file_and_key(tmp_path, text, needle):
     p = write(tmp_path, text)
@@ -39,6 +43,14 @@ def test_errors_name_file_and_key(tmp_path, text, needle):
         load_config(p)
     assert str(e.value).startswith(str(p))
     assert needle in str(e.value)
+
+
+def test_train_procs_is_a_count_or_auto(tmp_path):
+    assert load_config(write(tmp_path, "{}\n")).train.procs == 1
+    cfg = load_config(write(tmp_path, "train: {procs: auto}\n"))
+    assert cfg.train.procs == "auto" and load_config(write(tmp_path, to_yaml(cfg))) == cfg
+    assert load_config(write(tmp_path, "{}\n"), ["train.procs=4"]).train.procs == 4
+    assert load_config(write(tmp_path, "{}\n"), ["train.procs=auto"]).train.procs == "auto"
 
 
 def test_unknown_key_lists_valid_keys(tmp_path):

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from s2s.config import load_config
-from s2s.distributed import World, shard
+from s2s.distributed import World, auto_procs, shard, threads_per_process, training_bytes
 from s2s.trainer import Trainer, list_checkpoints
 
 # No dropout, so that both runs draw nothing at random after the (identical) initialization.
@@ -21,16 +21,26 @@ SETTINGS = ["train.adam_eps=1e-4", "train.max_steps=5", "train.validate_every=5"
             "train.threads=1"]
 
 
-def _train(prepared, out, update_freq, nproc):
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-                if nproc > 1 else [sys.executable])
-    sets = [a for s in [*SETTINGS, f"train.update_freq={update_freq}"] for a in ("--set", s)]
+def _train(prepared, out, update_freq, nproc, launcher="torchrun", extra=()):
+    """Train with ``nproc`` processes: started by torchrun, or by s2s itself (train.procs)."""
+    procs = nproc > 1 and launcher == "torchrun"
+    start = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+             if procs else [sys.executable])
+    sets = [a for s in [*SETTINGS, f"train.update_freq={update_freq}", *extra] for a in ("--set", s)]
+    if launcher == "s2s":
+        sets += ["--set", f"train.procs={nproc}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([*launcher, "-m", "s2s", "train", str(prepared), "-o", str(out), *sets],
+    proc = subprocess.run([*start, "-m", "s2s", "train", str(prepared), "-o", str(out), *sets],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _train.proc = proc
     return out
+
+
+@pytest.fixture(scope="module")
+def one_process(prepared, tmp_path_factory):
+    """The reference: one process, two batches per update."""
+    return _train(prepared, tmp_path_factory.mktemp("one") / "run", update_freq=2, nproc=1)
 
 
 def _metrics(run):
@@ -44,13 +54,8 @@ def test_shard_takes_every_world_size_th_batch():
     assert shard(group, World()) == group
 
 
-def test_two_processes_match_one_process_on_the_combined_batches(prepared, tmp_path):
-    one = _train(prepared, tmp_path / "one", update_freq=2, nproc=1)
-    two = _train(prepared, tmp_path / "two", update_freq=1, nproc=2)
-    # rank 0 alone speaks: the run directory once on stdout, one "done" line, no rank's empty state
-    assert _train.proc.stdout == f"{two}\n"
-    assert _train.proc.stderr.count("s2s: done:") == 1, _train.proc.stderr[-3000:]
-    assert "None at step 0" not in _train.proc.stderr
+def _assert_same_training(one, two, prepared, tmp_path):
+    """Same weights after 5 updates (far from the start), and rank 0 logged every step's loss."""
     a = load_file(str(list_checkpoints(one)[-1] / "model.safetensors"))
     b = load_file(str(list_checkpoints(two)[-1] / "model.safetensors"))
     assert a.keys() == b.keys()
@@ -83,3 +88,40 @@ def test_a_locked_run_directory_stops_every_rank(prepared, tmp_path):
     assert proc.returncode != 0
     assert f"s2s: error: {run}: in use by another training run (PID {os.getpid()})" in proc.stderr
     assert sorted(p.name for p in run.iterdir()) == ["train.lock"]  # nothing written
+
+
+def _assert_rank_0_speaks(proc, two):
+    """Rank 0 alone speaks: the run directory once on stdout, one "done" line, no rank's empty state."""
+    assert proc.stdout == f"{two}\n"
+    assert proc.stderr.count("s2s: done:") == 1, proc.stderr[-3000:]
+    assert "None at step 0" not in proc.stderr
+
+
+def test_auto_procs_one_process_per_core_while_memory_allows():
+    GB = 1 << 30
+    small = training_bytes(7_600_000, 4096, 6, 256, 1024, 8000)  # the reference model
+    assert small == 24 * 7_600_000 + 4 * 4096 * (6 * (16 * 256 + 2 * 1024) + 3 * 8000) + (512 << 20)
+    assert auto_procs(cores=2, threads=0, per_process=small, memory=24 * GB, gpus=0) == 2
+    assert auto_procs(cores=16, threads=2, per_process=small, memory=64 * GB, gpus=0) == 8
+    # a big model: as many processes as fit in half the memory, the cores shared out among them
+    big = 10 * GB
+    assert auto_procs(cores=16, threads=0, per_process=big, memory=64 * GB, gpus=0) == 3
+    assert threads_per_process(3, 0, 16) == 5 and threads_per_process(3, 2, 16) == 2
+    assert auto_procs(cores=16, threads=0, per_process=big, memory=8 * GB, gpus=0) == 1
+    assert auto_procs(cores=1, threads=0, per_process=small, memory=24 * GB, gpus=0) == 1
+    assert auto_procs(cores=16, threads=0, per_process=small, memory=24 * GB, gpus=1) == 1  # one per GPU
+
+
+def test_two_processes_match_one_process_on_the_combined_batches(prepared, one_process, tmp_path):
+    two = _train(prepared, tmp_path / "two", update_freq=1, nproc=2)
+    _assert_rank_0_speaks(_train.proc, two)
+    _assert_same_training(one_process, two, prepared, tmp_path)
+
+
+def test_train_procs_2_starts_its_ranks_and_matches_one_process(prepared, one_process, tmp_path):
+    """train.procs: 2 without torchrun: s2s starts both ranks itself, with the same updates."""
+    two = _train(prepared, tmp_path / "two", update_freq=1, nproc=2, launcher="s2s")
+    _assert_rank_0_speaks(_train.proc, two)
+    assert "rank 1" not in _train.proc.stderr and "Traceback" not in _train.proc.stderr
+    _assert_same_training(one_process, two, prepared, tmp_path)
+    assert json.loads((two / "config.yaml").read_text().split("procs: ")[1].split("\n")[0]) == 2
