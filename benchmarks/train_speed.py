@@ -1,29 +1,37 @@
-"""Training speed side by side: s2s fp32 and bf16 against Hugging Face's MarianMTModel
-on the same model shape, the same batches and the same threads, in one run.
+"""Training speed side by side: s2s fp32 (one process of 2 threads, and 2 data-parallel
+processes of 1 thread, as train.procs: 2 runs them) and bf16 against Hugging Face's
+MarianMTModel on the same model shape, the same batches and the same cores, in one run.
 
 The reference model of recipes/ddtp-en-de.yaml (3+3 layers, d_model 256, FFN 1024,
 4 heads, joint vocabulary 8000, tied, dropout 0.1, label smoothing 0.1) on
 ddtp-en-de batches of at most 4096 padded tokens.  Every engine runs as its own
-process on the same batches (saved once by this script) and times whole
-updates: forward, label-smoothed loss, backward, gradient clipping, AdamW.
-s2s runs through its Trainer's own ``train_step``; MarianMTModel (post-norm,
-its only layout) gets the same loss, clipping and AdamW in a plain loop.
+process (or processes) on the same batches (saved once by this script) and times
+whole updates: forward, label-smoothed loss, backward, gradient clipping, AdamW.
+s2s runs through its Trainer's own ``train_step``; MarianMTModel (post-norm, its
+only layout) gets the same loss, clipping and AdamW in a plain loop.  The
+``s2s_fp32_2x1`` engine is two ranks of one gloo process group (one thread each),
+every update one batch per rank and one all-reduce; its tokens/s are those of both
+ranks together over the slower rank's time.
+
+Measured properly on a shared machine: the engines take turns round by round
+(``--rounds``, at least 3), each round times ``--updates`` (>= 20) updates after
+``--warmup`` untimed ones, and the table gives the median tokens/s over the rounds
+with the min and max beside it (the spread says how far a rerun may land).
 
 Tokens are source + target tokens, padding excluded.  Model FLOPs utilization
 (MFU) = 3 x the matmul FLOPs of the forward pass (output projection included,
 embedding lookups excluded, counted on each sentence's real length) per second,
-divided by the matmul peak this script measures in the same run (best of
-several 4096x1024x1024 matmuls at the same thread count).  Not a timed test:
-only ratios within one run mean something on a shared machine.
+divided by the matmul peak of the precision the engine trains in, measured in the
+same run (best of several 4096x1024x1024 matmuls on all ``--threads`` cores).
 
-Prints a table and, last, one JSON line with "s2s_fp32_tok_s", "s2s_bf16_tok_s",
-"hf_fp32_tok_s", "mfu_fp32", "mfu_bf16", "matmul_peak_gflops_fp32",
-"matmul_peak_gflops_bf16" and the ratios.  On a CPU without native bf16 matmuls
-(no AVX-512 BF16 or AMX) a bf16 update takes about a minute, so bf16 is left out
-there (its keys null) unless ``--slow-bf16`` times 2 updates.
+Prints a table and, last, one JSON line with "<engine>_tok_s" (median),
+"<engine>_tok_s_min"/"_max", "mfu_<engine>", "matmul_peak_gflops_fp32"/"_bf16" and the
+ratios to MarianMTModel.  On a CPU without native bf16 matmuls (no AVX-512 BF16 or AMX)
+a bf16 update takes about a minute, so bf16 is left out there (its keys null) unless
+``--slow-bf16`` times 2 updates.
 
-    python benchmarks/train_speed.py            # 40 timed updates per engine, 2 rounds
-    python benchmarks/train_speed.py --quick    # under a minute
+    python benchmarks/train_speed.py            # 3 rounds of 20 timed updates per engine
+    python benchmarks/train_speed.py --quick    # one round of 8: a smoke test, not a measurement
 
 transformers is not an s2s dependency: when it cannot be imported, the script
 installs it into its own directory (benchmarks/.hf-env, ``pip --target``) that only
@@ -48,7 +56,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 RECIPE = REPO / "recipes" / "ddtp-en-de.yaml"
 HF_ENV = REPO / "benchmarks" / ".hf-env"
-ENGINES = ("s2s_fp32", "s2s_bf16", "hf_fp32")
+ENGINES = ("s2s_fp32", "s2s_fp32_2x1", "s2s_bf16", "hf_fp32")
+PRECISION = {"s2s_fp32": "fp32", "s2s_fp32_2x1": "fp32", "s2s_bf16": "bf16", "hf_fp32": "fp32"}
 
 
 # --------------------------------------------------------------------------- #
@@ -83,6 +92,13 @@ def matmul_peak_gflops(dtype: torch.dtype, repeats: int = 10) -> float:
     return 2 * 4096 * 1024 * 1024 / best / 1e9
 
 
+def cpu_has_native_bf16() -> bool:
+    """AVX-512 BF16 or AMX (lscpu's avx512_bf16 / amx_bf16).  oneDNN also "supports" bf16 on plain
+    AVX-512 (torch.ops.mkldnn._is_mkldnn_bf16_supported() is true there) by converting to fp32,
+    far slower than fp32 itself."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
 # --------------------------------------------------------------------------- #
 # Engines (each in its own process)
 # --------------------------------------------------------------------------- #
@@ -94,14 +110,18 @@ def load_batches(path: Path):
 
 
 def run_s2s(precision: str, batches, warmup: int, threads: int) -> float:
-    """Seconds of len(batches) - warmup updates through the s2s Trainer."""
+    """Seconds of len(batches) - warmup updates through the s2s Trainer.  Under a process
+    group (RANK/WORLD_SIZE set) each update takes one batch per rank: this rank's share."""
     from s2s.config import load_config
+    from s2s.distributed import World, shard
     from s2s.trainer import Trainer
 
     cfg = load_config(RECIPE, [f"train.precision={precision}", f"train.threads={threads}"])
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(cfg, Path(tmp) / "run", show_progress=False)
-        return _timed(lambda b: trainer.train_step([b])[0], batches, warmup)
+        world: World = trainer.world
+        groups = [batches[i:i + world.size] for i in range(0, len(batches), world.size)]
+        return _timed(lambda group: trainer.train_step(shard(group, world))[0], groups, warmup)
 
 
 def run_hf(batches, warmup: int, threads: int) -> float:
@@ -156,12 +176,37 @@ def _timed(step, batches, warmup: int) -> float:
 def engine_main(args) -> None:
     if args.site:
         sys.path.append(args.site)
-    batches = load_batches(args.batches)[:args.warmup + args.count]
+    procs = int(os.environ.get("WORLD_SIZE", "1"))
+    batches = load_batches(args.batches)[:(args.warmup + args.count) * procs]
     if args.engine == "hf_fp32":
         seconds = run_hf(batches, args.warmup, args.threads)
     else:
-        seconds = run_s2s(args.engine.split("_")[1], batches, args.warmup, args.threads)
+        seconds = run_s2s(PRECISION[args.engine], batches, args.warmup, args.threads)
     print(json.dumps({"seconds": seconds}))
+
+
+def run_engine(engine: str, path: Path, args, count: int, site: str) -> float:
+    """Seconds of ``count`` timed updates of ``engine``, in its own process(es); for the
+    data-parallel engine the slower rank's (both wait for each other at every update)."""
+    procs = 2 if engine == "s2s_fp32_2x1" else 1
+    threads = args.threads // procs
+    cmd = [sys.executable, __file__, "--engine", engine, "--batches", str(path), "--warmup", str(args.warmup),
+           "--threads", str(threads), "--site", site, "--count", str(count)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    if procs > 1:
+        from s2s.distributed import free_port
+
+        env.update({"WORLD_SIZE": str(procs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    ranks = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)} if procs > 1 else env)
+             for r in range(procs)]
+    seconds = []
+    for rank in ranks:
+        out, err = rank.communicate()
+        if rank.returncode:
+            sys.exit(f"train_speed: {engine} failed:\n{err[-3000:]}")
+        seconds.append(json.loads(out.strip().splitlines()[-1])["seconds"])
+    return max(seconds)
 
 
 def hf_site() -> str:
@@ -205,11 +250,11 @@ def sample_batches(n: int, seed: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="8 timed updates per engine, one round")
-    ap.add_argument("--updates", type=int, default=40, help="timed updates per engine and round")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=2, help="engines run in turn this many times; best kept")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="one round of 8 timed updates: a smoke test")
+    ap.add_argument("--updates", type=int, default=20, help="timed updates per engine and round")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed updates before each engine's timed ones")
+    ap.add_argument("--rounds", type=int, default=3, help="engines take turns this many times; median kept")
+    ap.add_argument("--threads", type=int, default=2, help="cores: threads of one process, or processes x 1")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--slow-bf16", action="store_true",
                     help="time s2s bf16 even on a CPU without native bf16 matmuls (2 updates, minutes)")
@@ -224,15 +269,21 @@ def main() -> None:
         args.updates, args.rounds, args.warmup = 8, 1, 2
     os.chdir(REPO)
     ensure_prepared()
-    batches, cfg = sample_batches(args.warmup + args.updates, args.seed)
+    n_procs = {e: 2 if e == "s2s_fp32_2x1" else 1 for e in ENGINES}
+    batches, cfg = sample_batches(2 * (args.warmup + args.updates), args.seed)
     m = cfg.model
     torch.set_num_threads(args.threads)
-    native_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) or torch.cuda.is_available()
+    native_bf16 = cpu_has_native_bf16() or torch.cuda.is_available()
     # without native bf16 matmuls (AVX-512 BF16 / AMX) a bf16 update takes about a minute on a CPU:
     # bf16 is left out (its keys null) unless --slow-bf16 asks for 2 timed updates anyway
     engines = [e for e in ENGINES if e != "s2s_bf16" or native_bf16 or args.slow_bf16]
-    count = {"s2s_fp32": args.updates, "hf_fp32": args.updates, "s2s_bf16": args.updates if native_bf16 else 2}
-    timed = {e: batches[args.warmup:args.warmup + n] for e, n in count.items()}
+    if args.threads < 2:
+        engines.remove("s2s_fp32_2x1")
+    count = {e: args.updates for e in ENGINES}
+    if not native_bf16:
+        count["s2s_bf16"] = 2
+    # the batches an engine's timed updates take: n_procs of them per update
+    timed = {e: batches[args.warmup * n_procs[e]:(args.warmup + n) * n_procs[e]] for e, n in count.items()}
     tokens = {e: sum(b.n_src_tokens + b.n_tgt_tokens for b in t) for e, t in timed.items()}
     tgt_tokens = {e: sum(b.n_tgt_tokens for b in t) for e, t in timed.items()}
     flops = {e: 3 * sum(forward_matmul_flops(int(s), int(t), m.d_model, m.d_ff, m.enc_layers, m.dec_layers,
@@ -242,48 +293,47 @@ def main() -> None:
     peak = {"fp32": matmul_peak_gflops(torch.float32),
             "bf16": matmul_peak_gflops(torch.bfloat16, repeats=10 if native_bf16 else 2)
             if "s2s_bf16" in engines else float("nan")}
-    site = {"s2s_fp32": "", "s2s_bf16": "", "hf_fp32": hf_site()}
-    best = {e: float("inf") for e in ENGINES}
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    site = {e: hf_site() if e == "hf_fp32" else "" for e in engines}
+    seconds: dict[str, list[float]] = {e: [] for e in engines}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "batches.pt"
         torch.save([(b.src, b.tgt_in, b.tgt_out, b.n_src_tokens, b.n_tgt_tokens) for b in batches], path)
         for r in range(args.rounds):
             for engine in engines:
-                proc = subprocess.run([sys.executable, __file__, "--engine", engine, "--batches", str(path),
-                                       "--warmup", str(args.warmup), "--threads", str(args.threads),
-                                       "--site", site[engine], "--count", str(count[engine])],
-                                      capture_output=True, text=True, env=env)
-                if proc.returncode:
-                    sys.exit(f"train_speed: {engine} failed:\n{proc.stderr[-3000:]}")
-                seconds = json.loads(proc.stdout.strip().splitlines()[-1])["seconds"]
-                print(f"round {r + 1}: {engine} {tokens[engine] / seconds:,.0f} tokens/s", file=sys.stderr)
-                best[engine] = min(best[engine], seconds)
+                s = run_engine(engine, path, args, count[engine], site[engine])
+                print(f"round {r + 1}: {engine} {tokens[engine] / s:,.0f} tokens/s", file=sys.stderr)
+                seconds[engine].append(s)
+
     def num(x: float, digits: int = 0):
         return None if x != x else round(x, digits) if digits else round(x)  # NaN: not measured
 
     nan = float("nan")
-    rate = {e: tokens[e] / best[e] if e in engines else nan for e in ENGINES}
-    mfu = {e: flops[e] / best[e] / 1e9 / peak[e.split("_")[1]] if e in engines else nan for e in ENGINES}
-    result = {f"{e}_tok_s": num(rate[e]) for e in ENGINES}
-    result.update({f"{e}_tgt_tok_s": num(tgt_tokens[e] / best[e] if e in engines else nan) for e in ENGINES})
-    result.update({"mfu_fp32": num(mfu["s2s_fp32"], 3), "mfu_bf16": num(mfu["s2s_bf16"], 3),
-                   "hf_mfu_fp32": num(mfu["hf_fp32"], 3),
-                   "matmul_peak_gflops_fp32": num(peak["fp32"], 1), "matmul_peak_gflops_bf16": num(peak["bf16"], 1),
-                   "s2s_fp32_over_hf": num(rate["s2s_fp32"] / rate["hf_fp32"], 2),
-                   "s2s_bf16_over_hf": num(rate["s2s_bf16"] / rate["hf_fp32"], 2),
-                   "updates": {e: count[e] for e in engines},
-                   "tokens_per_update": round(tokens["s2s_fp32"] / args.updates),
+    # tokens/s of every round; the median is the figure, min and max its spread
+    rates = {e: sorted(tokens[e] / s for s in seconds[e]) if e in engines else [nan] for e in ENGINES}
+    rate = {e: float(np.median(rates[e])) for e in ENGINES}
+    mfu = {e: rate[e] * flops[e] / tokens[e] / 1e9 / peak[PRECISION[e]] if e in engines else nan for e in ENGINES}
+    hf = rate["hf_fp32"]
+    result = {}
+    for e in ENGINES:
+        result.update({f"{e}_tok_s": num(rate[e]), f"{e}_tok_s_min": num(rates[e][0]),
+                       f"{e}_tok_s_max": num(rates[e][-1]),
+                       f"{e}_tgt_tok_s": num(rate[e] * tgt_tokens[e] / tokens[e]),
+                       f"mfu_{e}": num(mfu[e], 3), f"{e}_over_hf": num(rate[e] / hf, 2)})
+    result.update({"matmul_peak_gflops_fp32": num(peak["fp32"], 1), "matmul_peak_gflops_bf16": num(peak["bf16"], 1),
+                   "updates": {e: count[e] for e in engines}, "rounds": args.rounds, "warmup": args.warmup,
+                   "tokens_per_batch": round(tokens["s2s_fp32"] / args.updates),
                    "threads": args.threads, "bf16_native": native_bf16})
-    print(f"updates of ~{result['tokens_per_update']:,} tokens (source + target, no padding), {args.threads} "
-          f"threads; matmul peak fp32 {peak['fp32']:.0f} / bf16 {peak['bf16']:.0f} GFLOP/s")
+    print(f"{args.rounds} rounds of {args.updates} timed updates (after {args.warmup}) per engine, batches of "
+          f"~{result['tokens_per_batch']:,} tokens (source + target, no padding), {args.threads} cores; "
+          f"matmul peak fp32 {peak['fp32']:.0f} / bf16 {peak['bf16']:.0f} GFLOP/s")
     if "s2s_bf16" not in engines:
         print("s2s_bf16: left out, this CPU has no native bf16 matmul (run with --slow-bf16 to time it anyway)")
-    print("| engine | timed updates | tokens/s | target tokens/s | MFU | vs HF fp32 |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| engine | precision | procs x threads | tokens/s (median) | min - max | target tokens/s | MFU | vs HF fp32 |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for e in engines:
-        print(f"| {e} | {count[e]} | {rate[e]:,.0f} | {tgt_tokens[e] / best[e]:,.0f} | {mfu[e]:.0%} | "
-              f"{rate[e] / rate['hf_fp32']:.2f}x |")
+        split = f"{n_procs[e]} x {args.threads // n_procs[e]}"
+        print(f"| {e} | {PRECISION[e]} | {split} | {rate[e]:,.0f} | {rates[e][0]:,.0f} - {rates[e][-1]:,.0f} | "
+              f"{rate[e] * tgt_tokens[e] / tokens[e]:,.0f} | {mfu[e]:.0%} | {rate[e] / hf:.2f}x |")
     print(json.dumps(result))
 
 

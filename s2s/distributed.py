@@ -232,7 +232,7 @@ def process_split(cfg: ExperimentConfig) -> tuple[int, int]:
     return procs, threads_per_process(procs, tc.threads, cores)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -274,7 +274,7 @@ def launch_local(command: str, cfg: ExperimentConfig, run_dir: Path, resume: boo
     path = os.environ.get("PYTHONPATH")
     with tempfile.TemporaryDirectory(prefix="s2s-ranks-") as tmp:
         base = {**os.environ, "WORLD_SIZE": str(procs), "LOCAL_WORLD_SIZE": str(procs),
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": str(threads),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": str(threads),
                 "PYTHONPATH": root + (os.pathsep + path if path else ""), "S2S_LAUNCHER_PID": str(os.getpid())}
         ranks: list[subprocess.Popen] = []
 
