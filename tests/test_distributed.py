@@ -1,9 +1,12 @@
-"""Data-parallel training: two processes under torchrun against one process on the same batches."""
+"""Data-parallel training: two processes (under torchrun, or started by train.procs) against one
+process on the same batches."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -125,3 +128,29 @@ def test_train_procs_2_starts_its_ranks_and_matches_one_process(prepared, one_pr
     assert "rank 1" not in _train.proc.stderr and "Traceback" not in _train.proc.stderr
     _assert_same_training(one_process, two, prepared, tmp_path)
     assert json.loads((two / "config.yaml").read_text().split("procs: ")[1].split("\n")[0]) == 2
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_train_procs_2_passes_signals_to_its_ranks(prepared, tmp_path, sig):
+    """Ctrl-C (or SIGTERM) to `s2s train` reaches both ranks once: they finish the update,
+    rank 0 writes a checkpoint, and the exit status is 130 (143) with one error line."""
+    run = tmp_path / "int"
+    sets = [a for s in [*SETTINGS, "train.max_steps=100000", "train.validate_every=100000", "train.procs=2"]
+            for a in ("--set", s)]
+    proc = subprocess.Popen([sys.executable, "-m", "s2s", "train", str(prepared), "-o", str(run), *sets],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        m = run / "metrics.jsonl"
+        if m.exists() and m.read_text().count("\n") >= 2:
+            break
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + sig, err[-3000:]
+    assert out == "" and "Traceback" not in err
+    assert err.count("s2s: error:") == 1 and err.strip().splitlines()[-1].startswith("s2s: error:")
+    assert f"stopped by {signal.Signals(sig).name}" in err and "checkpoint written" in err
+    state = json.loads((list_checkpoints(run)[-1] / "state.json").read_text())["train_state"]
+    assert state["step"] >= 2 and state["batching"]["world_size"] == 2
