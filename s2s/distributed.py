@@ -259,7 +259,7 @@ def launch_local(command: str, cfg: ExperimentConfig, run_dir: Path, resume: boo
     give it (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT on 127.0.0.1) and
     OMP_NUM_THREADS = ``threads``; rank 0's stderr is the user's.  The ranks run in
     sessions of their own, so a Ctrl-C at the terminal reaches this process alone, and
-    this process passes SIGINT and SIGTERM on to every rank, once per signal received:
+    this process passes SIGINT, SIGTERM and SIGHUP on to every rank, once per signal received:
     the first makes them finish the update and write a checkpoint, a second stops them.
     When one rank fails the others get GRACE_SECONDS to stop, then are killed.  Rank 0's
     outcome is this call's: it returns, or raises its S2SError (exit code included) or
@@ -284,7 +284,9 @@ def launch_local(command: str, cfg: ExperimentConfig, run_dir: Path, resume: boo
                     p.send_signal(signum)
 
         main_thread = threading.current_thread() is threading.main_thread()
-        handlers = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
+        passed = [s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # under nohup SIGHUP stays ignored
+                  if main_thread and signal.getsignal(s) != signal.SIG_IGN]
+        handlers = {s: signal.signal(s, forward) for s in passed}
         try:
             for rank in range(procs):
                 env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank),
@@ -324,7 +326,8 @@ def _wait_all(ranks: list[subprocess.Popen]) -> list[int]:
 
 
 def _raise_outcome(codes: list[int], results: list[dict]) -> None:
-    """Nothing when every rank succeeded; else rank 0's failure, or the first other rank's."""
+    """Nothing when every rank succeeded; else rank 0's failure, or the first other rank's
+    (the others' failures follow from it: a rank that stops leaves the rest waiting for it)."""
     failed = [r for r, code in enumerate(codes) if code != 0]
     if not failed:
         return
@@ -332,10 +335,6 @@ def _raise_outcome(codes: list[int], results: list[dict]) -> None:
     code, message = results[rank]["code"], results[rank]["message"]
     if code < 0:  # killed by a signal before it could report
         code, message = 128 - code, f"killed by {signal.Signals(-code).name}"
-    for other in failed[1:]:
-        text = results[other]["message"]
-        if text and text != message:
-            log.error("rank %d: %s", other, text)
     if message is None:
         if code == 128 + signal.SIGINT:
             raise KeyboardInterrupt
@@ -343,8 +342,9 @@ def _raise_outcome(codes: list[int], results: list[dict]) -> None:
     from s2s.trainer import TrainingInterrupted
 
     text = message if rank == 0 else f"rank {rank}: {message}"
-    raise TrainingInterrupted(text, code) if code in (128 + signal.SIGINT, 128 + signal.SIGTERM) else \
-        _with_code(S2SError(text), code)
+    if code - 128 in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        raise TrainingInterrupted(text, code)
+    raise _with_code(S2SError(text), code)
 
 
 def _with_code(e: S2SError, code: int) -> S2SError:

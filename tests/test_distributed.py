@@ -76,20 +76,25 @@ def _assert_same_training(one, two, prepared, tmp_path):
     assert json.loads((two / "model.json").read_text())["step"] == 5
 
 
-def test_a_locked_run_directory_stops_every_rank(prepared, tmp_path):
+@pytest.mark.parametrize("launcher", ["torchrun", "s2s"])
+def test_a_locked_run_directory_stops_every_rank(prepared, tmp_path, launcher):
     """Rank 0 takes the run directory's lock; when another run holds it, every rank stops
-    (none waits in a collective) with the holder's PID named."""
+    (none waits in a collective) with the holder's PID named (by train.procs: in one line)."""
     from s2s.outdir import lock_run_dir
 
     run = tmp_path / "run"
     sets = [a for s in SETTINGS for a in ("--set", s)]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    start = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    if launcher == "s2s":
+        start, sets = [sys.executable], [*sets, "--set", "train.procs=2"]
     with lock_run_dir(run):  # this test process is "the first run"
-        proc = subprocess.run([*launcher, "-m", "s2s", "train", str(prepared), "-o", str(run), *sets],
+        proc = subprocess.run([*start, "-m", "s2s", "train", str(prepared), "-o", str(run), *sets],
                               capture_output=True, text=True, timeout=300,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0
     assert f"s2s: error: {run}: in use by another training run (PID {os.getpid()})" in proc.stderr
+    if launcher == "s2s":
+        assert proc.returncode == 1 and proc.stderr.count("s2s: error:") == 1, proc.stderr
     assert sorted(p.name for p in run.iterdir()) == ["train.lock"]  # nothing written
 
 
