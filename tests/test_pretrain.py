@@ -98,3 +98,17 @@ def test_pretrain_takes_the_run_directory_lock_and_refuses_a_users_folder(with_s
     with pytest.raises(S2SError, match="not empty and not a training run directory"):
         pretrain(load_config(with_sentinels), mine, show_progress=False)
     assert [p.name for p in mine.iterdir()] == ["config.yaml"]
+
+
+def test_pretrain_with_train_procs_2_runs_two_ranks(with_sentinels, tmp_path):
+    """s2s pretrain starts its data-parallel ranks itself too (here through the library API)."""
+    import json
+
+    from s2s.trainer import list_checkpoints
+
+    cfg = load_config(with_sentinels, ["train.procs=2", "train.max_steps=2", "train.validate_every=2",
+                                       "train.dev_bleu_sentences=0", "train.best_metric=loss"])
+    run = pretrain(cfg, tmp_path / "pre", show_progress=False)
+    state = json.loads((list_checkpoints(run)[-1] / "state.json").read_text())["train_state"]
+    assert state["step"] == 2 and state["batching"]["world_size"] == 2
+    assert load_config(run / "config.yaml").train.procs == 2
