@@ -138,7 +138,7 @@ def test_train_procs_2_starts_its_ranks_and_matches_one_process(prepared, one_pr
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_train_procs_2_passes_signals_to_its_ranks(prepared, tmp_path, sig):
     """Ctrl-C (or SIGTERM) to `s2s train` reaches both ranks once: they finish the update,
-    rank 0 writes a checkpoint, and the exit status is 130 (143) with one error line."""
+    rank 0 writes a checkpoint, and the exit status is 130 (143) with one line saying so."""
     run = tmp_path / "int"
     sets = [a for s in [*SETTINGS, "train.max_steps=100000", "train.validate_every=100000", "train.procs=2"]
             for a in ("--set", s)]
@@ -155,7 +155,7 @@ def test_train_procs_2_passes_signals_to_its_ranks(prepared, tmp_path, sig):
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + sig, err[-3000:]
     assert out == "" and "Traceback" not in err
-    assert err.count("s2s: error:") == 1 and err.strip().splitlines()[-1].startswith("s2s: error:")
+    assert err.count("s2s: interrupted: ") == 1 and err.strip().splitlines()[-1].startswith("s2s: interrupted: ")
     assert f"stopped by {signal.Signals(sig).name}" in err and "checkpoint written" in err
     state = json.loads((list_checkpoints(run)[-1] / "state.json").read_text())["train_state"]
     assert state["step"] >= 2 and state["batching"]["world_size"] == 2
