@@ -344,6 +344,8 @@ def translate(
                                         "on the CPU for inputs over 200 lines, one on a GPU; "
                                         "--unbuffered: always one)."),
     device: str = typer.Option("auto", help="auto (the GPU when torch sees one), cpu, cuda, cuda:N or mps."),
+    shortlist: bool = typer.Option(False, "--shortlist", help="Score only each batch's vocabulary shortlist "
+                                                               "(MODEL/shortlist.safetensors from `s2s shortlist`)."),
 ):
     """Translate stdin (or --input) line by line to stdout: exactly one output line per input line.
 
@@ -367,6 +369,8 @@ def translate(
                                        temperature=temperature,
                                        top_k=top_k, top_p=top_p, seed=seed).items()
                  if v is not None}
+    if shortlist:
+        overrides["shortlist"] = True
     if sampling:
         overrides.update(sampling=True, beam=overrides.get("beam", 1), nbest=overrides.get("nbest", 1),
                          coverage_penalty=overrides.get("coverage_penalty", 0.0))
@@ -397,6 +401,23 @@ app.command("summarize", help=(
     f"({', '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in SUMMARIZE_DEFAULTS.items())}) "
     "for each decode key the model's config leaves at its default.\n\n"
     "Example: `s2s summarize -m exp/summ < test.doc | s2s score - test.sum --metric rouge`"))(translate)
+
+
+@app.command("shortlist")
+def shortlist_cmd(config: Path = typer.Argument(..., help="Experiment YAML: its prepared training data (data.dir)."),
+                  model: Path = typer.Option(..., "-m", "--model", help="Model directory (same tokenizer)."),
+                  k: int = typer.Option(50, "--k", help="Target pieces per source piece."),
+                  frequent: int = typer.Option(200, "--frequent", help="The most frequent target pieces, always in."),
+                  score: str = typer.Option("dice", "--score", help="dice: 2c(s,t)/(c(s)+c(t)); prob: c(s,t)/c(s)."),
+                  set_: Optional[List[str]] = SetOption):
+    """Build MODEL/shortlist.safetensors: for each source piece the k target pieces that co-occur
+    with it best in the training pairs, plus the most frequent target pieces (`translate --shortlist`).
+
+    Example: `s2s shortlist recipes/quickstart.yaml -m exp/quickstart --k 50 --frequent 200`
+    """
+    from s2s.shortlist import shortlist_from_data
+
+    typer.echo(str(shortlist_from_data(_load(config, set_), model, k, frequent, score)))
 
 
 @app.command()

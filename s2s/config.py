@@ -287,6 +287,7 @@ class DecodeConfig:
     batch_size: int = 0  # at most this many sentences per decoding batch (0: only batch_tokens limits)
     max_input_tokens: int = 1024  # longer inputs are truncated with a warning
     max_output_tokens: int = 1024  # a*|x|+b is capped here (and by a learned position table)
+    shortlist: bool = False  # score only each batch's shortlist (MODEL/shortlist.safetensors, `s2s shortlist`)
 
     def __post_init__(self) -> None:
         _check(self.beam >= 1, "decode.beam", "must be >= 1")

@@ -92,15 +92,24 @@ class ModelDecoder:
     """A :class:`StepDecoder` over a model: encodes once, then one step at a time.
 
     With ``track_attention`` each step also keeps the last decoder layer's
-    cross-attention averaged over heads (for the coverage penalty)."""
+    cross-attention averaged over heads (for the coverage penalty).  With
+    ``vocab_subset`` (V',) ascending target ids (a shortlist), the search runs
+    over the subset: token i of the search is target id vocab_subset[i], the
+    log-probs are (N, V') and normalized over the subset."""
 
-    def __init__(self, model: S2SModel, src: Tensor, track_attention: bool = False):
+    def __init__(self, model: S2SModel, src: Tensor, track_attention: bool = False,
+                 vocab_subset: Optional[Tensor] = None):
         self.model = model
         self.track_attention = track_attention
         self._attention: Optional[Tensor] = None
         self.cache = model.start_decoding(model.encode(src))  # the source's K/V, once
+        self.ids = vocab_subset
+        if vocab_subset is not None:
+            self.cache.vocab_subset = model.vocab_subset(vocab_subset)  # W_U's rows, once
 
     def step(self, y_prev: Tensor) -> Tensor:
+        if self.ids is not None:
+            y_prev = self.ids[y_prev]  # subset positions -> target ids
         logits, weights = self.model.decode_step(y_prev, self.cache, need_last=self.track_attention)
         if self.track_attention:
             self._attention = weights[-1][:, :, -1].float().mean(1)  # (N, S)

@@ -22,6 +22,7 @@ from s2s.data import pad_sequences, tokenizer_fingerprint, truncate
 from s2s.errors import S2SError
 from s2s.model import S2SModel, Seq2SeqTransformer
 from s2s.search import EnsembleDecoder, Hypothesis, ModelDecoder, SearchSettings, ensemble_log_weights, search
+from s2s.shortlist import Shortlist, load_shortlist, subset_positions, subset_search_ids
 from s2s.tokenizer import BOS_ID, Tokenizer
 from s2s.workers import TranslateProgress, paired_lines  # noqa: F401 (TranslateProgress: re-exported)
 
@@ -86,6 +87,8 @@ class Translator:
         self.precision = "fp32"  # or bf16: autocast while searching
         self.extra_models: list[S2SModel] = []  # an ensemble's other members
         self.weights: Optional[list[float]] = None  # the members' weights (None: equal)
+        self.directory: Optional[Path] = None  # the model directory (its shortlist.safetensors)
+        self.shortlist: Optional[Shortlist] = None  # decode.shortlist: the table, read on first use
 
     @property
     def decode(self) -> DecodeConfig:
@@ -139,6 +142,7 @@ class Translator:
         decode = replace(first.cfg.decode, "decode.", **decode_overrides)
         translator = cls(first.model, first.tokenizer, decode, device, first.cfg.data.max_src_tokens)
         translator.extra_models = [m.model.eval() for m in loaded[1:]]
+        translator.directory = first.directory
         if weights is not None:
             if len(weights) != len(loaded):
                 raise S2SError(f"ensemble weights: {len(weights)} weights for {len(loaded)} models")
@@ -210,13 +214,39 @@ class Translator:
             prefix = pad_sequences(prefix_ids, pad_id=-1).to(self.device)  # (B, P)
             max_len = torch.maximum(max_len, (prefix >= 0).sum(1) + 1)  # room for the prefix and </s>
         track = self.decode.coverage_penalty > 0
-        decoders = [ModelDecoder(m, src, track) for m in [self.model, *self.extra_models]]
+        settings, ids = self.settings, self.vocab_subset(src, prefix)
+        if ids is not None:  # the search runs over the subset's positions
+            settings, prefix = subset_search_ids(settings, ids), subset_positions(ids, prefix)
+        decoders = [ModelDecoder(m, src, track, ids) for m in [self.model, *self.extra_models]]
         decoder = decoders[0] if len(decoders) == 1 else EnsembleDecoder(decoders, self.weights)
         with self.autocast():
-            found = search(decoder, max_len, self.settings, prefix)
+            found = search(decoder, max_len, settings, prefix)
+        if ids is not None:
+            for hyps in found:
+                for h in hyps:
+                    h.tokens = ids[h.tokens].tolist()  # back to target ids
         if self.alignments:
             self.align(src, [len(s) - 1 for s in src_ids], found)
         return found
+
+    def vocab_subset(self, src: torch.Tensor, prefix: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """With decode.shortlist, the batch's target ids (V',) ascending: its shortlist
+        (see s2s.shortlist), the special ids and a forced prefix's ids; else None (all).
+        Only a translator loaded from a model directory has a shortlist (dev BLEU while
+        training scores the whole vocabulary); an ensemble uses its first member's."""
+        if not self.decode.shortlist or (self.directory is None and self.shortlist is None):
+            return None
+        if self.shortlist is None:
+            for m in (self.model, *self.extra_models):
+                if m.cfg.copy:
+                    raise S2SError("--shortlist: a copy model (model.copy) scores its whole vocabulary "
+                                   "and its source; translate it without a shortlist")
+            self.shortlist = load_shortlist(self.directory, self.model.src_embed.num_embeddings,
+                                            self.model.tgt_embed.num_embeddings)
+        always = [self.tok.pad_id, self.tok.unk_id, self.tok.bos_id, self.tok.eos_id]
+        if prefix is not None:
+            always += prefix[prefix >= 0].unique().tolist()
+        return self.shortlist.subset(src, always)
 
     def align(self, src: torch.Tensor, src_lens: list[int], found: list[list[Hypothesis]]) -> None:
         """Give every hypothesis its alignment: one teacher-forced pass over all of them.

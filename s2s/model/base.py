@@ -6,6 +6,7 @@ and the initialisation (docs/model.md (14), (19), (21)).
     z_t = (s_U h_t) W_U + b_U                 W_U = E^T with model.tie_output, else its own (d_model, V);
                                               s_U = 1 / sqrt(d_model) with model.scale_output, else 1;
                                               b_U with model.output_bias
+    z'_t = (s_U h_t) W_U[:, ids] + b_U[ids]   a vocabulary subset (a shortlist): z'_t = z_t[ids]
 
 The parameters keep the names they have always had (``tgt_embed``,
 ``output_proj``, ``output_bias``) on the model itself, so model directories,
@@ -15,12 +16,22 @@ the Hugging Face and CTranslate2 converters read the same keys.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
 from torch import Tensor, nn
 
 from s2s.config import ModelConfig
+
+
+@dataclass
+class VocabSubset:
+    """The rows of the output head for a subset of the target vocabulary (a shortlist)."""
+
+    ids: Tensor  # (V',) full-vocabulary ids, ascending
+    W: Tensor  # (V', d_model): W_U[:, ids]^T
+    b: Optional[Tensor]  # (V',): b_U[ids], or None without model.output_bias
 
 
 class ModelBase(nn.Module):
@@ -55,12 +66,27 @@ class ModelBase(nn.Module):
             x = norm(x)
         return self.dropout(x)
 
-    def logits(self, h: Tensor) -> Tensor:
-        """z_t = (s_U h_t) W_U + b_U, W_U = E^T when tied.   (..., d_model) -> (..., V)."""
+    def logits(self, h: Tensor, subset: Optional[VocabSubset] = None) -> Tensor:
+        """z_t = (s_U h_t) W_U + b_U, W_U = E^T when tied.   (..., d_model) -> (..., V);
+        with a ``subset``, z'_t = (s_U h_t) W_U[:, ids] + b_U[ids]:  (..., d_model) -> (..., V')."""
         if self.output_scale != 1.0:
             h = h * self.output_scale
+        if subset is not None:
+            z = h @ subset.W.t()  # (..., V')
+            return z if subset.b is None else z + subset.b
         z = h @ self.tgt_embed.weight.t() if self.output_proj is None else self.output_proj(h)
         return z if self.output_bias is None else z + self.output_bias
+
+    def vocab_subset(self, ids: Tensor) -> VocabSubset:
+        """The output head's rows for target ids ``ids`` (V',), gathered once per batch
+        (an int8-quantized projection is dequantized for them)."""
+        if self.output_proj is None:
+            W = self.tgt_embed.weight
+        else:
+            W = self.output_proj.weight
+            W = W().dequantize() if callable(W) else W  # torch.ao dynamic int8 Linear
+        b = None if self.output_bias is None else self.output_bias.index_select(0, ids)
+        return VocabSubset(ids=ids, W=W.index_select(0, ids), b=b)
 
     def embedding_tables(self) -> Iterable[nn.Embedding]:
         """The tables :meth:`reset_parameters` draws from N(0, 1/d_model), each once."""

@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from s2s.model.base import VocabSubset
+
 
 @dataclass
 class LayerCache:
@@ -54,6 +56,7 @@ class DecoderCache:
     h_enc: Optional[Tensor] = None  # (B, S, d_model), for the copy context vector (model.copy)
     src_len: Optional[Tensor] = None  # (B,) real prefix lengths (one stack over [x; y]: y's positions)
     group: int = 1  # consecutive rows per sentence (its beams); the cross K/V have B / group rows
+    vocab_subset: Optional[VocabSubset] = None  # score only these target ids (a shortlist); all rows share it
 
     @property
     def batch_size(self) -> int:

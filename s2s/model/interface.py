@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from s2s.config import ModelConfig
+from s2s.model.base import VocabSubset
 from s2s.model.cache import DecoderCache, LayerCache
 
 
@@ -68,8 +69,13 @@ class S2SModel(Protocol):
         cross-attention weights [(B, heads, 1, S)] per decoder layer (every layer's with
         ``need_weights``, the last one's with ``need_last``; None where not asked)."""
 
-    def logits(self, h: Tensor) -> Tensor:
-        """Decoder states (..., d_model) -> logits (..., V)."""
+    def logits(self, h: Tensor, subset: Optional[VocabSubset] = None) -> Tensor:
+        """Decoder states (..., d_model) -> logits (..., V), or with a ``subset`` only its
+        ids' (..., V')."""
+
+    def vocab_subset(self, ids: Tensor) -> VocabSubset:
+        """The output head's rows for target ids (V',); set as ``cache.vocab_subset``,
+        ``decode_step`` scores only those ids (in that order)."""
 
     # the nn.Module methods callers use
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...

@@ -127,5 +127,5 @@ class DecoderOnlyLM(ModelBase):
         keys = torch.cat([cache.src_mask, cache.src_mask.new_zeros(B, 1, 1, t + 1)], dim=-1)  # (B, 1, 1, S+t+1)
         h = self._stack(self._embed(y_prev, pos), keys, cache.layers)
         cache.step += 1
-        return self.logits(h)[:, -1], []
+        return self.logits(h, cache.vocab_subset)[:, -1], []
 

@@ -145,9 +145,11 @@ class Seq2SeqTransformer(ModelBase):
     def _scores(self, h: Tensor, x_in: Tensor, A_last: Optional[Tensor], cache: DecoderCache) -> Tensor:
         """z = logits(h), or with model.copy the pointer-generator's log P over the last layer's
         attention averaged over heads."""
-        z = self.logits(h)
+        z = self.logits(h, cache.vocab_subset)
         if self.copy_head is None:
             return z
+        if cache.vocab_subset is not None:
+            raise ValueError("a copy model scores its whole vocabulary and its source: no vocabulary subset")
         return self.copy_head(self.p_gen_proj, z, h, x_in, A_last.mean(1), cache.h_enc, cache.src)
 
     def forward(self, src: Tensor, tgt_in: Tensor, return_attention: bool = False,
