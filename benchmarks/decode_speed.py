@@ -16,8 +16,9 @@ within one run mean something.
 
 Prints a table and, last, one JSON line with "<engine>_<search>_sent_s",
 "<engine>_<search>_tok_s", "<engine>_<search>_rss_mib" and "<engine>_<search>_bleu"
-for each engine (s2s_fp32, s2s_bf16, s2s_int8, ct2_fp32, ct2_int8, hf) and
-search (beam5, greedy).  Hugging Face generate runs on ``s2s export hf`` of the
+for each engine (s2s_fp32, s2s_bf16, s2s_int8, s2s_shortlist, ct2_fp32, ct2_int8, hf)
+and search (beam5, greedy).  s2s_shortlist is fp32 with ``--shortlist``: it runs
+where the model directory has a shortlist (``s2s shortlist CONFIG -m MODEL``).  Hugging Face generate runs on ``s2s export hf`` of the
 model (transformers installed as benchmarks/train_speed.py does); an
 architecture no Hugging Face family has (the pre-norm, sinusoidal reference
 model among them) leaves its keys null, with the reason on stderr.
@@ -41,7 +42,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "ddtp-en-de"
-ENGINES = ("s2s_fp32", "s2s_bf16", "s2s_int8", "ct2_fp32", "ct2_int8", "hf")
+ENGINES = ("s2s_fp32", "s2s_bf16", "s2s_int8", "s2s_shortlist", "ct2_fp32", "ct2_int8", "hf")
 
 CT2_SCRIPT = """
 import sys, ctranslate2, sentencepiece as spm
@@ -166,12 +167,16 @@ def main() -> None:
             except subprocess.CalledProcessError:
                 print("decode_speed: transformers could not be installed; no Hugging Face rows", file=sys.stderr)
 
+        if "s2s_shortlist" in chosen and not (args.model / "shortlist.safetensors").is_file():
+            print(f"decode_speed: {args.model}/shortlist.safetensors missing (`s2s shortlist CONFIG -m "
+                  f"{args.model}`); no s2s_shortlist rows", file=sys.stderr)
+            chosen.remove("s2s_shortlist")
         results: dict[str, object] = {}
         rows = []
         for search, beam in (("beam5", 5), ("greedy", 1)):
             runs = {}
             for mode, flags in (("s2s_fp32", []), ("s2s_bf16", ["--precision", "bf16"]),
-                                ("s2s_int8", ["--quantize", "int8"])):
+                                ("s2s_int8", ["--quantize", "int8"]), ("s2s_shortlist", ["--shortlist"])):
                 if mode not in chosen:
                     continue
                 hyp = work / f"{mode}-{search}.txt"
@@ -204,9 +209,9 @@ def main() -> None:
                 for key in ("sent_s", "tok_s", "rss_mib", "bleu"):
                     results.setdefault(f"{mode}_{search}_{key}", None)
 
-    print(f"{'engine':10s} {'search':7s} {'sent/s':>8s} {'tok/s':>8s} {'RSS MiB':>8s} {'BLEU':>6s}")
+    print(f"{'engine':13s} {'search':7s} {'sent/s':>8s} {'tok/s':>8s} {'RSS MiB':>8s} {'BLEU':>6s}")
     for mode, search, sent_s, tok_s, rss, bleu in rows:
-        print(f"{mode:10s} {search:7s} {sent_s:8.1f} {tok_s:8.0f} {rss:8.0f} {bleu:6.2f}")
+        print(f"{mode:13s} {search:7s} {sent_s:8.1f} {tok_s:8.0f} {rss:8.0f} {bleu:6.2f}")
     for search in ("beam5", "greedy"):
         for other in ("ct2_fp32", "hf"):
             base = results.get(f"{other}_{search}_sent_s")
