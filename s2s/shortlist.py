@@ -48,44 +48,59 @@ def conditional_probability(c_st: np.ndarray, c_s: np.ndarray) -> np.ndarray:
     return c_st / c_s
 
 
-def cooccurrence(pairs: Sequence[tuple[np.ndarray, np.ndarray]], V_src: int, V_tgt: int,
-                 chunk: int = 20000) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Sentence-level counts over (source ids, target ids) pairs.
+def cooccurrence(src: np.ndarray, src_off: np.ndarray, tgt: np.ndarray, tgt_off: np.ndarray, V_src: int,
+                 V_tgt: int, chunk: int = 20000) -> tuple[np.ndarray, ...]:
+    """Sentence-level counts over a corpus of flat ids and offsets (pair i's source is
+    src[src_off[i]:src_off[i+1]], its target likewise: a prepared split's arrays).
 
     Returns (s, t, c_st) for every co-occurring (s, t), sorted by s then t, and
-    c_s (V_src,), c_t (V_tgt,): pairs holding each piece.  Memory grows with the
-    distinct (s, t) pairs, not with the corpus: pairs are counted chunk by chunk.
+    c_s (V_src,), c_t (V_tgt,): pairs holding each piece.  Vectorized ``chunk``
+    pairs at a time; memory grows with the distinct (s, t), not with the corpus.
     """
     keys = np.zeros(0, dtype=np.int64)
     counts = np.zeros(0, dtype=np.int64)
     c_s = np.zeros(V_src, dtype=np.int64)
     c_t = np.zeros(V_tgt, dtype=np.int64)
-    part: list[np.ndarray] = []
-
-    def merge(part: list[np.ndarray], keys: np.ndarray, counts: np.ndarray):
-        new_keys, new_counts = np.unique(np.concatenate(part), return_counts=True)
-        all_keys = np.concatenate([keys, new_keys])
-        all_counts = np.concatenate([counts, new_counts])
-        order = np.argsort(all_keys, kind="stable")
-        all_keys, all_counts = all_keys[order], all_counts[order]
-        starts = np.flatnonzero(np.r_[True, all_keys[1:] != all_keys[:-1]])
-        return all_keys[starts], np.add.reduceat(all_counts, starts) if len(starts) else all_counts
-
-    for n, (src, tgt) in enumerate(pairs, 1):
-        u_s = np.unique(np.asarray(src, dtype=np.int64))
-        u_t = np.unique(np.asarray(tgt, dtype=np.int64))
-        if (len(u_s) and (u_s[0] < 0 or u_s[-1] >= V_src)) or (len(u_t) and (u_t[0] < 0 or u_t[-1] >= V_tgt)):
-            raise S2SError(f"training pair {n}: an id outside the model's vocabularies "
-                           f"({V_src} source, {V_tgt} target ids)")
-        c_s[u_s] += 1
-        c_t[u_t] += 1
-        part.append((u_s[:, None] * V_tgt + u_t[None, :]).ravel())
-        if n % chunk == 0:
-            keys, counts = merge(part, keys, counts)
-            part = []
-    if part:
-        keys, counts = merge(part, keys, counts)
+    n_pairs = len(src_off) - 1
+    for lo in range(0, n_pairs, chunk):
+        hi = min(lo + chunk, n_pairs)
+        s_sent, s_id = _distinct_per_pair(src, src_off, lo, hi, V_src, "source")
+        t_sent, t_id = _distinct_per_pair(tgt, tgt_off, lo, hi, V_tgt, "target")
+        c_s += np.bincount(s_id, minlength=V_src)
+        c_t += np.bincount(t_id, minlength=V_tgt)
+        # every (s, t) of a pair: each distinct source piece repeated once per distinct target piece
+        n_t = np.bincount(t_sent, minlength=hi - lo)  # distinct target pieces per pair
+        t_first = np.cumsum(n_t) - n_t  # where each pair's target pieces start in t_id
+        reps = n_t[s_sent]
+        block = np.repeat(np.cumsum(reps) - reps, reps)
+        t_idx = np.repeat(t_first[s_sent], reps) + (np.arange(int(reps.sum())) - block)
+        new_keys, new_counts = np.unique(np.repeat(s_id, reps) * V_tgt + t_id[t_idx], return_counts=True)
+        keys, counts = _merge_counts(keys, counts, new_keys, new_counts)
     return keys // V_tgt, keys % V_tgt, counts, c_s, c_t
+
+
+def _distinct_per_pair(ids: np.ndarray, off: np.ndarray, lo: int, hi: int, V: int,
+                       side: str) -> tuple[np.ndarray, np.ndarray]:
+    """(pair - lo, id) of every distinct id of pairs lo..hi-1, sorted by pair then id."""
+    x = np.asarray(ids[off[lo]:off[hi]], dtype=np.int64)
+    if len(x) and (x.min() < 0 or x.max() >= V):
+        raise S2SError(f"training pairs {lo + 1}-{hi}: a {side} id outside the model's {V} ids")
+    pair = np.repeat(np.arange(hi - lo, dtype=np.int64), np.diff(np.asarray(off[lo:hi + 1], dtype=np.int64)))
+    key = np.unique(pair * V + x)
+    return key // V, key % V
+
+
+def _merge_counts(keys: np.ndarray, counts: np.ndarray, new_keys: np.ndarray,
+                  new_counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The sums per key of two sorted (key, count) lists."""
+    all_keys = np.concatenate([keys, new_keys])
+    all_counts = np.concatenate([counts, new_counts])
+    if not len(all_keys):
+        return all_keys, all_counts
+    order = np.argsort(all_keys, kind="stable")
+    all_keys, all_counts = all_keys[order], all_counts[order]
+    starts = np.flatnonzero(np.r_[True, all_keys[1:] != all_keys[:-1]])
+    return all_keys[starts], np.add.reduceat(all_counts, starts)
 
 
 def top_k_per_source(s: np.ndarray, t: np.ndarray, score: np.ndarray, V_src: int, k: int) -> np.ndarray:
@@ -139,23 +154,34 @@ def subset_search_ids(s, ids: Tensor):
     return dataclasses.replace(s, bos_id=bos, eos_id=eos, pad_id=pad)
 
 
-def build_shortlist(pairs: Sequence[tuple[np.ndarray, np.ndarray]], tgt_tokens: np.ndarray, V_src: int,
+def build_shortlist(src: np.ndarray, src_off: np.ndarray, tgt: np.ndarray, tgt_off: np.ndarray, V_src: int,
                     V_tgt: int, k: int = 50, frequent: int = 200, score: str = "dice") -> Shortlist:
-    """The table of the module docstring from training pairs (source ids, target ids) and
-    all target tokens (for the frequency list)."""
+    """The table of the module docstring from training pairs given as flat ids and
+    offsets (see :func:`cooccurrence`); the frequency list counts every target token."""
     if k < 1:
         raise S2SError(f"--k: {k} must be >= 1")
     if frequent < 0:
         raise S2SError(f"--frequent: {frequent} must be >= 0")
     if score not in SCORES:
         raise S2SError(f"--score: {score!r} is not {' or '.join(SCORES)}")
-    s, t, c_st, c_s, c_t = cooccurrence(pairs, V_src, V_tgt)
+    s, t, c_st, c_s, c_t = cooccurrence(src, src_off, tgt, tgt_off, V_src, V_tgt)
     c_st = c_st.astype(np.float64)
     value = dice(c_st, c_s[s], c_t[t]) if score == "dice" else conditional_probability(c_st, c_s[s])
     top = top_k_per_source(s, t, value, V_src, k)
-    freq = most_frequent(tgt_tokens, V_tgt, frequent)
+    freq = most_frequent(tgt[tgt_off[0]:tgt_off[-1]], V_tgt, frequent)
     return Shortlist(torch.from_numpy(top), torch.from_numpy(freq),
-                     {"k": k, "frequent": frequent, "score": score, "sentences": len(pairs)})
+                     {"k": k, "frequent": frequent, "score": score, "sentences": len(src_off) - 1})
+
+
+def flatten_pairs(pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[np.ndarray, ...]:
+    """(source ids, target ids) pairs -> src, src_off, tgt, tgt_off as a prepared split stores them."""
+    def flat(side: list) -> tuple[np.ndarray, np.ndarray]:
+        off = np.concatenate([[0], np.cumsum([len(x) for x in side])]).astype(np.int64)
+        return np.concatenate([np.asarray(x, dtype=np.int64) for x in side] or [np.zeros(0, np.int64)]), off
+
+    src, src_off = flat([p[0] for p in pairs])
+    tgt, tgt_off = flat([p[1] for p in pairs])
+    return src, src_off, tgt, tgt_off
 
 
 def save_shortlist(shortlist: Shortlist, directory: str | Path) -> Path:
@@ -212,18 +238,5 @@ def shortlist_from_data(cfg, model_dir: str | Path, k: int = 50, frequent: int =
     ds = BinDataset(cfg.data.dir, "train", tok.pad_id, tok.bos_id)
     if len(ds) == 0:
         raise S2SError(f"{cfg.data.dir}: the training split is empty")
-    pairs = _Pairs(ds)
-    return save_shortlist(build_shortlist(pairs, ds.tgt, V_src, V_tgt, k, frequent, score), model_dir)
-
-
-class _Pairs:
-    """The (source, target) id arrays of a BinDataset, as a sequence."""
-
-    def __init__(self, ds) -> None:
-        self.ds = ds
-
-    def __len__(self) -> int:
-        return len(self.ds)
-
-    def __iter__(self):
-        return (self.ds.pair(i) for i in range(len(self.ds)))
+    table = build_shortlist(ds.src, ds.src_off, ds.tgt, ds.tgt_off, V_src, V_tgt, k, frequent, score)
+    return save_shortlist(table, model_dir)

@@ -9,8 +9,8 @@ import torch
 
 from s2s.config import DecodeConfig, ModelConfig, load_config
 from s2s.model import Seq2SeqTransformer, make_model
-from s2s.shortlist import (FILE, Shortlist, build_shortlist, conditional_probability, dice, load_shortlist,
-                           save_shortlist)
+from s2s.shortlist import (FILE, Shortlist, build_shortlist, conditional_probability, dice, flatten_pairs,
+                           load_shortlist, save_shortlist)
 
 V = 12
 
@@ -66,8 +66,7 @@ def test_builder_on_a_hand_made_corpus():
              (np.array([5, 6, 3]), np.array([8, 9, 7, 3])),
              (np.array([6, 3]), np.array([9, 7, 3])),
              (np.array([4, 3]), np.array([7, 10, 3]))]
-    tgt_tokens = np.concatenate([t for _, t in pairs])
-    sl = build_shortlist(pairs, tgt_tokens, V, V, k=2, frequent=2, score="dice")
+    sl = build_shortlist(*flatten_pairs(pairs), V, V, k=2, frequent=2, score="dice")
     # c(5)=2, c(6)=2, c(4)=1; c(8)=2, c(9)=2, c(7)=4, c(10)=1, c(3)=4
     # dice(5, 8) = 2*2/(2+2) = 1; dice(5, 3) = dice(5, 7) = 2*2/(2+4) = 2/3 (ties: the lower id); dice(5, 9) = 1/2
     assert sl.top[5].tolist() == [8, 3]
@@ -75,7 +74,7 @@ def test_builder_on_a_hand_made_corpus():
     assert sl.top[4].tolist() == [10, 3]  # dice(4, 10) = 1, dice(4, 3) = dice(4, 7) = 2/5: the lower id
     assert sl.top[0].tolist() == [-1, -1] and sl.top[11].tolist() == [-1, -1]  # never seen
     assert sl.frequent.tolist() == [3, 7]  # 4 tokens each; ties: the lower id first
-    prob = build_shortlist(pairs, tgt_tokens, V, V, k=3, frequent=0, score="prob")
+    prob = build_shortlist(*flatten_pairs(pairs), V, V, k=3, frequent=0, score="prob")
     assert prob.top[5].tolist() == [3, 7, 8]  # p = 1, 1, 1: ties by id
     assert prob.top[4].tolist() == [3, 7, 10]
     assert prob.frequent.tolist() == []
@@ -89,10 +88,19 @@ def test_builder_counts_across_chunks():
 
     rng = np.random.default_rng(0)
     pairs = [(rng.integers(0, V, 5), rng.integers(0, V, 4)) for _ in range(50)]
-    whole = cooccurrence(pairs, V, V, chunk=1000)
-    chunked = cooccurrence(pairs, V, V, chunk=7)
+    whole = cooccurrence(*flatten_pairs(pairs), V, V, chunk=1000)
+    chunked = cooccurrence(*flatten_pairs(pairs), V, V, chunk=7)
     for a, b in zip(whole, chunked):
         assert np.array_equal(a, b)
+    # against counting pair by pair
+    c_st = np.zeros((V, V), dtype=np.int64)
+    for src, tgt in pairs:
+        for s in set(src.tolist()):
+            for t in set(tgt.tolist()):
+                c_st[s, t] += 1
+    s, t, c, c_s, c_t = whole
+    assert np.array_equal(c, c_st[s, t]) and c_st.sum() == c.sum()
+    assert c_s.tolist() == [sum(x in set(p[0].tolist()) for p in pairs) for x in range(V)]
 
 
 def test_save_and_load_round_trip(tmp_path):
