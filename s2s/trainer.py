@@ -304,6 +304,7 @@ class Progress:
         self._drawn = time.monotonic()
         self._bar.update(self._task, completed=min(elapsed, self.max_seconds) if self._by_time else step,
                          info=progress_line(step, self.total, elapsed, self.max_seconds, self._loss, self._info))
+        self._bar.refresh()  # print this frame now, not at rich's next timed refresh
 
     def update(self, step: int, info: str, elapsed: float = 0.0) -> None:
         if self._bar is not None:

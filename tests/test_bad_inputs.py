@@ -480,10 +480,11 @@ def test_prepare_write_error_gives_the_reason(env, tmp_path, capsys, monkeypatch
 
 
 def test_average_failure_leaves_nothing(env, tmp_path, capsys, monkeypatch):
-    import s2s.modeldir
+
+    import safetensors.torch
 
     out = tmp_path / "avg"
-    _fail_with(monkeypatch, s2s.modeldir, "st_save_model", errno.ENOSPC)
+    _fail_with(monkeypatch, safetensors.torch, "save_model", errno.ENOSPC)  # modeldir imports it where it writes
     ckpts = list_checkpoints(env["model"])
     assert_error(cli(capsys, monkeypatch, "average", *ckpts, "-o", out), "No space left on device")
     assert not out.exists() and list(tmp_path.iterdir()) == []

@@ -298,7 +298,9 @@ def test_int8_and_bf16_decoding(model_dir, corpus):
     src = (corpus / "dev.en").read_text().splitlines()[:8]
     ref = s2s("translate", "-m", model_dir, "--beam", "2", input="\n".join(src) + "\n")
     assert ref.returncode == 0, ref.stderr
-    for flags, min_bleu in ((["--quantize", "int8"], 40.0), (["--precision", "bf16"], 80.0)):
+    # int8's rounding flips near-ties of this barely trained model's scores, and each flip changes
+    # the rest of that output: 22-59 BLEU against fp32 measured; unrelated outputs score near 0
+    for flags, min_bleu in ((["--quantize", "int8"], 15.0), (["--precision", "bf16"], 80.0)):
         r = s2s("translate", "-m", model_dir, "--beam", "2", *flags, input="\n".join(src) + "\n")
         assert r.returncode == 0 and len(r.stdout.splitlines()) == len(src), r.stderr
         # the same translations as fp32 but for rounding: BLEU against the fp32 output

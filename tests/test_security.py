@@ -8,7 +8,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "s2s"
 FORBIDDEN = [
     (r"\bimport pickle\b|\bfrom pickle\b|\bcPickle\b|\bdill\b", "pickle"),
     (r"\byaml\.(unsafe_)?load\(|yaml\.full_load|yaml\.Loader\b", "yaml.load (use yaml.safe_load)"),
-    (r"(?<![.\w])(eval|exec)\(", "eval/exec"),
+    (r"(?<![.\w])(?<!def )(eval|exec)\(", "eval/exec"),  # a method named eval (nn.Module's) is no eval
     (r"\bnp\.load\([^)]*allow_pickle\s*=\s*True", "np.load(allow_pickle=True)"),
 ]
 
@@ -35,5 +35,5 @@ def test_checkpoints_and_models_hold_no_pickles(tmp_path, prepared):
                 show_progress=False)
     for f in run.rglob("*"):
         if f.is_file():
-            assert f.suffix in {".safetensors", ".json", ".jsonl", ".yaml", ".model"}, f
+            assert f.suffix in {".safetensors", ".json", ".jsonl", ".yaml", ".model", ".lock"}, f
             assert not f.read_bytes().startswith(b"\x80"), f"{f} looks like a pickle"
