@@ -34,6 +34,7 @@ demo: install
 	zcat data/ddtp-en-de/test.de.gz | $(BIN)/s2s score $(RUN)/test.hyp -
 
 test: install
+	$(BIN)/ruff check s2s tests benchmarks
 	$(BIN)/python -m pytest -q
 
 # the slow tests too (marked @pytest.mark.slow)

@@ -8,7 +8,8 @@ schedule and 2 threads) for the same wall-clock budget (``--minutes``, default 5
 then BLEU of beam-5 translations of the 1000 test sentences.  ``arch`` changes only
 ``model.arch`` (the one-stack models get enc_layers + dec_layers blocks).  ``kd`` uses
 the quickstart model (``--teacher-minutes``, default 30) as the
-teacher and a student of half the width and fewer layers; word-level KD is train.distill (lambda 0.5, T 2); sequence-level KD trains
+teacher and a student of half the width and fewer layers; word-level KD is train.distill
+(lambda 0.5, T 2); sequence-level KD trains
 the student on the teacher's greedy translations of the training sources
 (``s2s distill``; greedy, as beam 5 over 45k sentences would take most of an hour
 on 2 cores).  Prints a Markdown table, then one JSON line.

@@ -328,7 +328,8 @@ def main() -> None:
           f"matmul peak fp32 {peak['fp32']:.0f} / bf16 {peak['bf16']:.0f} GFLOP/s")
     if "s2s_bf16" not in engines:
         print("s2s_bf16: left out, this CPU has no native bf16 matmul (run with --slow-bf16 to time it anyway)")
-    print("| engine | precision | procs x threads | tokens/s (median) | min - max | target tokens/s | MFU | vs HF fp32 |")
+    print("| engine | precision | procs x threads | tokens/s (median) | min - max | target tokens/s | MFU "
+          "| vs HF fp32 |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for e in engines:
         split = f"{n_procs[e]} x {args.threads // n_procs[e]}"

@@ -13,8 +13,8 @@ import json
 import logging
 import math
 import os
-import signal
 import re
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -26,7 +26,6 @@ from typer.core import TyperCommand, TyperGroup
 from s2s import __version__
 from s2s.config import load_config
 from s2s.errors import Interrupted, S2SError
-
 
 # --------------------------------------------------------------------------- #
 # Help as people read it: CONFIG, not {config}; no <bool> on flags; <path> for a
@@ -195,7 +194,8 @@ def prepare(config: Path = typer.Argument(..., help="Experiment YAML."),
     from rich.console import Console
     from rich.table import Table
 
-    from s2s.data import DROP_REASONS, prepare as run_prepare
+    from s2s.data import DROP_REASONS
+    from s2s.data import prepare as run_prepare
 
     cfg = _load(config, set_)
     stats = run_prepare(cfg, workers)
@@ -607,7 +607,8 @@ def serve(model: Path = typer.Option(..., "-m", "--model", help="Model directory
     Example: `s2s serve -m exp/qs --port 8080` then
     `curl -s localhost:8080/translate -d '{"texts": ["Clipboard management"]}'`
     """
-    from s2s.serve import ServeLimits, decode_overrides, serve as run_serve
+    from s2s.serve import ServeLimits, decode_overrides
+    from s2s.serve import serve as run_serve
 
     limits = ServeLimits(max_texts=max_texts, max_chars=max_chars, max_beam=max_beam,
                          max_queued_texts=max_queue, window_ms=window_ms)

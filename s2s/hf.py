@@ -284,7 +284,8 @@ def _t5_names(model: Seq2SeqTransformer, family: str) -> NameMap:
         names.append(("output_proj.weight", ["lm_head.weight"]))
     gated = model.cfg.gated_ffn
     for side, stack, n in (("enc", "encoder", model.cfg.enc_layers), ("dec", "decoder", model.cfg.dec_layers)):
-        names += [(f"{side}_rel_bias.bias.weight", [f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]),
+        rel_bias = f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+        names += [(f"{side}_rel_bias.bias.weight", [rel_bias]),
                   (f"{side}_final_norm.weight", [f"{stack}.final_layer_norm.weight"])]
         for i in range(n):
             s, h = f"{stack}_layers.{i}", f"{stack}.block.{i}.layer"

@@ -13,7 +13,8 @@ worker was busy waits no longer.
     POST /translate  {"texts": ["Hello", ...], "beam": 5, "nbest": 2, "alignments": true, "scores": true}
                      -> {"translations": [{"text": ..., "score": ..., "alignment": [[j, t], ...],
                                            "nbest": [{"text": ..., "score": ..., "alignment": ...}, ...]}]}
-    GET  /health     {"status": "ok", "requests": ..., "texts": ..., "batches": ..., "queued_texts": ..., "in_flight": ...}
+    GET  /health     {"status": "ok", "requests": ..., "texts": ..., "batches": ...,
+                      "queued_texts": ..., "in_flight": ...}
     GET  /info       the model's description (``s2s info``), its model.json, decode defaults, limits, counters
 
 Every failure is a one-line JSON body ``{"error": "..."}``: 400 a body that is

@@ -42,14 +42,27 @@ from torch import Tensor
 
 from s2s import __version__
 from s2s.config import ExperimentConfig, replace, to_dict
+from s2s.data import Batch, BinDataset, data_signature, token_batches, tokenizer_fingerprint
 from s2s.distributed import all_reduce_update, init_world, launch_local, process_split, shard
-from s2s.data import BinDataset, Batch, data_signature, token_batches, tokenizer_fingerprint
 from s2s.errors import Interrupted, S2SError
 from s2s.metrics import corpus_bleu
 from s2s.model import S2SModel
-from s2s.modeldir import (CHECKPOINT_STATE, CONFIG, META, WEIGHTS, build_model, check_finite, copy_tokenizer,
-                          load_model_dir, load_weights, read_meta, save_model_dir, write_config,
-                          write_error, write_weights)
+from s2s.modeldir import (
+    CHECKPOINT_STATE,
+    CONFIG,
+    META,
+    WEIGHTS,
+    build_model,
+    check_finite,
+    copy_tokenizer,
+    load_model_dir,
+    load_weights,
+    read_meta,
+    save_model_dir,
+    write_config,
+    write_error,
+    write_weights,
+)
 from s2s.outdir import check_run_dir, lock_run_dir
 from s2s.textio import atomic_dir, atomic_write, file_sha256, read_lines
 from s2s.tokenizer import PAD_ID, Tokenizer, resolve_tokenizer_config
@@ -273,7 +286,8 @@ class Progress:
         self._drawn = -math.inf
         if enabled:
             from rich.console import Console
-            from rich.progress import BarColumn, Progress as RichProgress, TextColumn
+            from rich.progress import BarColumn, TextColumn
+            from rich.progress import Progress as RichProgress
 
             console = console or Console(stderr=True)
             if console.is_terminal:

@@ -1,5 +1,7 @@
 """Typed config: unknown keys, wrong types and impossible values name the key and the file."""
 
+import dataclasses
+
 import pytest
 
 from s2s.config import ExperimentConfig, load_config, parse_duration, to_yaml
@@ -92,7 +94,7 @@ def test_durations():
 
 def test_frozen():
     cfg = ExperimentConfig()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.model.d_model = 3
 
 

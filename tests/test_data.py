@@ -8,11 +8,9 @@ import numpy as np
 import pytest
 
 from s2s.config import load_config
-from s2s.data import (DROP_REASONS, Batch, DigestSet, NpyAppender, clean_pairs, prepare, read_parallel,
-                      token_batches)
-from s2s.tokenizer import Tokenizer
+from s2s.data import DROP_REASONS, Batch, DigestSet, NpyAppender, clean_pairs, prepare, read_parallel, token_batches
 from s2s.errors import S2SError
-from s2s.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from s2s.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
 
 def test_batch_shift_happens_once():

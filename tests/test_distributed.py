@@ -19,7 +19,8 @@ from s2s.trainer import Trainer, list_checkpoints
 # No dropout, so that both runs draw nothing at random after the (identical) initialization.
 # adam_eps 1e-4: the key bias's gradient is zero in exact arithmetic (softmax ignores a constant
 # added to every score), and with a tiny eps Adam would turn its rounding noise into full-size steps.
-SETTINGS = ["train.adam_eps=1e-4", "train.max_steps=5", "train.validate_every=5", "train.log_every=1", "train.dev_bleu_sentences=0",
+SETTINGS = ["train.adam_eps=1e-4", "train.max_steps=5", "train.validate_every=5", "train.log_every=1",
+            "train.dev_bleu_sentences=0",
             "train.best_metric=loss", "train.max_tokens=96", "model.dropout=0", "model.attention_dropout=0",
             "train.threads=1"]
 

@@ -13,8 +13,14 @@ import torch
 
 from s2s.config import ModelConfig
 from s2s.model import (
-    EncoderState, MultiHeadAttention, Seq2SeqTransformer, attention, causal_mask, count_parameters,
-    padding_mask, parameter_budget,
+    EncoderState,
+    MultiHeadAttention,
+    Seq2SeqTransformer,
+    attention,
+    causal_mask,
+    count_parameters,
+    padding_mask,
+    parameter_budget,
 )
 from s2s.model.positions import SinusoidalPositions, relative_position_bucket, sinusoidal_table
 

@@ -5,11 +5,11 @@ import torch
 from safetensors.torch import load_file
 
 from s2s.config import load_config
+from s2s.data import BinDataset
 from s2s.errors import S2SError
 from s2s.modeldir import load_spec
-from s2s.pretrain import Denoiser, DenoisingDataset, pretrain
-from s2s.data import BinDataset
 from s2s.noise import fill_spans
+from s2s.pretrain import Denoiser, DenoisingDataset, pretrain
 from s2s.trainer import train
 from tests.conftest import TINY_YAML
 

@@ -12,8 +12,8 @@ from s2s.data import token_batches
 from s2s.errors import S2SError
 
 # text a user may pipe in: any printable Unicode (emoji, RTL, CJK, combining marks), no newlines
-line_text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"),
-                    max_size=40)
+LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"  # what splitlines() splits at
+line_text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters=LINE_BREAKS), max_size=40)
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,7 @@ import torch
 
 from s2s.config import ModelConfig
 from s2s.model import Seq2SeqTransformer
-from s2s.search import (ModelDecoder, SearchSettings, beam_search, greedy_search, length_penalty,
-                        search)
+from s2s.search import ModelDecoder, SearchSettings, beam_search, greedy_search, length_penalty, search
 
 PAD, UNK, BOS, EOS, A, B = 0, 1, 2, 3, 4, 5
 V = 6

@@ -9,8 +9,16 @@ import torch
 
 from s2s.config import DecodeConfig, ModelConfig, load_config
 from s2s.model import Seq2SeqTransformer, make_model
-from s2s.shortlist import (FILE, Shortlist, build_shortlist, conditional_probability, dice, flatten_pairs,
-                           load_shortlist, save_shortlist)
+from s2s.shortlist import (
+    FILE,
+    Shortlist,
+    build_shortlist,
+    conditional_probability,
+    dice,
+    flatten_pairs,
+    load_shortlist,
+    save_shortlist,
+)
 
 V = 12
 

@@ -17,7 +17,6 @@ from s2s.config import ModelConfig
 from s2s.model.attention import MultiHeadAttention, attention
 from s2s.model.cache import LayerCache
 
-
 ACTIVATIONS = {
     "relu": F.relu,
     "gelu": F.gelu,  # exact: x Phi(x)
