@@ -94,8 +94,11 @@ class LayerCache:
             if self.spare is None:
                 self.spare = (torch.empty_like(self.k_buf), torch.empty_like(self.v_buf))
             k_new, v_new = self.spare
-            torch.index_select(self.self_k, 0, index, out=k_new[:B, :, :t])
-            torch.index_select(self.self_v, 0, index, out=v_new[:B, :, :t])
+            if torch.is_grad_enabled() and self.k_buf.requires_grad:  # out= has no autograd
+                k_new[:B, :, :t], v_new[:B, :, :t] = self.self_k[index], self.self_v[index]
+            else:
+                torch.index_select(self.self_k, 0, index, out=k_new[:B, :, :t])
+                torch.index_select(self.self_v, 0, index, out=v_new[:B, :, :t])
             self.spare = (self.k_buf, self.v_buf)
             self.k_buf, self.v_buf = k_new, v_new
         self.batch = B
