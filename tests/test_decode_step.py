@@ -67,3 +67,28 @@ def test_bf16_weights_decode_close_to_fp32(arch_kw):
         assert lp_got.dtype == torch.float32  # log_softmax of fp32 logits
         torch.testing.assert_close(lp_got, lp_ref, atol=0.1, rtol=0)
         torch.testing.assert_close(got.attention(), ref.attention(), atol=0.02, rtol=0)
+
+
+@torch.no_grad()
+def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch, caplog):
+    """Where torch.compile fails, --compile decodes eagerly (same outputs) and warns once."""
+    from s2s.search import SearchSettings, search
+    from s2s.translate import compile_decode_step
+
+    def broken_compile(fn, **kwargs):
+        def call(*args, **kw):
+            raise RuntimeError("no C++ compiler\nmore detail")
+        return call
+
+    model = make_model(dropout=0.0, attention_dropout=0.0).float()
+    src = right_pad([tokens(5, seed=70), tokens(8, seed=71)])
+    s = SearchSettings(beam=3, bos_id=1, eos_id=2, pad_id=0)
+    max_len = torch.full((2,), 9)
+    eager = search(ModelDecoder(model, src), max_len, s)
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    compile_decode_step(model)
+    with caplog.at_level("WARNING", logger="s2s"):
+        got = search(ModelDecoder(model, src), max_len, s)
+    assert got == eager
+    warnings = [r.getMessage() for r in caplog.records if "--compile" in r.getMessage()]
+    assert warnings == ["--compile: torch.compile failed (RuntimeError: no C++ compiler); decoding without it"]
