@@ -334,7 +334,9 @@ def translate(
     batch_size: Optional[int] = typer.Option(
         None, help=_from_model("batch_size", "At most this many sentences per batch.")),
     threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
-    precision: str = typer.Option("fp32", help="fp32, or bf16 (autocast; fast only with native bf16 matmuls)."),
+    precision: str = typer.Option("fp32", help="fp32; bf16 (weights converted; fast only with native bf16 "
+                                               "matmuls); auto: bf16 where the CPU has avx512_bf16/amx_bf16."),
+    compile: bool = typer.Option(False, "--compile", help="torch.compile the decoder step (cached on disk)."),
     quantize: Optional[str] = typer.Option(None, help="int8: dynamic int8 quantization of the linear layers (CPU)."),
     unbuffered: bool = typer.Option(False, "--unbuffered", help="Translate and flush line by line."),
     alignments: bool = typer.Option(False, "--alignments",
@@ -366,7 +368,7 @@ def translate(
                                        stop=stop, nbest=nbest, max_len_a=max_len_a, max_len_b=max_len_b,
                                        min_len=min_len, batch_tokens=batch_tokens, batch_size=batch_size,
                                        no_repeat_ngram=no_repeat_ngram, coverage_penalty=coverage_penalty,
-                                       temperature=temperature,
+                                       temperature=temperature, compile=compile or None,
                                        top_k=top_k, top_p=top_p, seed=seed).items()
                  if v is not None}
     if shortlist:

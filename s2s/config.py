@@ -288,6 +288,7 @@ class DecodeConfig:
     max_input_tokens: int = 1024  # longer inputs are truncated with a warning
     max_output_tokens: int = 1024  # a*|x|+b is capped here (and by a learned position table)
     shortlist: bool = False  # score only each batch's shortlist (MODEL/shortlist.safetensors, `s2s shortlist`)
+    compile: bool = False  # run the decoder step through torch.compile (Inductor; falls back to eager)
 
     def __post_init__(self) -> None:
         _check(self.beam >= 1, "decode.beam", "must be >= 1")

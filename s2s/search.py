@@ -212,10 +212,10 @@ def constrain(logp: Tensor, t: int, max_len: Tensor, s: SearchSettings,
     if s.no_repeat_ngram and tokens is not None:
         block_repeated_ngrams(logp, tokens, s.no_repeat_ngram)
     at_max = max_len <= t + 1  # (N,)
-    if bool(at_max.any()):
+    if logp.device.type != "cpu" or bool(at_max.any()):  # no host sync on an accelerator
         eos_lp = logp[:, s.eos_id].clone()
-        logp[at_max] = NEG_INF
-        logp[at_max, s.eos_id] = torch.where(torch.isinf(eos_lp[at_max]), 0.0, eos_lp[at_max])
+        logp.masked_fill_(at_max[:, None], NEG_INF)
+        logp[:, s.eos_id] = torch.where(at_max, torch.where(torch.isinf(eos_lp), 0.0, eos_lp), logp[:, s.eos_id])
     if forced is not None and rows.numel():
         logp[rows] = NEG_INF
         logp[rows, forced[rows]] = kept

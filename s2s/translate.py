@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence, TextIO
@@ -66,6 +67,68 @@ def max_output_lengths(src_lens: torch.Tensor, a: float, b: int, cap: Optional[i
     return out.clamp(max=cap) if cap is not None else out
 
 
+def cpu_flags() -> set[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def auto_precision(device: torch.device, flags: Optional[set[str]] = None) -> tuple[str, str]:
+    """The precision ``--precision auto`` picks, and why: bf16 on a GPU that has it and on
+    a CPU with native bf16 matmuls (AVX-512 BF16 or AMX-BF16), else fp32.  (Dynamic int8
+    was measured slower than fp32 on an AVX-512 CPU without VNNI: README, decode speed.)"""
+    if device.type == "cuda":
+        return ("bf16", "the GPU has bf16") if torch.cuda.is_bf16_supported() else ("fp32", "no bf16 on this GPU")
+    if device.type != "cpu":
+        return "fp32", f"device {device.type}"
+    native = sorted((cpu_flags() if flags is None else flags) & {"avx512_bf16", "amx_bf16"})
+    if native:
+        return "bf16", "CPU flags " + " ".join(native)
+    return "fp32", "no avx512_bf16/amx_bf16 among the CPU flags"
+
+
+def compile_decode_step(model: S2SModel) -> None:
+    """Route ``model.decode_step`` through ``torch.compile`` (Inductor, shapes dynamic;
+    CUDA graphs with ``reduce-overhead`` on a GPU), once per model.  Inductor keeps its
+    compiled graphs on disk (TORCHINDUCTOR_CACHE_DIR; fx_graph_cache), so a second
+    process loads them instead of compiling.  The first step's time (the compile) is
+    logged on its own; where compiling fails the step runs eagerly, with one warning."""
+    if getattr(model, "_compiled_step", False):
+        return
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = True
+    eager = model.decode_step
+    mode = "reduce-overhead" if model.device.type == "cuda" else None
+    state = {"step": torch.compile(eager, dynamic=True, mode=mode), "first": True}
+
+    def step(*args, **kwargs):
+        if state["step"] is eager:
+            return eager(*args, **kwargs)
+        start = time.perf_counter()
+        try:
+            out = state["step"](*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: decode eagerly
+            log.warning("--compile: torch.compile failed (%s: %s); decoding without it",
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            state["step"] = eager
+            return eager(*args, **kwargs)
+        if state["first"]:
+            state["first"] = False
+            log.info("--compile: first decoder step %.1f s (compiling, or loading Inductor's cache)",
+                     time.perf_counter() - start)
+        return out
+
+    model.decode_step = step
+    model._compiled_step = True
+
+
 class Translator:
     def __init__(self, model: S2SModel, tokenizer: Tokenizer, decode: DecodeConfig,
                  device: str | torch.device = "cpu", trained_src_tokens: int = 0):
@@ -84,7 +147,7 @@ class Translator:
             self.max_input = min(self.max_input, table)
         self.trained_src_tokens = trained_src_tokens
         self.alignments = False  # also align each hypothesis to its source (Pharaoh pairs)
-        self.precision = "fp32"  # or bf16: autocast while searching
+        self.precision = "fp32"  # or bf16: the weights converted (set_arithmetic)
         self.extra_models: list[S2SModel] = []  # an ensemble's other members
         self.weights: Optional[list[float]] = None  # the members' weights (None: equal)
         self.directory: Optional[Path] = None  # the model directory (its shortlist.safetensors)
@@ -154,18 +217,35 @@ class Translator:
         return translator
 
     def set_arithmetic(self, precision: str = "fp32", quantize: Optional[str] = None) -> None:
-        """``precision``: fp32, or bf16 autocast; ``quantize``: None, or int8 (see :meth:`quantize_int8`)."""
-        if precision not in ("fp32", "bf16"):
-            raise S2SError(f"--precision: {precision!r} is not fp32 or bf16")
+        """``precision``: fp32; bf16 (the weights converted once, see :meth:`to_bf16`); or auto
+        (:func:`auto_precision`: bf16 where the CPU multiplies bf16 natively, else fp32).
+        ``quantize``: None, or int8 (see :meth:`quantize_int8`), with fp32 weights only."""
+        if precision not in ("fp32", "bf16", "auto"):
+            raise S2SError(f"--precision: {precision!r} is not fp32, bf16 or auto")
         if quantize not in (None, "int8"):
             raise S2SError(f"--quantize: {quantize!r} is not int8")
-        self.precision = precision
+        if precision == "auto":
+            precision, why = auto_precision(self.device)
+            log.info("--precision auto: %s (%s)", precision, why)
+        if quantize == "int8" and precision == "bf16":
+            raise S2SError("--quantize int8 quantizes fp32 weights: use it with --precision fp32")
         if (precision == "bf16" and self.device.type == "cpu"
                 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
             log.warning("--precision bf16: this CPU has no native bf16 matmul (AVX-512 BF16 or AMX); "
                         "expect it to be much slower than fp32")
+        self.precision = precision
+        if precision == "bf16":
+            self.to_bf16()
         if quantize == "int8":
             self.quantize_int8()
+
+    def to_bf16(self) -> None:
+        """Convert every member's weights to bf16 once (no autocast per operation).  What
+        accuracy needs stays fp32 inside the kernels: layer norm statistics and the
+        attention softmax accumulate in fp32 (s2s.model.attention casts the reference
+        path's scores up), and the search takes log_softmax of fp32 logits."""
+        self.model = self.model.to(torch.bfloat16)
+        self.extra_models = [m.to(torch.bfloat16) for m in self.extra_models]
 
     def quantize_int8(self) -> None:
         """Dynamic int8 quantization of every linear layer (weights int8, activations
@@ -181,10 +261,6 @@ class Translator:
             self.model = quantize_dynamic(self.model, {torch.nn.Linear}, dtype=torch.qint8)
             self.extra_models = [quantize_dynamic(m, {torch.nn.Linear}, dtype=torch.qint8)
                                  for m in self.extra_models]
-
-    def autocast(self):
-        """bf16 autocast for --precision bf16 (weights stay fp32; matmuls run in bf16)."""
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
 
     @property
     def settings(self) -> SearchSettings:
@@ -214,13 +290,15 @@ class Translator:
             prefix = pad_sequences(prefix_ids, pad_id=-1).to(self.device)  # (B, P)
             max_len = torch.maximum(max_len, (prefix >= 0).sum(1) + 1)  # room for the prefix and </s>
         track = self.decode.coverage_penalty > 0
+        if self.decode.compile:
+            for m in (self.model, *self.extra_models):
+                compile_decode_step(m)
         settings, ids = self.settings, self.vocab_subset(src, prefix)
         if ids is not None:  # the search runs over the subset's positions
             settings, prefix = subset_search_ids(settings, ids), subset_positions(ids, prefix)
         decoders = [ModelDecoder(m, src, track, ids) for m in [self.model, *self.extra_models]]
         decoder = decoders[0] if len(decoders) == 1 else EnsembleDecoder(decoders, self.weights)
-        with self.autocast():
-            found = search(decoder, max_len, settings, prefix)
+        found = search(decoder, max_len, settings, prefix)
         if ids is not None:
             for hyps in found:
                 for h in hyps:

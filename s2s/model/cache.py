@@ -29,22 +29,86 @@ from torch import Tensor
 from s2s.model.base import VocabSubset
 
 
+CACHE_BUCKET = 32  # self-attention buffers hold a multiple of this many positions
+
+
+def bucketed(n: int, bucket: int = CACHE_BUCKET) -> int:
+    """The capacity for n positions: n rounded up to a multiple of ``bucket`` (at least one bucket)."""
+    return max(bucket, -(-n // bucket) * bucket)
+
+
 @dataclass
 class LayerCache:
+    """One layer's state.  The self-attention K/V live in preallocated buffers
+    (rows, heads, capacity, d_head) written by index; ``self_k``/``self_v`` are
+    views of the ``length`` positions and ``batch`` rows filled so far.  The
+    capacity grows a bucket at a time (:func:`bucketed`), so a step copies
+    only the new position, not the prefix (torch.cat would copy all t)."""
+
     cross_k: Optional[Tensor]  # (B / group, heads, S, d_head): one per sentence; None in a decoder-only stack
     cross_v: Optional[Tensor]  # (B / group, heads, S, d_head)
-    self_k: Optional[Tensor] = None  # (B, heads, t, d_head)
-    self_v: Optional[Tensor] = None  # (B, heads, t, d_head)
     coverage: Optional[Tensor] = None  # (B, S) c^t, fp32: the last layer of a model.coverage model
+    k_buf: Optional[Tensor] = None  # (rows >= B, heads, capacity >= t, d_head)
+    v_buf: Optional[Tensor] = None
+    spare: Optional[tuple[Tensor, Tensor]] = None  # buffers of the same shape, what select writes into
+    batch: int = 0  # rows in use
+    length: int = 0  # positions in use: t
+
+    @property
+    def self_k(self) -> Optional[Tensor]:
+        return None if self.k_buf is None else self.k_buf[:self.batch, :, :self.length]  # (B, heads, t, d_head)
+
+    @property
+    def self_v(self) -> Optional[Tensor]:
+        return None if self.v_buf is None else self.v_buf[:self.batch, :, :self.length]  # (B, heads, t, d_head)
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Add these positions' self-attention K/V (B, heads, n, d_head); return all of them."""
-        if self.self_k is None:
-            self.self_k, self.self_v = k, v
-        else:
-            self.self_k = torch.cat([self.self_k, k], dim=2)  # (B, heads, t+1, d_head)
-            self.self_v = torch.cat([self.self_v, v], dim=2)
+        B, heads, n, d_head = k.shape
+        t = self.length
+        if self.k_buf is None or self.k_buf.size(2) < t + n:
+            capacity = bucketed(t + n)
+            k_buf = k.new_empty(max(B, self.batch), heads, capacity, d_head)
+            v_buf = v.new_empty(max(B, self.batch), heads, capacity, d_head)
+            if t:
+                k_buf[:self.batch, :, :t] = self.self_k
+                v_buf[:self.batch, :, :t] = self.self_v
+            self.k_buf, self.v_buf, self.spare = k_buf, v_buf, None
+        self.batch = B
+        self.k_buf[:B, :, t:t + n] = k
+        self.v_buf[:B, :, t:t + n] = v
+        self.length = t + n
         return self.self_k, self.self_v
+
+    def select_rows(self, index: Tensor) -> None:
+        """Keep self-attention rows ``index``: gathered into the spare buffers, which then
+        swap places with the live ones (the gathered rows cannot be written in place)."""
+        if self.k_buf is None:
+            return
+        B, t = index.numel(), self.length
+        if B > self.k_buf.size(0):  # more rows than ever (beams made from a prefix): new buffers
+            self.k_buf = self._with_capacity(self.self_k.index_select(0, index))
+            self.v_buf = self._with_capacity(self.self_v.index_select(0, index))
+            self.spare = None
+        else:
+            if self.spare is None:
+                self.spare = (torch.empty_like(self.k_buf), torch.empty_like(self.v_buf))
+            k_new, v_new = self.spare
+            if torch.is_grad_enabled() and self.k_buf.requires_grad:  # out= has no autograd
+                k_new[:B, :, :t], v_new[:B, :, :t] = self.self_k[index], self.self_v[index]
+            else:
+                torch.index_select(self.self_k, 0, index, out=k_new[:B, :, :t])
+                torch.index_select(self.self_v, 0, index, out=v_new[:B, :, :t])
+            self.spare = (self.k_buf, self.v_buf)
+            self.k_buf, self.v_buf = k_new, v_new
+        self.batch = B
+
+    @staticmethod
+    def _with_capacity(x: Tensor) -> Tensor:
+        """x (B, heads, t, d_head) copied into a buffer of capacity bucketed(t)."""
+        buf = x.new_empty(x.size(0), x.size(1), bucketed(x.size(2)), x.size(3))
+        buf[:, :, :x.size(2)] = x
+        return buf
 
 
 @dataclass
@@ -87,8 +151,6 @@ class DecoderCache:
             if layer.cross_k is not None and not same:
                 layer.cross_k = layer.cross_k.index_select(0, sentences)
                 layer.cross_v = layer.cross_v.index_select(0, sentences)
-            if layer.self_k is not None:
-                layer.self_k = layer.self_k.index_select(0, index)
-                layer.self_v = layer.self_v.index_select(0, index)
+            layer.select_rows(index)
             if layer.coverage is not None:
                 layer.coverage = layer.coverage.index_select(0, index)

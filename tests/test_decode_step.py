@@ -1,0 +1,94 @@
+"""The fixed-shape decoder step and the decoding precision (issue 15, levers 3 and 4):
+the preallocated self-attention cache against torch.cat, bf16 weights against fp32,
+and what --precision auto picks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from s2s.model.cache import CACHE_BUCKET, LayerCache, bucketed
+from s2s.search import ModelDecoder
+from s2s.translate import auto_precision
+from tests.test_model import make_model, right_pad, tokens
+
+
+def test_bucketed_rounds_up_to_a_bucket():
+    assert bucketed(1) == CACHE_BUCKET and bucketed(CACHE_BUCKET) == CACHE_BUCKET
+    assert bucketed(CACHE_BUCKET + 1) == 2 * CACHE_BUCKET and bucketed(0) == CACHE_BUCKET
+
+
+def test_preallocated_cache_equals_concatenation():
+    """append/select_rows hold exactly what torch.cat/index_select would, across a bucket
+    boundary, rows duplicated (beams), reordered and dropped."""
+    g = torch.Generator().manual_seed(0)
+    cache = LayerCache(cross_k=None, cross_v=None)
+    ref_k = ref_v = None
+    B = 2
+    for t in range(CACHE_BUCKET + 5):
+        if t == 3:
+            index = torch.tensor([0, 0, 1, 1, 1])  # expand to beams: more rows than the buffers
+        elif t % 4 == 1 and t > 3:
+            index = torch.randperm(B, generator=g)[:max(1, B - (t % 2))]  # reorder, sometimes shrink
+        else:
+            index = None
+        if index is not None:
+            cache.select_rows(index)
+            ref_k, ref_v = ref_k[index], ref_v[index]
+            B = index.numel()
+        k, v = torch.randn(B, 2, 1, 3, generator=g), torch.randn(B, 2, 1, 3, generator=g)
+        ref_k = k if ref_k is None else torch.cat([ref_k, k], 2)
+        ref_v = v if ref_v is None else torch.cat([ref_v, v], 2)
+        got_k, got_v = cache.append(k, v)
+        assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)
+    assert cache.k_buf.size(2) == 2 * CACHE_BUCKET  # grew once, a bucket at a time
+
+
+def test_auto_precision_reads_the_cpu_flags():
+    cpu = torch.device("cpu")
+    assert auto_precision(cpu, {"avx512f", "avx512_bf16"})[0] == "bf16"
+    assert auto_precision(cpu, {"avx2", "amx_bf16", "amx_tile"})[0] == "bf16"
+    assert auto_precision(cpu, {"avx512f", "avx512bw", "avx512vl"}) == (
+        "fp32", "no avx512_bf16/amx_bf16 among the CPU flags")
+
+
+@pytest.mark.parametrize("arch_kw", [{}, {"coverage": True}, {"copy": True}])
+@torch.no_grad()
+def test_bf16_weights_decode_close_to_fp32(arch_kw):
+    """The model converted to bf16 once: each step's log-probs stay close to fp32's."""
+    model = make_model(**arch_kw).float()
+    low = make_model(**arch_kw).to(torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in low.parameters())
+    src = right_pad([tokens(5, seed=60), tokens(9, seed=61)])
+    tgt = tokens(2, 6, seed=62)
+    ref, got = ModelDecoder(model, src, track_attention=True), ModelDecoder(low, src, track_attention=True)
+    for t in range(tgt.size(1)):
+        lp_ref, lp_got = ref.step(tgt[:, t:t + 1]), got.step(tgt[:, t:t + 1])
+        assert lp_got.dtype == torch.float32  # log_softmax of fp32 logits
+        torch.testing.assert_close(lp_got, lp_ref, atol=0.1, rtol=0)
+        torch.testing.assert_close(got.attention(), ref.attention(), atol=0.02, rtol=0)
+
+
+@torch.no_grad()
+def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch, caplog):
+    """Where torch.compile fails, --compile decodes eagerly (same outputs) and warns once."""
+    from s2s.search import SearchSettings, search
+    from s2s.translate import compile_decode_step
+
+    def broken_compile(fn, **kwargs):
+        def call(*args, **kw):
+            raise RuntimeError("no C++ compiler\nmore detail")
+        return call
+
+    model = make_model(dropout=0.0, attention_dropout=0.0).float()
+    src = right_pad([tokens(5, seed=70), tokens(8, seed=71)])
+    s = SearchSettings(beam=3, bos_id=1, eos_id=2, pad_id=0)
+    max_len = torch.full((2,), 9)
+    eager = search(ModelDecoder(model, src), max_len, s)
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    compile_decode_step(model)
+    with caplog.at_level("WARNING", logger="s2s"):
+        got = search(ModelDecoder(model, src), max_len, s)
+    assert got == eager
+    warnings = [r.getMessage() for r in caplog.records if "--compile" in r.getMessage()]
+    assert warnings == ["--compile: torch.compile failed (RuntimeError: no C++ compiler); decoding without it"]
