@@ -1,31 +1,56 @@
-"""Decoding speed side by side: s2s (fp32, bf16, int8) against CTranslate2 (fp32, int8)
-on the same weights, the same sentences, batches and threads, in one run.
+"""Decoding speed side by side: s2s in each precision and worker split against
+CTranslate2 in each precision and thread split (and Hugging Face generate where
+an export exists), on the same weights, sentences and cores, in one run.
 
-Each engine runs as its own process (the whole process is timed: start-up,
-model loading, reading, decoding, writing), so peak RSS is per engine.  On
-the ddtp-en-de test set, beam 5 and greedy, batches of 64 sentences, 2
-threads, one output-length cap for every engine and sentence (the largest
-a*|x|+b of the model's decode settings over the sentences: CTranslate2 takes
-one cap per call, not one per sentence), the same
-length penalty everywhere (m^alpha with alpha = 1, the form CTranslate2 has)
-and the same rule for ending a sentence's beam search: s2s's ``--stop early``
-(stop once no live beam would win by ending at the next step), as
-CTranslate2 (which stops when its top beam ends) and Hugging Face generate's
-default do.  Not a timed test: the machines are shared and noisy; only ratios
-within one run mean something.
+For each model (``--model``, repeatable) and search (beam 5, greedy) every
+configuration runs as its own processes, the configurations interleaved round
+by round (``--rounds``, >= 3 for figures; a busy machine slows each alike), and
+the median with min and max is kept:
 
-Prints a table and, last, one JSON line with "<engine>_<search>_sent_s",
-"<engine>_<search>_tok_s", "<engine>_<search>_rss_mib" and "<engine>_<search>_bleu"
-for each engine (s2s_fp32, s2s_bf16, s2s_int8, s2s_shortlist, ct2_fp32, ct2_int8, hf)
-and search (beam5, greedy).  s2s_shortlist is fp32 with ``--shortlist``: it runs
-where the model directory has a shortlist (``s2s shortlist CONFIG -m MODEL``).  Hugging Face generate runs on ``s2s export hf`` of the
-model (transformers installed as benchmarks/train_speed.py does); an
-architecture no Hugging Face family has (the pre-norm, sinusoidal reference
-model among them) leaves its keys null, with the reason on stderr.
+* s2s ``{fp32,int8,bf16,shortlist}_{W}x{T}``: ``s2s translate --workers W
+  --threads T`` for every split W x T of the cores (int8 on the CPU only; bf16
+  where the CPU has native bf16 matmuls, AVX-512 BF16 or AMX, or on a GPU;
+  shortlist is fp32 with ``--shortlist`` where the model directory has one,
+  ``s2s shortlist CONFIG -m MODEL``).
+* ct2 ``{fp32,int8}_{I}x{J}``: CTranslate2 with ``inter_threads`` I x
+  ``intra_threads`` J, every split (on a GPU: float32, float16, bfloat16, 1x1).
+* hf: ``s2s export hf`` run by ``generate`` (an architecture no Hugging Face
+  family has, the pre-norm sinusoidal reference model among them, has no row).
 
-    python benchmarks/decode_speed.py --model exp/ddtp-en-de
-    python benchmarks/decode_speed.py --model exp/qs --quick      # 200 sentences
-    python benchmarks/decode_speed.py --model exp/qs --engines s2s_fp32,ct2_fp32   # those two only
+Each configuration is measured twice:
+
+* whole process: start-up, model loading, reading, decoding, writing, timed
+  from outside (``s2s translate``; CTranslate2's script; Hugging Face's script);
+* steady state: the model loaded, translation alone, timed inside the process:
+  s2s around ``Translator.translate_lines`` (W processes, each with its 1/W of
+  the lines, released together once all have loaded; the slowest one counts),
+  CTranslate2 around ``translate_batch``, Hugging Face around its generate loop.
+
+Peak RSS is the largest single process's (with W workers each has its own
+copy, so the total is about W times that).  BLEU (sacrebleu 13a) is of the
+whole-process output.  Every engine gets one output-length cap (the largest
+a*|x|+b of the model's decode settings over the sentences: CTranslate2 takes one
+cap per call), batches of ``--batch`` sentences, the length penalty m^alpha with
+alpha = 1 (the form CTranslate2 has) and s2s's ``--stop early`` (stop once no
+live beam would win by ending at the next step), as CTranslate2 and Hugging
+Face generate's default do.
+
+Then a memory check (``--memory-lines``, 0: none): peak RSS of ``s2s
+translate`` (fp32, greedy, one worker) on a file of that many lines, made by
+repeating the test set, against the same on ``--sentences`` lines; the ratio
+is reported (goal <= 1.5: translation streams).
+
+Not a timed test: the machines are shared and noisy; only ratios within one
+run mean something.  Prints one table per model and, last, one JSON line: the
+first ``--model``'s best configurations, "s2s_best_beam5_sent_s",
+"ct2_best_beam5_sent_s", "s2s_best_greedy_sent_s", "ct2_best_greedy_sent_s",
+"s2s_best_beam5_bleu", "ct2_best_beam5_bleu" ... with "..._config" (best by
+median whole-process sentences/s; "..._steady_sent_s" is that configuration's
+steady state), "memory_ratio", and under "models" every model's every row.
+
+    python benchmarks/decode_speed.py --model exp/ddtp-en-de --model exp/quickstart
+    python benchmarks/decode_speed.py --model exp/qs --quick      # 1 round, 200 sentences, small memory check
+    python benchmarks/decode_speed.py --model exp/qs --device cuda
 """
 
 from __future__ import annotations
@@ -34,33 +59,57 @@ import argparse
 import gzip
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "ddtp-en-de"
-ENGINES = ("s2s_fp32", "s2s_bf16", "s2s_int8", "s2s_shortlist", "ct2_fp32", "ct2_int8", "hf")
+SEARCHES = (("beam5", 5), ("greedy", 1))
 
 CT2_SCRIPT = """
-import sys, ctranslate2, sentencepiece as spm
-model, src, out, beam, batch, threads, cap = sys.argv[1:8]
+import json, sys, time, ctranslate2, sentencepiece as spm
+model, src, out, beam, batch, inter, intra, cap, device, compute = sys.argv[1:11]
 sp = spm.SentencePieceProcessor(model_file=model + "/spm.model")
-tr = ctranslate2.Translator(model, device="cpu", inter_threads=1, intra_threads=int(threads))
+tr = ctranslate2.Translator(model, device=device, compute_type=compute,
+                            inter_threads=int(inter), intra_threads=int(intra))
 lines = open(src, encoding="utf-8").read().splitlines()
 pieces = [sp.encode(x, out_type=str) for x in lines]
+t0 = time.perf_counter()
 res = tr.translate_batch(pieces, max_batch_size=int(batch), beam_size=int(beam), length_penalty=1.0,
                          max_decoding_length=int(cap), suppress_sequences=[["<s>"], ["<pad>"]])
+steady = time.perf_counter() - t0
 with open(out, "w", encoding="utf-8") as f:
     for r in res:
         f.write(sp.decode(r.hypotheses[0]) + "\\n")
+print(json.dumps({"steady_s": steady}))
+"""
+
+# one shard of the lines, the model loaded before a common start: steady-state s2s
+S2S_STEADY_SCRIPT = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from s2s.workers import TranslatorSpec
+spec, src, shard, shards = json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+lines = open(src, encoding="utf-8").read().splitlines()
+per = -(-len(lines) // shards)
+lines = lines[shard * per:(shard + 1) * per]
+translator = TranslatorSpec(**spec).build()
+list(translator.translate_lines(lines[:2]))  # first-call costs (thread pools, allocator) are start-up
+print("ready", flush=True)
+sys.stdin.readline()
+t0 = time.perf_counter()
+n = sum(1 for _ in translator.translate_lines(lines))
+print(json.dumps({"steady_s": time.perf_counter() - t0, "lines": n}), flush=True)
 """
 
 HF_SCRIPT = """
-import sys
-hf_dir, model_dir, src, out, beam, batch, threads, cap, repo, site = sys.argv[1:11]
+import json, sys, time
+hf_dir, model_dir, src, out, beam, batch, threads, cap, repo, site, device = sys.argv[1:12]
 sys.path.insert(0, repo)
 if site:  # transformers installed by train_speed.hf_site: after this environment's packages
     sys.path.append(site)
@@ -71,70 +120,303 @@ from s2s.modeldir import load_spec
 batch = int(batch)
 torch.set_num_threads(int(threads))
 tok = load_spec(Path(model_dir))[1]  # s2s's own ids: its vocabulary, prefix and </s>
-model = AutoModelForSeq2SeqLM.from_pretrained(hf_dir).eval()
+model = AutoModelForSeq2SeqLM.from_pretrained(hf_dir).eval().to(device)
 ids = tok.encode_src(open(src, encoding="utf-8").read().splitlines())
 order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
 outs = [""] * len(ids)
+t0 = time.perf_counter()
 with torch.inference_mode():
     for start in range(0, len(order), batch):
         rows = order[start:start + batch]
         width = max(len(ids[i]) for i in rows)
-        x = torch.tensor([ids[i] + [tok.pad_id] * (width - len(ids[i])) for i in rows])
+        x = torch.tensor([ids[i] + [tok.pad_id] * (width - len(ids[i])) for i in rows], device=device)
         y = model.generate(input_ids=x, attention_mask=(x != tok.pad_id).long(), num_beams=int(beam),
                            do_sample=False, length_penalty=1.0, early_stopping=False, max_new_tokens=int(cap))
         for i, hyp in zip(rows, y.tolist()):
             outs[i] = tok.decode_tgt(hyp)
+steady = time.perf_counter() - t0
 with open(out, "w", encoding="utf-8") as f:
     f.write("".join(o + "\\n" for o in outs))
+print(json.dumps({"steady_s": steady}))
 """
 
+
+# --------------------------------------------------------------------------- #
+# Configurations
+# --------------------------------------------------------------------------- #
+
+def splits(cores: int) -> list[tuple[int, int]]:
+    """Every (processes, threads) with processes x threads = cores, one process first."""
+    return [(cores // t, t) for t in range(cores, 0, -1) if cores % t == 0]
+
+
+def cpu_has_bf16() -> bool:
+    """Native bf16 matmuls: the CPU flags avx512_bf16 or amx_bf16."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+@dataclass
+class Config:
+    engine: str  # s2s, ct2 or hf
+    name: str  # e.g. s2s_fp32_2x1
+    precision: str  # fp32, int8, bf16, fp16
+    procs: int  # s2s workers, CTranslate2 inter_threads
+    threads: int  # s2s threads per worker, CTranslate2 intra_threads
+    whole_sent_s: list[float] = field(default_factory=list)
+    steady_sent_s: list[float] = field(default_factory=list)
+    rss_mib: list[float] = field(default_factory=list)
+    bleu: float | None = None
+
+
+def configurations(device: str, cores: int, engines: set[str], has_ct2: bool, has_hf: bool,
+                   has_shortlist: bool) -> list[Config]:
+    """The configurations this machine has, in the order each round runs them."""
+    out = []
+    if device == "cpu":
+        s2s_precisions = ["fp32", "int8"] + (["bf16"] if cpu_has_bf16() else [])
+        ct2_precisions = ["fp32", "int8"]
+        core_splits = splits(cores)
+    else:  # one process drives the GPU
+        s2s_precisions, ct2_precisions, core_splits = ["fp32", "bf16"], ["fp32", "fp16", "bf16"], [(1, 1)]
+    s2s_precisions += ["shortlist"] if has_shortlist else []
+    for p in s2s_precisions if "s2s" in engines else []:
+        out += [Config("s2s", f"s2s_{p}_{w}x{t}", p, w, t) for w, t in core_splits]
+    for p in ct2_precisions if "ct2" in engines and has_ct2 else []:
+        out += [Config("ct2", f"ct2_{p}_{i}x{j}", p, i, j) for i, j in core_splits]
+    if "hf" in engines and has_hf:
+        out.append(Config("hf", "hf_fp32_1x" + str(cores if device == "cpu" else 1), "fp32", 1,
+                          cores if device == "cpu" else 1))
+    return out
+
+
+CT2_COMPUTE = {"fp32": "float32", "int8": "int8", "fp16": "float16", "bf16": "bfloat16"}
+
+
+# --------------------------------------------------------------------------- #
+# Running one configuration
+# --------------------------------------------------------------------------- #
+
+def run(cmd: list[str]) -> tuple[float, float, str]:
+    """Run ``cmd``; return (seconds, peak RSS in MiB of its largest process, its stdout)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)  # ru_maxrss: the largest of it and its waited-for children
+        seconds = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode:
+            err.seek(0)
+            sys.exit(f"decode_speed: `{' '.join(cmd)}` failed:\n{err.read().decode()}")
+        out.seek(0)
+        return seconds, usage.ru_maxrss / 1024, out.read().decode()
+
+
+def decode_flags(beam: int, batch: int, cap: int) -> dict:
+    """The decode settings every s2s configuration shares (see the module docstring)."""
+    return {"beam": beam, "batch_size": batch, "batch_tokens": 1_000_000, "length_penalty": "power", "alpha": 1.0,
+                "stop": "early", "max_len_a": 0.0, "max_len_b": cap}
+
+
+def s2s_command(model: Path, src: Path, hyp: Path, c: Config, device: str, flags: dict) -> list[str]:
+    cli = [sys.executable, "-m", "s2s", "-q", "translate", "-m", str(model), "--input", str(src), "-o", str(hyp),
+           "--device", device, "--workers", str(c.procs), "--threads", str(c.threads)]
+    for key, value in flags.items():
+        cli += ["--" + key.replace("_", "-"), str(value)]
+    if c.precision == "int8":
+        cli += ["--quantize", "int8"]
+    elif c.precision == "bf16":
+        cli += ["--precision", "bf16"]
+    elif c.precision == "shortlist":
+        cli += ["--shortlist"]
+    return cli
+
+
+def s2s_steady_seconds(model: Path, src: Path, c: Config, device: str, flags: dict) -> float:
+    """Steady state of ``c``: W processes each load the model and translate their 1/W of the lines,
+    started together once all have loaded; the slowest one's seconds."""
+    overrides = {**flags, "shortlist": True} if c.precision == "shortlist" else flags
+    spec = {"models": [str(model)], "overrides": overrides, "device": device, "threads": c.threads,
+                "precision": "bf16" if c.precision == "bf16" else "fp32",
+                "quantize": "int8" if c.precision == "int8" else None}
+    procs = [subprocess.Popen([sys.executable, "-c", S2S_STEADY_SCRIPT, str(REPO), json.dumps(spec), str(src),
+                               str(k), str(c.procs)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for k in range(c.procs)]
+    for p in procs:
+        if p.stdout.readline().strip() != "ready":
+            sys.exit(f"decode_speed: the steady-state s2s process failed:\n{p.communicate()[1]}")
+    for p in procs:  # the common start
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    seconds = []
+    for p in procs:
+        stdout, stderr = p.communicate()
+        if p.returncode:
+            sys.exit(f"decode_speed: the steady-state s2s process failed:\n{stderr}")
+        seconds.append(json.loads(stdout.strip().splitlines()[-1])["steady_s"])
+    return max(seconds)
+
+
+# --------------------------------------------------------------------------- #
+# One model
+# --------------------------------------------------------------------------- #
 
 def export_hf(model: Path, out: Path) -> bool:
     """``s2s export hf``; False (the reason on stderr) where no Hugging Face family fits."""
     done = subprocess.run([sys.executable, "-m", "s2s", "export", "hf", "-m", str(model), "-o", str(out)],
-                          capture_output=True, text=True)
+                          check=False, capture_output=True, text=True)
     if done.returncode:
         why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-        print(f"decode_speed: no Hugging Face generate rows: {why}", file=sys.stderr)
+        print(f"decode_speed: {model}: no Hugging Face generate rows: {why}", file=sys.stderr)
     return done.returncode == 0
 
 
-def run_timed(cmd: list[str]) -> tuple[float, float]:
-    """Run ``cmd``; return (seconds, peak RSS in MiB) of the whole process."""
-    t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    seconds = time.time() - t0
-    if os.waitstatus_to_exitcode(status):
-        sys.exit(f"decode_speed: `{' '.join(cmd)}` failed:\n{proc.stderr.read().decode()}")
-    return seconds, usage.ru_maxrss / 1024
+def summary(values: list[float]) -> dict:
+    return {"median": round(statistics.median(values), 1), "min": round(min(values), 1),
+            "max": round(max(values), 1)}
 
 
-def count_tokens(sp, path: Path) -> int:
-    return sum(len(sp.encode(line)) + 1 for line in path.read_text(encoding="utf-8").splitlines())
+def bench_model(model: Path, args, work: Path, src: Path, refs: list[str], n: int) -> dict:
+    """Every configuration of one model, both searches; returns its rows and best configurations."""
+    import sacrebleu
+
+    from s2s.modeldir import load_spec
+
+    cfg, tok = load_spec(model)[:2]
+    decode = cfg.decode
+    cap = max(int(decode.max_len_a * len(tok.encode_src([x])[0]) + decode.max_len_b)
+              for x in src.read_text(encoding="utf-8").splitlines())
+    engines = set(args.engines.split(","))
+    has_ct2 = False
+    if "ct2" in engines:
+        try:
+            import ctranslate2  # noqa: F401
+
+            done = subprocess.run([sys.executable, "-m", "s2s", "export", "ct2", "-m", str(model),
+                                   "-o", str(work / "ct2")], check=False, capture_output=True, text=True)
+            has_ct2 = done.returncode == 0
+            if not has_ct2:
+                print(f"decode_speed: {model}: no CTranslate2 rows: {done.stderr.strip()}", file=sys.stderr)
+        except ImportError:
+            print("decode_speed: ctranslate2 is not installed; its rows are skipped", file=sys.stderr)
+    hf_site_dir = None
+    if "hf" in engines and export_hf(model, work / "hf"):
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        from train_speed import hf_site
+
+        try:
+            hf_site_dir = hf_site()
+        except subprocess.CalledProcessError:
+            print("decode_speed: transformers could not be installed; no Hugging Face rows", file=sys.stderr)
+
+    has_shortlist = (model / "shortlist.safetensors").is_file()
+    if "s2s" in engines and not has_shortlist:
+        print(f"decode_speed: {model}/shortlist.safetensors missing (`s2s shortlist CONFIG -m {model}`); "
+              "no s2s shortlist rows", file=sys.stderr)
+    result: dict = {"model": str(model), "max_output_tokens": cap, "rows": []}
+    for search, beam in SEARCHES:
+        configs = configurations(args.device, args.cores, engines, has_ct2, hf_site_dir is not None,
+                                 has_shortlist)
+        flags = decode_flags(beam, args.batch, cap)
+        for rnd in range(args.rounds):
+            for c in configs:
+                print(f"decode_speed: {model.name} {search} round {rnd + 1}/{args.rounds}: {c.name}", file=sys.stderr)
+                hyp = work / f"{c.name}-{search}.txt"
+                if c.engine == "s2s":
+                    seconds, rss, _ = run(s2s_command(model, src, hyp, c, args.device, flags))
+                    steady = s2s_steady_seconds(model, src, c, args.device, flags)
+                else:
+                    if c.engine == "ct2":
+                        cmd = [sys.executable, "-c", CT2_SCRIPT, str(work / "ct2"), str(src), str(hyp), str(beam),
+                               str(args.batch), str(c.procs), str(c.threads), str(cap), args.device,
+                               CT2_COMPUTE[c.precision]]
+                    else:
+                        cmd = [sys.executable, "-c", HF_SCRIPT, str(work / "hf"), str(model), str(src), str(hyp),
+                               str(beam), str(args.batch), str(c.threads), str(cap), str(REPO), hf_site_dir,
+                               args.device]
+                    seconds, rss, stdout = run(cmd)
+                    steady = json.loads(stdout.strip().splitlines()[-1])["steady_s"]
+                c.whole_sent_s.append(n / seconds)
+                c.steady_sent_s.append(n / steady)
+                c.rss_mib.append(rss)
+                if c.bleu is None:
+                    c.bleu = sacrebleu.corpus_bleu(hyp.read_text(encoding="utf-8").splitlines(), [refs]).score
+        for c in configs:
+            result["rows"].append({"config": c.name, "engine": c.engine, "search": search,
+                                   "whole_sent_s": summary(c.whole_sent_s), "steady_sent_s": summary(c.steady_sent_s),
+                                   "rss_mib": round(statistics.median(c.rss_mib)), "bleu": round(c.bleu, 2)})
+        for engine in ("s2s", "ct2", "hf"):
+            mine = [r for r in result["rows"] if r["engine"] == engine and r["search"] == search]
+            best = max(mine, key=lambda r: r["whole_sent_s"]["median"], default=None)
+            result[f"{engine}_best_{search}_sent_s"] = best and best["whole_sent_s"]["median"]
+            result[f"{engine}_best_{search}_steady_sent_s"] = best and best["steady_sent_s"]["median"]
+            result[f"{engine}_best_{search}_bleu"] = best and best["bleu"]
+            result[f"{engine}_best_{search}_config"] = best and best["config"]
+    return result
+
+
+def memory_check(model: Path, args, work: Path, src: Path) -> dict:
+    """Peak RSS of ``s2s translate`` (greedy, one worker) on ``--memory-lines`` lines vs the test lines."""
+    lines = src.read_text(encoding="utf-8").splitlines(keepends=True)
+    big = work / "memory.en"
+    with big.open("w", encoding="utf-8") as f:
+        for i in range(args.memory_lines):
+            f.write(lines[i % len(lines)])
+    rss = {}
+    for name, path in (("small", src), ("big", big)):
+        print(f"decode_speed: memory check, {name} input ...", file=sys.stderr)
+        cmd = [sys.executable, "-m", "s2s", "-q", "translate", "-m", str(model), "--input", str(path),
+               "-o", str(work / f"memory-{name}.txt"), "--beam", "1", "--workers", "1", "--threads",
+               str(args.cores if args.device == "cpu" else 1), "--device", args.device]
+        rss[name] = run(cmd)[1]
+    return {"memory_lines": args.memory_lines, "memory_small_lines": len(lines),
+            "memory_rss_small_mib": round(rss["small"]), "memory_rss_big_mib": round(rss["big"]),
+            "memory_ratio": round(rss["big"] / rss["small"], 3)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, required=True, help="a trained s2s model directory")
+    ap.add_argument("--model", type=Path, action="append", required=True,
+                    help="a trained s2s model directory (repeatable; the first one gives the headline keys)")
     ap.add_argument("--sentences", type=int, default=1000)
-    ap.add_argument("--quick", action="store_true", help="200 sentences")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="configurations take turns this many times")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke test: 1 round, 200 sentences, memory check on 2,000 lines")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)),
+                    help="cores to split between processes and threads (default: all usable)")
     ap.add_argument("--batch", type=int, default=64, help="sentences per batch")
-    ap.add_argument("--engines", default=",".join(ENGINES),
-                    help="comma-separated subset of " + ", ".join(ENGINES) + " (the others' keys are null)")
+    ap.add_argument("--engines", default="s2s,ct2,hf", help="comma-separated subset of s2s, ct2, hf")
+    ap.add_argument("--memory-lines", type=int, default=200_000,
+                    help="lines of the memory check's big input (0: no memory check)")
     args = ap.parse_args()
-    chosen = args.engines.split(",")
-    if not set(chosen) <= set(ENGINES):
-        ap.error(f"--engines: unknown {sorted(set(chosen) - set(ENGINES))}")
-    n = 200 if args.quick else args.sentences
+    if not set(args.engines.split(",")) <= {"s2s", "ct2", "hf"}:
+        ap.error(f"--engines: {args.engines!r} is not a subset of s2s,ct2,hf")
+    for model in args.model:
+        if not (model / "config.yaml").is_file():
+            ap.error(f"--model: {model} is not an s2s model directory (no config.yaml)")
+    if args.quick:
+        args.rounds, args.sentences = 1, 200
+        args.memory_lines = min(args.memory_lines, 2000)
+    n = args.sentences
+    sys.path.insert(0, str(REPO))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
 
-    import sacrebleu
-    import sentencepiece as spm
+    import torch
 
-    from s2s.modeldir import load_spec
-
-    decode = load_spec(args.model)[0].decode  # the config only: no weights to load
     with tempfile.TemporaryDirectory(prefix="s2s-decode-") as tmp:
         work = Path(tmp)
         src, ref = work / "test.en", work / "test.de"
@@ -142,84 +424,29 @@ def main() -> None:
             with gzip.open(DATA / name, "rt", encoding="utf-8") as f:
                 path.write_text("".join(line for _, line in zip(range(n), f)), encoding="utf-8")
         refs = ref.read_text(encoding="utf-8").splitlines()
-        sp = spm.SentencePieceProcessor(model_file=str(args.model / "spm.model"))
-        cap = max(int(decode.max_len_a * len(sp.encode(x)) + decode.max_len_b)
-                  for x in src.read_text(encoding="utf-8").splitlines())
+        models = []
+        for i, model in enumerate(args.model):
+            (work / str(i)).mkdir()
+            models.append(bench_model(model, args, work / str(i), src, refs, n))
+        memory = memory_check(args.model[0], args, work, src) if args.memory_lines else {}
 
-        engines: dict[str, object] = {}
-        try:
-            import ctranslate2  # noqa: F401
-
-            for q in [q for q in ("fp32", "int8") if f"ct2_{q}" in chosen]:
-                out = work / f"ct2-{q}"
-                subprocess.run([sys.executable, "-m", "s2s", "export", "ct2", "-m", str(args.model), "-o", str(out),
-                                *(["--quantization", "int8"] if q == "int8" else [])], check=True,
-                               capture_output=True)
-                engines[f"ct2_{q}"] = out
-        except ImportError:
-            print("decode_speed: ctranslate2 is not installed; its rows are skipped", file=sys.stderr)
-        hf_site_dir = None  # where transformers imports from ("" = this environment)
-        if "hf" in chosen and export_hf(args.model, work / "hf"):
-            from train_speed import hf_site
-
-            try:
-                hf_site_dir = hf_site()
-            except subprocess.CalledProcessError:
-                print("decode_speed: transformers could not be installed; no Hugging Face rows", file=sys.stderr)
-
-        if "s2s_shortlist" in chosen and not (args.model / "shortlist.safetensors").is_file():
-            print(f"decode_speed: {args.model}/shortlist.safetensors missing (`s2s shortlist CONFIG -m "
-                  f"{args.model}`); no s2s_shortlist rows", file=sys.stderr)
-            chosen.remove("s2s_shortlist")
-        results: dict[str, object] = {}
-        rows = []
-        for search, beam in (("beam5", 5), ("greedy", 1)):
-            runs = {}
-            for mode, flags in (("s2s_fp32", []), ("s2s_bf16", ["--precision", "bf16"]),
-                                ("s2s_int8", ["--quantize", "int8"]), ("s2s_shortlist", ["--shortlist"])):
-                if mode not in chosen:
-                    continue
-                hyp = work / f"{mode}-{search}.txt"
-                runs[mode] = (hyp, [sys.executable, "-m", "s2s", "-q", "translate", "-m", str(args.model),
-                                    "--input", str(src), "-o", str(hyp), "--beam", str(beam),
-                                    "--threads", str(args.threads), "--batch-size", str(args.batch),
-                                    "--batch-tokens", "1000000", "--length-penalty", "power",
-                                    "--alpha", "1.0", "--stop", "early", "--max-len-a", "0",
-                                    "--max-len-b", str(cap), *flags])
-            for mode, model_dir in engines.items():
-                hyp = work / f"{mode}-{search}.txt"
-                runs[mode] = (hyp, [sys.executable, "-c", CT2_SCRIPT, str(model_dir), str(src), str(hyp),
-                                    str(beam), str(args.batch), str(args.threads), str(cap)])
-            if hf_site_dir is not None:
-                hyp = work / f"hf-{search}.txt"
-                runs["hf"] = (hyp, [sys.executable, "-c", HF_SCRIPT, str(work / "hf"), str(args.model), str(src),
-                                    str(hyp), str(beam), str(args.batch), str(args.threads), str(cap),
-                                    str(REPO), hf_site_dir])
-            for mode, (hyp, cmd) in runs.items():
-                print(f"decode_speed: {mode} {search} ...", file=sys.stderr)
-                seconds, rss = run_timed(cmd)
-                hyps = hyp.read_text(encoding="utf-8").splitlines()
-                bleu = sacrebleu.corpus_bleu(hyps, [refs]).score
-                tokens = count_tokens(sp, hyp)
-                key = f"{mode}_{search}"
-                results.update({f"{key}_sent_s": round(n / seconds, 1), f"{key}_tok_s": round(tokens / seconds),
-                                f"{key}_rss_mib": round(rss), f"{key}_bleu": round(bleu, 2)})
-                rows.append((mode, search, n / seconds, tokens / seconds, rss, bleu))
-            for mode in ENGINES:  # left out, or no Hugging Face family for this model
-                for key in ("sent_s", "tok_s", "rss_mib", "bleu"):
-                    results.setdefault(f"{mode}_{search}_{key}", None)
-
-    print(f"{'engine':13s} {'search':7s} {'sent/s':>8s} {'tok/s':>8s} {'RSS MiB':>8s} {'BLEU':>6s}")
-    for mode, search, sent_s, tok_s, rss, bleu in rows:
-        print(f"{mode:13s} {search:7s} {sent_s:8.1f} {tok_s:8.0f} {rss:8.0f} {bleu:6.2f}")
-    for search in ("beam5", "greedy"):
-        for other in ("ct2_fp32", "hf"):
-            base = results.get(f"{other}_{search}_sent_s")
-            if base and results[f"s2s_fp32_{search}_sent_s"]:
-                results[f"s2s_fp32_vs_{other}_{search}"] = round(results[f"s2s_fp32_{search}_sent_s"] / base, 3)
-    results.update({"sentences": n, "threads": args.threads, "batch": args.batch, "max_output_tokens": cap,
-                    "model": str(args.model)})
-    print(json.dumps(results))
+    where = cpu_name() if args.device == "cpu" else torch.cuda.get_device_name(0)
+    print(f"# {where}; {args.cores} cores; {n} sentences; {args.rounds} round(s); batch {args.batch}; "
+          f"sentences/s median [min-max]")
+    for m in models:
+        print(f"## {m['model']}")
+        print(f"{'config':16s} {'search':7s} {'whole sent/s':>22s} {'steady sent/s':>22s} {'RSS MiB':>8s} {'BLEU':>6s}")
+        for r in m["rows"]:
+            w, s = r["whole_sent_s"], r["steady_sent_s"]
+            print(f"{r['config']:16s} {r['search']:7s} {w['median']:8.1f} [{w['min']:5.1f}-{w['max']:5.1f}]"
+                  f" {s['median']:8.1f} [{s['min']:5.1f}-{s['max']:5.1f}] {r['rss_mib']:8d} {r['bleu']:6.2f}")
+    if memory:
+        print(f"# memory: peak RSS {memory['memory_rss_big_mib']} MiB on {memory['memory_lines']} lines vs "
+              f"{memory['memory_rss_small_mib']} MiB on {memory['memory_small_lines']}: "
+              f"ratio {memory['memory_ratio']} (goal <= 1.5)")
+    head = {k: v for k, v in models[0].items() if k != "rows"}
+    print(json.dumps({**head, **memory, "device": args.device, "cpu_or_gpu": where, "cores": args.cores,
+                      "sentences": n, "rounds": args.rounds, "batch": args.batch, "models": models}))
 
 
 if __name__ == "__main__":

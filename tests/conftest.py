@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny real corpus slice and a tiny experiment config."""
 
 import gzip
+import os
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,13 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """The device of the device-relevant tests (model forward/decode equality, search on a model,
+    translate --device): S2S_TEST_DEVICE (cpu, cuda, cuda:N, mps; default cpu), which
+    benchmarks/gpu_check.sh sets to cuda.  A device torch cannot use fails those tests, never skips them."""
+    from s2s.device import resolve_device
+
+    return resolve_device(os.environ.get("S2S_TEST_DEVICE", "cpu"), key="S2S_TEST_DEVICE")

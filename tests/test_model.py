@@ -193,10 +193,10 @@ def test_decoder_layer_returns_the_same_type_whatever_it_is_asked(coverage):
 @every_position
 @both
 @torch.no_grad()
-def test_incremental_decoding_matches_teacher_forcing(positions, norm):
-    model = make_model(positions, norm)
-    src = right_pad([tokens(5, seed=40), tokens(9, seed=41), tokens(2, seed=42)])  # (3, 9)
-    tgt = tokens(3, 8, seed=43)
+def test_incremental_decoding_matches_teacher_forcing(positions, norm, device):
+    model = make_model(positions, norm).to(device)
+    src = right_pad([tokens(5, seed=40), tokens(9, seed=41), tokens(2, seed=42)]).to(device)  # (3, 9)
+    tgt = tokens(3, 8, seed=43).to(device)
     full = model(src, tgt)  # (3, 8, V)
     _, full_w = model.decode(tgt, model.encode(src), need_weights=True)
 
@@ -216,12 +216,12 @@ def test_incremental_decoding_matches_teacher_forcing(positions, norm):
 @every_position
 @both
 @torch.no_grad()
-def test_incremental_decoding_after_cache_select(positions, norm):
+def test_incremental_decoding_after_cache_select(positions, norm, device):
     """Reorder and duplicate rows mid-way (as beam search does): the continued
     decode equals teacher forcing of the selected rows."""
-    model = make_model(positions, norm)
-    src = right_pad([tokens(5, seed=50), tokens(9, seed=51), tokens(3, seed=52)])  # (3, 9)
-    tgt = tokens(3, 7, seed=53)
+    model = make_model(positions, norm).to(device)
+    src = right_pad([tokens(5, seed=50), tokens(9, seed=51), tokens(3, seed=52)]).to(device)  # (3, 9)
+    tgt = tokens(3, 7, seed=53).to(device)
     full = model(src, tgt)
 
     cache = model.start_decoding(model.encode(src))
@@ -229,14 +229,14 @@ def test_incremental_decoding_after_cache_select(positions, norm):
     for t in range(split):
         torch.testing.assert_close(model.decode_step(tgt[:, t: t + 1], cache)[0], full[:, t],
                                    atol=ATOL, rtol=0)
-    index = torch.tensor([2, 0, 0, 1, 2])  # reorder + duplicate (+ grow the batch)
+    index = torch.tensor([2, 0, 0, 1, 2], device=device)  # reorder + duplicate (+ grow the batch)
     cache.select(index)
     assert cache.batch_size == 5 and cache.step == split
     sel_tgt, sel_full = tgt[index], full[index]
     for t in range(split, 5):
         torch.testing.assert_close(model.decode_step(sel_tgt[:, t: t + 1], cache)[0],
                                    sel_full[:, t], atol=ATOL, rtol=0)
-    index = torch.tensor([3, 1])  # shrink (sentences leaving the batch)
+    index = torch.tensor([3, 1], device=device)  # shrink (sentences leaving the batch)
     cache.select(index)
     sel_tgt, sel_full = sel_tgt[index], sel_full[index]
     for t in range(5, tgt.size(1)):

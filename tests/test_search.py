@@ -169,12 +169,13 @@ def _tiny_model(seed=0):
     return Seq2SeqTransformer(cfg, 40, 40).double().eval()
 
 
-def test_beam_one_equals_greedy_on_a_model():
-    model = _tiny_model()
+def test_beam_one_equals_greedy_on_a_model(device):
+    model = _tiny_model().to(device)
     src = torch.randint(4, 40, (5, 9))
     src[1, 6:] = PAD
     src[:, -1] = EOS
-    max_len = torch.full((5,), 12)
+    src = src.to(device)
+    max_len = torch.full((5,), 12, device=device)
     s = settings(beam=1, nbest=1, alpha=0.0)
     with torch.no_grad():
         greedy = greedy_search(ModelDecoder(model, src), max_len, s)
@@ -184,11 +185,12 @@ def test_beam_one_equals_greedy_on_a_model():
         assert g[0].score == pytest.approx(b[0].score, abs=1e-5)
 
 
-def test_search_on_model_batch_invariance():
-    model = _tiny_model(1)
+def test_search_on_model_batch_invariance(device):
+    model = _tiny_model(1).to(device)
     src = torch.randint(4, 40, (4, 7))
     src[:, -1] = EOS
-    max_len = torch.full((4,), 10)
+    src = src.to(device)
+    max_len = torch.full((4,), 10, device=device)
     s = settings(beam=3, nbest=1, alpha=0.6)
     with torch.no_grad():
         batch = search(ModelDecoder(model, src), max_len, s)

@@ -151,11 +151,14 @@ def test_cli_unbuffered_uses_one_process_and_says_so(model_dir):
     assert "--unbuffered: translating line by line in one process (--workers 2 not used)" in r.stderr.decode()
 
 
-def test_cli_device(model_dir):
+def test_cli_device(model_dir, device):
     import torch
 
     r = s2s("translate", "-m", model_dir, "--device", "cpu", "--workers", "1", "--max-len-b", 5, input=b"hello\n")
     assert r.returncode == 0 and r.stdout.count(b"\n") == 1, r.stderr.decode()
+    on_device = s2s("translate", "-m", model_dir, "--device", str(device), "--workers", "1", "--max-len-b", 5,
+                    "--beam", 2, input=b"hello\nsee you\n")  # S2S_TEST_DEVICE (benchmarks/gpu_check.sh: cuda)
+    assert on_device.returncode == 0 and on_device.stdout.count(b"\n") == 2, on_device.stderr.decode()
     r = s2s("translate", "-m", model_dir, "--device", "tpu", input=b"hello\n")
     assert r.returncode == 1 and r.stderr.decode() == (
         "s2s: error: --device: 'tpu' is not one of auto, cpu, cuda, mps (or cuda:N)\n")
