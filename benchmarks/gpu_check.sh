@@ -10,7 +10,7 @@
 #      as it is (nothing installed: for machines without network and for CI, which has .venv already)
 #   2. tests with S2S_TEST_DEVICE=cuda (tests/conftest.py's `device` fixture: model forward/decode
 #      equality, search on a model, translate --device); $GPU_CHECK_TESTS picks them (default: the
-#      whole default suite on the GPU, one device-relevant test in the smoke)
+#      three files that hold device tests on the GPU, one device test in the smoke; "tests": all)
 #   3. a model: the reference recipe (recipes/ddtp-en-de.yaml, 3+3, d_model 256) trained for
 #      $GPU_CHECK_TRAIN_TIME (default 90s) in bf16 on the GPU; or $GPU_CHECK_MODEL, a trained model dir
 #   4. decoding: benchmarks/decode_speed.py --device cuda, s2s fp32/bf16 against CTranslate2
@@ -72,7 +72,8 @@ EOF
 if [[ $SMOKE == 1 ]]; then
   TESTS=${GPU_CHECK_TESTS:-tests/test_search.py::test_beam_one_equals_greedy_on_a_model}
 else
-  TESTS=${GPU_CHECK_TESTS:-tests}
+  # the files with device tests (the whole suite, GPU_CHECK_TESTS=tests, may not fit the 8 minutes)
+  TESTS=${GPU_CHECK_TESTS:-tests/test_model.py tests/test_search.py tests/test_workers.py}
 fi
 step "tests with S2S_TEST_DEVICE=$DEVICE: $TESTS"
 # shellcheck disable=SC2086  # TESTS is a list of pytest arguments
