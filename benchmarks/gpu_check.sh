@@ -109,14 +109,15 @@ else
   TRAIN_SETS=(--set "train.max_time=${GPU_CHECK_TRAIN_TIME:-90s}" --set train.device=cuda --set train.precision=bf16
               --set train.dev_bleu_sentences=100)
 fi
+step "data: tokenizer and prepare $CONFIG (the training-speed batches; the model's training data)"
+"$PY" -m s2s -q tokenizer train "$CONFIG" "${SETS[@]}"
+"$PY" -m s2s -q prepare "$CONFIG" "${SETS[@]}"
 if [[ -n ${GPU_CHECK_MODEL:-} ]]; then
   MODEL=$GPU_CHECK_MODEL
   step "model: $MODEL (GPU_CHECK_MODEL)"
 else
   MODEL=$OUT/model
-  step "model: tokenizer, prepare and train $CONFIG into $MODEL"
-  "$PY" -m s2s -q tokenizer train "$CONFIG" "${SETS[@]}"
-  "$PY" -m s2s -q prepare "$CONFIG" "${SETS[@]}"
+  step "model: train $CONFIG into $MODEL"
   rm -rf "$MODEL"
   "$PY" -m s2s -q train "$CONFIG" -o "$MODEL" "${SETS[@]}" "${TRAIN_SETS[@]}" > "$OUT/train.log" 2>&1 \
     || { tail -n 20 "$OUT/train.log" >&2; echo "gpu_check: error: training failed" >&2; exit 1; }
