@@ -435,10 +435,10 @@ def main() -> None:
           f"sentences/s median [min-max]")
     for m in models:
         print(f"## {m['model']}")
-        print(f"{'config':16s} {'search':7s} {'whole sent/s':>22s} {'steady sent/s':>22s} {'RSS MiB':>8s} {'BLEU':>6s}")
+        print(f"{'config':18s} {'search':7s} {'whole sent/s':>22s} {'steady sent/s':>22s} {'RSS MiB':>8s} {'BLEU':>6s}")
         for r in m["rows"]:
             w, s = r["whole_sent_s"], r["steady_sent_s"]
-            print(f"{r['config']:16s} {r['search']:7s} {w['median']:8.1f} [{w['min']:5.1f}-{w['max']:5.1f}]"
+            print(f"{r['config']:18s} {r['search']:7s} {w['median']:8.1f} [{w['min']:5.1f}-{w['max']:5.1f}]"
                   f" {s['median']:8.1f} [{s['min']:5.1f}-{s['max']:5.1f}] {r['rss_mib']:8d} {r['bleu']:6.2f}")
     if memory:
         print(f"# memory: peak RSS {memory['memory_rss_big_mib']} MiB on {memory['memory_lines']} lines vs "
