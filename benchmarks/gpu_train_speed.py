@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from train_speed import forward_matmul_flops, matmul_peak_gflops
+from train_speed import forward_matmul_flops, matmul_peak_gflops  # noqa: E402
 
 BASE = ["model.enc_layers=6", "model.dec_layers=6", "model.d_model=512", "model.d_ff=2048", "model.heads=8"]
 
