@@ -21,7 +21,7 @@ from s2s.config import DecodeConfig, ExperimentConfig, check_arch_supports, repl
 from s2s.data import pad_sequences, tokenizer_fingerprint, truncate
 from s2s.errors import S2SError
 from s2s.model import S2SModel, Seq2SeqTransformer
-from s2s.search import EnsembleDecoder, Hypothesis, ModelDecoder, SearchSettings, ensemble_log_weights, search
+from s2s.search import EnsembleDecoder, Hypothesis, ModelDecoder, SpecialIds, ensemble_log_weights, search
 from s2s.tokenizer import BOS_ID, Tokenizer
 from s2s.workers import TranslateProgress, paired_lines  # noqa: F401 (TranslateProgress: re-exported)
 
@@ -183,15 +183,8 @@ class Translator:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
 
     @property
-    def settings(self) -> SearchSettings:
-        d = self.decode
-        return SearchSettings(beam=d.beam, nbest=d.nbest, alpha=d.alpha,
-                              length_penalty=d.length_penalty, stop=d.stop, min_len=d.min_len,
-                              no_repeat_ngram=d.no_repeat_ngram, sampling=d.sampling,
-                              temperature=d.temperature, top_k=d.top_k, top_p=d.top_p, seed=d.seed,
-                              coverage_penalty=d.coverage_penalty,
-                              bos_id=self.tok.bos_id, eos_id=self.tok.eos_id,
-                              pad_id=self.tok.pad_id)
+    def special_ids(self) -> SpecialIds:
+        return SpecialIds(bos_id=self.tok.bos_id, eos_id=self.tok.eos_id, pad_id=self.tok.pad_id)
 
     # ------------------------------------------------------------------ #
     @torch.inference_mode()
@@ -213,7 +206,7 @@ class Translator:
         decoders = [ModelDecoder(m, src, track) for m in [self.model, *self.extra_models]]
         decoder = decoders[0] if len(decoders) == 1 else EnsembleDecoder(decoders, self.weights)
         with self.autocast():
-            found = search(decoder, max_len, self.settings, prefix)
+            found = search(decoder, max_len, self.decode, self.special_ids, prefix)
         if self.alignments:
             self.align(src, [len(s) - 1 for s in src_ids], found)
         return found
