@@ -8,7 +8,7 @@ threads, one output-length cap for every engine and sentence (the largest
 a*|x|+b of the model's decode settings over the sentences: CTranslate2 takes
 one cap per call, not one per sentence), the same
 length penalty everywhere (m^alpha with alpha = 1, the form CTranslate2 has)
-and the same rule for ending a sentence's beam search: s2s's ``--stop early``
+and the same rule for ending a sentence's beam search: s2s's ``decode.stop: early``
 (stop once no live beam would win by ending at the next step), as
 CTranslate2 (which stops when its top beam ends) and Hugging Face generate's
 default do.  Not a timed test: the machines are shared and noisy; only ratios
@@ -177,9 +177,9 @@ def main() -> None:
                 hyp = work / f"{mode}-{search}.txt"
                 runs[mode] = (hyp, [sys.executable, "-m", "s2s", "-q", "translate", "-m", str(args.model),
                                     "--input", str(src), "-o", str(hyp), "--beam", str(beam),
-                                    "--threads", str(args.threads), "--batch-size", str(args.batch),
-                                    "--batch-tokens", "1000000", "--length-penalty", "power",
-                                    "--alpha", "1.0", "--stop", "early", "--max-len-a", "0",
+                                    "--threads", str(args.threads), "--set", f"decode.batch_size={args.batch}",
+                                    "--batch-tokens", "1000000", "--set", "decode.length_penalty=power",
+                                    "--alpha", "1.0", "--set", "decode.stop=early", "--max-len-a", "0",
                                     "--max-len-b", str(cap), *flags])
             for mode, model_dir in engines.items():
                 hyp = work / f"{mode}-{search}.txt"

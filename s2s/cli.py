@@ -116,10 +116,19 @@ def launched_rank() -> int:
         return 0
 
 
-SetOption = typer.Option(None, "--set", metavar="KEY=VALUE",
-                         help="Override a config key, e.g. --set model.d_model=512 (repeatable).")
 ForceOption = typer.Option(False, "--force", help="Replace an earlier output of this same command in -o "
                                                   "(never anything else: see s2s-output.json).")
+
+
+# Options several commands share, in typer's Annotated style (the default sits in the signature)
+ConfigArgument = Annotated[Path, typer.Argument(help="Experiment YAML.")]
+RunDirOption = Annotated[Optional[Path], typer.Option(
+    "-o", "--output", help="Run directory (default: output_dir of the config).")]
+ResumeOption = Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint.")]
+SetListOption = Annotated[Optional[List[str]], typer.Option(
+    "--set", metavar="KEY=VALUE", help="Override a config key, e.g. --set model.d_model=512 (repeatable).")]
+ModelOption = Annotated[Path, typer.Option("-m", "--model", help="Model directory.")]
+DeviceOption = Annotated[str, typer.Option(help="auto (the GPU when torch sees one), cpu, cuda, cuda:N or mps.")]
 
 
 def _print_version(value: bool) -> None:
@@ -155,7 +164,7 @@ def tokenizer_train(
                                          help="One vocabulary for both sides, or one each."),
     character_coverage: Optional[float] = typer.Option(None, help="tokenizer.character_coverage"),
     sentinels: Optional[int] = typer.Option(None, help="Reserved <extra_id_N> symbols."),
-    set_: Optional[List[str]] = SetOption,
+    set_: SetListOption = None,
 ):
     """Train SentencePiece on the config's training corpus; writes spm*.model into data.dir.
 
@@ -182,7 +191,7 @@ def tokenizer_train(
 def prepare(config: Path = typer.Argument(..., help="Experiment YAML."),
             workers: int = typer.Option(0, "--workers", "-j", min=0,
                                         help="Encoding processes (0: one per core); same output for any."),
-            set_: Optional[List[str]] = SetOption):
+            set_: SetListOption = None):
     """Clean, encode and binarize the corpora; prints pairs read, kept and dropped per reason.
 
     Example: `s2s prepare recipes/quickstart.yaml -j 4`
@@ -203,11 +212,8 @@ def prepare(config: Path = typer.Argument(..., help="Experiment YAML."),
 
 
 @app.command()
-def train(config: Path = typer.Argument(..., help="Experiment YAML."),
-          output: Optional[Path] = typer.Option(None, "-o", "--output",
-                                                help="Run directory (default: output_dir of the config)."),
-          resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint."),
-          set_: Optional[List[str]] = SetOption):
+def train(config: ConfigArgument, output: RunDirOption = None, resume: ResumeOption = False,
+          set_: SetListOption = None):
     """Train with teacher forcing; the run directory becomes a model directory.
 
     Example: `s2s train recipes/quickstart.yaml -o exp --set train.max_time=10m`
@@ -221,11 +227,8 @@ def train(config: Path = typer.Argument(..., help="Experiment YAML."),
 
 
 @app.command()
-def pretrain(config: Path = typer.Argument(..., help="Experiment YAML (its pretrain section)."),
-             output: Optional[Path] = typer.Option(None, "-o", "--output",
-                                                   help="Run directory (default: output_dir of the config)."),
-             resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint."),
-             set_: Optional[List[str]] = SetOption):
+def pretrain(config: Annotated[Path, typer.Argument(help="Experiment YAML (its pretrain section).")],
+             output: RunDirOption = None, resume: ResumeOption = False, set_: SetListOption = None):
     """Denoising pretraining (pretrain.objective: span_corruption or bart) on the prepared text.
 
     Both sides of the training split are the documents; fine-tune from the run with train.init_from.
@@ -246,8 +249,8 @@ def distill(config: Path = typer.Argument(..., help="Experiment YAML whose data.
             output: str = typer.Option(..., "-o", "--output", help="Prefix of the distilled corpus: "
                                                                    "writes OUT.{src_lang} and OUT.{tgt_lang}."),
             beam: Optional[int] = typer.Option(None, "--beam", "-b", help="Beam size (default: the teacher's)."),
-            device: str = typer.Option("auto", help="auto (the GPU when torch sees one), cpu, cuda, cuda:N or mps."),
-            set_: Optional[List[str]] = SetOption):
+            device: DeviceOption = "auto",
+            set_: SetListOption = None):
     """Sequence-level knowledge distillation: the teacher translates the training sources.
 
     Writes OUT.{src_lang} and OUT.{tgt_lang}, a corpus for a student (data.train: OUT).
@@ -306,7 +309,6 @@ ModelsOption = Annotated[List[Path], typer.Option(
 DecodeSetOption = Annotated[Optional[List[str]], typer.Option(
     "--set", metavar="decode.KEY=VALUE",
     help="A decode setting, e.g. --set decode.no_repeat_ngram=3 (repeatable; keys as in the YAML's decode section).")]
-DeviceOption = Annotated[str, typer.Option(help="auto (the GPU when torch sees one), cpu, cuda, cuda:N or mps.")]
 
 
 def _decode_command(name: str, defaults: dict):
@@ -408,13 +410,13 @@ app.command("summarize", help=(
 
 
 @app.command()
-def align(model: Path = typer.Option(..., "-m", "--model", help="Model directory."),
+def align(model: ModelOption,
           src: str = typer.Option(..., "--src", help="The source sentence."),
           tgt: Optional[str] = typer.Option(None, "--tgt", help="Its target (default: the model's translation)."),
           layer: Optional[int] = typer.Option(None, help="Decoder layer, 0-based or -1 for the last "
                                                         "(default: the mean over layers); heads are averaged."),
           output: Path = typer.Option(Path("attention.png"), "-o", "--output", help="PNG to write."),
-          device: str = typer.Option("auto", help="auto (the GPU when torch sees one), cpu, cuda, cuda:N or mps.")):
+          device: DeviceOption = "auto"):
     """Draw the cross-attention of a target over its source as a heatmap with the subword pieces on the axes.
 
     Example: `s2s align -m exp --src "Clipboard management" -o attn.png`
@@ -467,7 +469,7 @@ def score(hyp: str = typer.Argument(..., help="Hypotheses file; - reads stdin.")
 
 
 @export_app.command("ct2")
-def export_ct2(model: Path = typer.Option(..., "-m", "--model", help="Model directory."),
+def export_ct2(model: ModelOption,
                output: Path = typer.Option(..., "-o", "--output", help="The CTranslate2 model directory."),
                quantization: Optional[str] = typer.Option(None, help="int8, int8_float32, int16, float16 "
                                                                      "or bfloat16 weights (default: float32)."),
@@ -482,7 +484,7 @@ def export_ct2(model: Path = typer.Option(..., "-m", "--model", help="Model dire
 
 
 @export_app.command("hf")
-def export_hf(model: Path = typer.Option(..., "-m", "--model", help="Model directory."),
+def export_hf(model: ModelOption,
               output: Path = typer.Option(..., "-o", "--output", help="The Hugging Face model directory."),
               force: bool = ForceOption):
     """Write a Hugging Face directory that AutoModelForSeq2SeqLM.from_pretrained loads.
@@ -556,7 +558,7 @@ def info(path: Path = typer.Argument(..., help="A model directory or an experime
 
 
 @app.command()
-def serve(model: Path = typer.Option(..., "-m", "--model", help="Model directory."),
+def serve(model: ModelOption,
           host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface)."),
           port: int = typer.Option(8080, help="Port to listen on (0: a free one, printed on stderr)."),
           threads: int = typer.Option(0, help="torch threads of the translating worker (0: torch's default)."),
