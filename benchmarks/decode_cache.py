@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from s2s.config import ModelConfig
+from s2s.config import DecodeConfig, ModelConfig
 from s2s.model import EncoderState, Seq2SeqTransformer
-from s2s.search import ModelDecoder, SearchSettings, greedy_search
+from s2s.search import ModelDecoder, SpecialIds, greedy_search
 from s2s.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
@@ -69,12 +69,13 @@ def main() -> None:
     src = torch.randint(4, V, (args.sentences, args.src_len))
     src[:, -1] = EOS_ID
     max_len = torch.full((args.sentences,), args.max_len)
-    s = SearchSettings(beam=1, nbest=1, alpha=0.0, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID)
+    s = DecodeConfig(beam=1, nbest=1, alpha=0.0)
+    ids = SpecialIds(bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID)
     results, seconds = {}, {}
     with torch.inference_mode():
         for name, make in (("cached", ModelDecoder), ("recompute", RecomputeDecoder)):
             t0 = time.perf_counter()
-            results[name] = greedy_search(make(model, src), max_len, s)
+            results[name] = greedy_search(make(model, src), max_len, s, ids)
             seconds[name] = time.perf_counter() - t0
     same = all(a[0].tokens == b[0].tokens for a, b in zip(results["cached"], results["recompute"]))
     tokens = sum(len(h[0].tokens) + 1 for h in results["cached"])

@@ -31,7 +31,7 @@ copy, so the total is about W times that).  BLEU (sacrebleu 13a) is of the
 whole-process output.  Every engine gets one output-length cap (the largest
 a*|x|+b of the model's decode settings over the sentences: CTranslate2 takes one
 cap per call), batches of ``--batch`` sentences, the length penalty m^alpha with
-alpha = 1 (the form CTranslate2 has) and s2s's ``--stop early`` (stop once no
+alpha = 1 (the form CTranslate2 has) and s2s's ``--set decode.stop=early`` (stop once no
 live beam would win by ending at the next step), as CTranslate2 and Hugging
 Face generate's default do.
 
@@ -228,14 +228,14 @@ def run(cmd: list[str]) -> tuple[float, float, str]:
 def decode_flags(beam: int, batch: int, cap: int) -> dict:
     """The decode settings every s2s configuration shares (see the module docstring)."""
     return {"beam": beam, "batch_size": batch, "batch_tokens": 1_000_000, "length_penalty": "power", "alpha": 1.0,
-                "stop": "early", "max_len_a": 0.0, "max_len_b": cap}
+            "stop": "early", "max_len_a": 0.0, "max_len_b": cap}
 
 
 def s2s_command(model: Path, src: Path, hyp: Path, c: Config, device: str, flags: dict) -> list[str]:
     cli = [sys.executable, "-m", "s2s", "-q", "translate", "-m", str(model), "--input", str(src), "-o", str(hyp),
            "--device", device, "--workers", str(c.procs), "--threads", str(c.threads)]
     for key, value in flags.items():
-        cli += ["--" + key.replace("_", "-"), str(value)]
+        cli += ["--set", f"decode.{key}={value}"]
     if c.precision == "int8":
         cli += ["--quantize", "int8"]
     elif c.precision == "bf16":

@@ -18,13 +18,13 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import List, Optional
+from typing import Annotated, List, Optional
 
 import typer
 from typer.core import TyperCommand, TyperGroup
 
 from s2s import __version__
-from s2s.config import load_config
+from s2s.config import decode_overrides, load_config, load_training_config
 from s2s.errors import Interrupted, S2SError
 
 # --------------------------------------------------------------------------- #
@@ -115,10 +115,19 @@ def launched_rank() -> int:
         return 0
 
 
-SetOption = typer.Option(None, "--set", metavar="KEY=VALUE",
-                         help="Override a config key, e.g. --set model.d_model=512 (repeatable).")
 ForceOption = typer.Option(False, "--force", help="Replace an earlier output of this same command in -o "
                                                   "(never anything else: see s2s-output.json).")
+
+
+# Options several commands share, in typer's Annotated style (the default sits in the signature)
+ConfigArgument = Annotated[Path, typer.Argument(help="Experiment YAML.")]
+RunDirOption = Annotated[Optional[Path], typer.Option(
+    "-o", "--output", help="Run directory (default: output_dir of the config).")]
+ResumeOption = Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint.")]
+SetListOption = Annotated[Optional[List[str]], typer.Option(
+    "--set", metavar="KEY=VALUE", help="Override a config key, e.g. --set model.d_model=512 (repeatable).")]
+ModelOption = Annotated[Path, typer.Option("-m", "--model", help="Model directory.")]
+DeviceOption = Annotated[str, typer.Option(help="auto (the GPU when torch sees one), cpu, cuda, cuda:N or mps.")]
 
 
 def _print_version(value: bool) -> None:
@@ -159,7 +168,7 @@ def tokenizer_train(
                                          help="One vocabulary for both sides, or one each."),
     character_coverage: Optional[float] = typer.Option(None, help="tokenizer.character_coverage"),
     sentinels: Optional[int] = typer.Option(None, help="Reserved <extra_id_N> symbols."),
-    set_: Optional[List[str]] = SetOption,
+    set_: SetListOption = None,
 ):
     """Train SentencePiece on the config's training corpus; writes spm*.model into data.dir.
 
@@ -186,7 +195,7 @@ def tokenizer_train(
 def prepare(config: Path = typer.Argument(..., help="Experiment YAML."),
             workers: int = typer.Option(0, "--workers", "-j", min=0,
                                         help="Encoding processes (0: one per core); same output for any."),
-            set_: Optional[List[str]] = SetOption):
+            set_: SetListOption = None):
     """Clean, encode and binarize the corpora; prints pairs read, kept and dropped per reason.
 
     Example: `s2s prepare recipes/quickstart.yaml -j 4`
@@ -208,29 +217,23 @@ def prepare(config: Path = typer.Argument(..., help="Experiment YAML."),
 
 
 @app.command()
-def train(config: Path = typer.Argument(..., help="Experiment YAML."),
-          output: Optional[Path] = typer.Option(None, "-o", "--output",
-                                                help="Run directory (default: output_dir of the config)."),
-          resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint."),
-          set_: Optional[List[str]] = SetOption):
+def train(config: ConfigArgument, output: RunDirOption = None, resume: ResumeOption = False,
+          set_: SetListOption = None):
     """Train with teacher forcing; the run directory becomes a model directory.
 
     Example: `s2s train recipes/quickstart.yaml -o exp --set train.max_time=10m`
     """
     from s2s.trainer import train as run_train
 
-    cfg = _load(config, set_)
+    cfg = load_training_config(config, set_ or [])
     run_dir = run_train(cfg, output, resume=resume)
     if launched_rank() == 0:  # under torchrun, one line from rank 0
         typer.echo(str(run_dir))
 
 
 @app.command()
-def pretrain(config: Path = typer.Argument(..., help="Experiment YAML (its pretrain section)."),
-             output: Optional[Path] = typer.Option(None, "-o", "--output",
-                                                   help="Run directory (default: output_dir of the config)."),
-             resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint."),
-             set_: Optional[List[str]] = SetOption):
+def pretrain(config: Annotated[Path, typer.Argument(help="Experiment YAML (its pretrain section).")],
+             output: RunDirOption = None, resume: ResumeOption = False, set_: SetListOption = None):
     """Denoising pretraining (pretrain.objective: span_corruption or bart) on the prepared text.
 
     Both sides of the training split are the documents; fine-tune from the run with train.init_from.
@@ -251,8 +254,8 @@ def distill(config: Path = typer.Argument(..., help="Experiment YAML whose data.
             output: str = typer.Option(..., "-o", "--output", help="Prefix of the distilled corpus: "
                                                                    "writes OUT.{src_lang} and OUT.{tgt_lang}."),
             beam: Optional[int] = typer.Option(None, "--beam", "-b", help="Beam size (default: the teacher's)."),
-            device: str = typer.Option("auto", help="auto (the GPU when torch sees one), cpu, cuda, cuda:N or mps."),
-            set_: Optional[List[str]] = SetOption):
+            device: DeviceOption = "auto",
+            set_: SetListOption = None):
     """Sequence-level knowledge distillation: the teacher translates the training sources.
 
     Writes OUT.{src_lang} and OUT.{tgt_lang}, a corpus for a student (data.train: OUT).
@@ -287,100 +290,104 @@ def _from_model(key: str, text: str) -> str:
     return f"{text} (default: the model's decode.{key})"
 
 
-# `s2s summarize` = translate with these, for each decode key the model's config leaves at its default
-SUMMARIZE_DEFAULTS = {"no_repeat_ngram": 3, "min_len": 3, "alpha": 1.0}
+# The decode keys with a short flag of their own on translate/summarize (every other one:
+# --set decode.KEY=VALUE); each names a DecodeConfig field, with its type (tests/test_cli.py checks).
+DECODE_FLAGS = {
+    "beam": "Beam size; 1 = greedy.",
+    "alpha": "Length penalty exponent of lp(m).",
+    "nbest": "Print the K best (with --sampling: K samples) as `LINE ||| TEXT ||| SCORE`.",
+    "max_len_a": "Max output length a*|x|+b: a.",
+    "max_len_b": "Max output length a*|x|+b: b.",
+    "min_len": "Minimum output tokens before </s>.",
+    "coverage_penalty": "beta of the coverage penalty (beam search; at --beam 1 a 1-beam search).",
+    "seed": "Sampling: the same seed draws the same outputs.",
+    "batch_tokens": "Source tokens per batch.",
+}
 
 
-@app.command()
-def translate(
-    ctx: typer.Context,
-    model: List[Path] = typer.Option(..., "-m", "--model",
-                                     help="Model directory (a training run) or training checkpoint; "
-                                          "repeat for an ensemble."),
-    ensemble_weights: Optional[str] = typer.Option(None, help="Ensemble: w_1,...,w_n, one per -m; "
-                                                   "p = sum_i w_i p_i with w normalized to sum 1."),
-    input: str = typer.Option("-", "--input", "-i", help="Input file; - reads stdin."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o",
-                                          help="Write here (complete files only) instead of stdout."),
-    beam: Optional[int] = typer.Option(None, "--beam", "-b",
-                                       help=_from_model("beam", "Beam size; 1 = greedy.")),
-    alpha: Optional[float] = typer.Option(None, help=_from_model("alpha", "Length penalty exponent of lp(m).")),
-    length_penalty: Optional[str] = typer.Option(
-        None, help=_from_model("length_penalty", "gnmt: ((5+m)/6)^alpha, power: m^alpha, none.")),
-    stop: Optional[str] = typer.Option(
-        None, help=_from_model("stop", "Beam: exact (no better hypothesis is cut off) or early "
-                                       "(stop when none would win by ending next step).")),
-    nbest: Optional[int] = typer.Option(
-        None, help=_from_model("nbest", "Print the K best (with --sampling: K samples) "
-                                        "as `LINE ||| TEXT ||| SCORE`.")),
-    max_len_a: Optional[float] = typer.Option(None, help=_from_model("max_len_a", "Max output length a*|x|+b: a.")),
-    max_len_b: Optional[int] = typer.Option(None, help=_from_model("max_len_b", "Max output length a*|x|+b: b.")),
-    min_len: Optional[int] = typer.Option(None, help=_from_model("min_len", "Minimum output tokens before </s>.")),
-    no_repeat_ngram: Optional[int] = typer.Option(
-        None, help=_from_model("no_repeat_ngram", "No n-gram of this size twice in an output.")),
-    coverage_penalty: Optional[float] = typer.Option(
-        None, help=_from_model("coverage_penalty", "beta of the coverage penalty (beam search; "
-                                                   "at --beam 1 a 1-beam search).")),
-    prefix_file: Optional[Path] = typer.Option(None, help="Force each output to start with the same line of this file."),
-    sampling: bool = typer.Option(False, "--sampling", help="Sample each token instead of searching (beam 1)."),
-    temperature: Optional[float] = typer.Option(None, help=_from_model("temperature", "Sampling: q ∝ p^(1/T).")),
-    top_k: Optional[int] = typer.Option(
-        None, help=_from_model("top_k", "Sampling: among the k most probable tokens.")),
-    top_p: Optional[float] = typer.Option(
-        None, help=_from_model("top_p", "Sampling: among the smallest set of mass >= p.")),
-    seed: Optional[int] = typer.Option(
-        None, help=_from_model("seed", "Sampling: the same seed draws the same outputs.")),
-    batch_tokens: Optional[int] = typer.Option(None, help=_from_model("batch_tokens", "Source tokens per batch.")),
-    batch_size: Optional[int] = typer.Option(
-        None, help=_from_model("batch_size", "At most this many sentences per batch.")),
-    threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
-    precision: str = typer.Option("fp32", help="fp32; bf16 (weights converted; fast only with native bf16 "
-                                               "matmuls); auto: bf16 where the CPU has avx512_bf16/amx_bf16."),
-    compile: bool = typer.Option(False, "--compile", help="torch.compile the decoder step (cached on disk)."),
-    quantize: Optional[str] = typer.Option(None, help="int8: dynamic int8 quantization of the linear layers (CPU)."),
-    unbuffered: bool = typer.Option(False, "--unbuffered", help="Translate and flush line by line."),
-    alignments: bool = typer.Option(False, "--alignments",
-                                    help="Append ` ||| j-t ...`: source subword j aligned to target subword t."),
-    errors: str = typer.Option("strict", help="Invalid UTF-8 input: strict (error) or replace."),
-    workers: int = typer.Option(0, help="Decoding processes, each with cores/N threads (0: one per core "
-                                        "on the CPU for inputs over 200 lines, one on a GPU; "
-                                        "--unbuffered: always one)."),
-    device: str = typer.Option("auto", help="auto (the GPU when torch sees one), cpu, cuda, cuda:N or mps."),
-    shortlist: bool = typer.Option(False, "--shortlist", help="Score only each batch's vocabulary shortlist "
-                                                               "(MODEL/shortlist.safetensors from `s2s shortlist`)."),
-):
-    """Translate stdin (or --input) line by line to stdout: exactly one output line per input line.
+def _decode_flag(key: str, *names: str):
+    return typer.Option(*names, help=_from_model(key, DECODE_FLAGS[key]))
 
-    Example: `s2s translate -m exp --beam 5 < test.en | s2s score - test.de`
-    """
-    from s2s.device import check_device_name
+
+ModelsOption = Annotated[List[Path], typer.Option(
+    "-m", "--model", help="Model directory (a training run) or training checkpoint; repeat for an ensemble.")]
+DecodeSetOption = Annotated[Optional[List[str]], typer.Option(
+    "--set", metavar="decode.KEY=VALUE",
+    help="A decode setting, e.g. --set decode.no_repeat_ngram=3 (repeatable; keys as in the YAML's decode section).")]
+
+
+def _decode_command(name: str, defaults: dict):
+    """The translate command, or summarize (``defaults``: its decode keys for each one the
+    model's training did not set): one signature, one library call."""
+
+    def command(
+        model: ModelsOption,
+        ensemble_weights: Annotated[Optional[str], typer.Option(
+            help="Ensemble: w_1,...,w_n, one per -m; p = sum_i w_i p_i with w normalized to sum 1.")] = None,
+        input: Annotated[str, typer.Option("--input", "-i", help="Input file; - reads stdin.")] = "-",
+        output: Annotated[Optional[Path], typer.Option(
+            "--output", "-o", help="Write here (complete files only) instead of stdout.")] = None,
+        set_: DecodeSetOption = None,
+        beam: Annotated[Optional[int], _decode_flag("beam", "--beam", "-b")] = None,
+        alpha: Annotated[Optional[float], _decode_flag("alpha")] = None,
+        nbest: Annotated[Optional[int], _decode_flag("nbest")] = None,
+        max_len_a: Annotated[Optional[float], _decode_flag("max_len_a")] = None,
+        max_len_b: Annotated[Optional[int], _decode_flag("max_len_b")] = None,
+        min_len: Annotated[Optional[int], _decode_flag("min_len")] = None,
+        coverage_penalty: Annotated[Optional[float], _decode_flag("coverage_penalty")] = None,
+        sampling: Annotated[bool, typer.Option(
+            "--sampling", help="Sample each token instead of searching (beam 1; decode.sampling).")] = False,
+        seed: Annotated[Optional[int], _decode_flag("seed")] = None,
+        batch_tokens: Annotated[Optional[int], _decode_flag("batch_tokens")] = None,
+        prefix_file: Annotated[Optional[Path], typer.Option(
+            help="Force each output to start with the same line of this file.")] = None,
+        threads: Annotated[int, typer.Option(help="torch threads (0: torch's default).")] = 0,
+        precision: Annotated[str, typer.Option(
+            help="fp32; bf16 (weights converted; fast only with native bf16 matmuls); "
+                 "auto: bf16 where the CPU has avx512_bf16/amx_bf16.")] = "fp32",
+        compile: Annotated[bool, typer.Option(
+            "--compile", help="torch.compile the decoder step (cached on disk; decode.compile).")] = False,
+        shortlist: Annotated[bool, typer.Option(
+            "--shortlist", help="Score only each batch's vocabulary shortlist (MODEL/shortlist.safetensors "
+                                "from `s2s shortlist`; decode.shortlist).")] = False,
+        quantize: Annotated[Optional[str], typer.Option(
+            help="int8: dynamic int8 quantization of the linear layers (CPU).")] = None,
+        unbuffered: Annotated[bool, typer.Option("--unbuffered", help="Translate and flush line by line.")] = False,
+        alignments: Annotated[bool, typer.Option(
+            "--alignments", help="Append ` ||| j-t ...`: source subword j aligned to target subword t.")] = False,
+        errors: Annotated[str, typer.Option(help="Invalid UTF-8 input: strict (error) or replace.")] = "strict",
+        workers: Annotated[int, typer.Option(help="Decoding processes, each with cores/N threads (0: one per core "
+                                                  "on the CPU for inputs over 200 lines, one on a GPU; "
+                                                  "--unbuffered: always one).")] = 0,
+        device: DeviceOption = "auto",
+    ):
+        from s2s.workers import TranslatorSpec
+
+        flags = dict(beam=beam, alpha=alpha, nbest=nbest, max_len_a=max_len_a, max_len_b=max_len_b,
+                     min_len=min_len, coverage_penalty=coverage_penalty, seed=seed, batch_tokens=batch_tokens)
+        overrides = {**decode_overrides(set_, name), **{k: v for k, v in flags.items() if v is not None}}
+        for key, on in (("sampling", sampling), ("compile", compile), ("shortlist", shortlist)):
+            if on:
+                overrides[key] = True
+        weights = parse_weights(ensemble_weights, len(model))
+        spec = TranslatorSpec(tuple(str(m) for m in model), overrides, defaults, device, precision, quantize,
+                              alignments, nbest_rows="nbest" in overrides, threads=threads,
+                              weights=None if weights is None else tuple(weights))
+        translate_file(spec, input, output, prefix_file, errors, unbuffered, workers)
+
+    command.__name__ = name
+    return command
+
+
+def translate_file(spec, input: str, output: Optional[Path], prefix_file: Optional[Path], errors: str,
+                   unbuffered: bool, workers: int) -> None:
+    """Translate the lines of ``input`` (- for stdin) into ``output`` (None: stdout) as ``spec`` says."""
     from s2s.textio import atomic_write, read_lines
-    from s2s.workers import TranslateProgress, TranslatorSpec, translate_stream
+    from s2s.workers import TranslateProgress, translate_stream
 
     if errors not in ("strict", "replace"):
         raise S2SError(f"--errors: {errors!r} is not strict or replace")
-    if threads < 0:
-        raise S2SError(f"--threads: {threads} is negative")
-    if workers < 0:
-        raise S2SError(f"--workers: {workers} is negative")
-    check_device_name(device)
-    overrides = {k: v for k, v in dict(beam=beam, alpha=alpha, length_penalty=length_penalty,
-                                       stop=stop, nbest=nbest, max_len_a=max_len_a, max_len_b=max_len_b,
-                                       min_len=min_len, batch_tokens=batch_tokens, batch_size=batch_size,
-                                       no_repeat_ngram=no_repeat_ngram, coverage_penalty=coverage_penalty,
-                                       temperature=temperature, compile=compile or None,
-                                       top_k=top_k, top_p=top_p, seed=seed).items()
-                 if v is not None}
-    if shortlist:
-        overrides["shortlist"] = True
-    if sampling:
-        overrides.update(sampling=True, beam=overrides.get("beam", 1), nbest=overrides.get("nbest", 1),
-                         coverage_penalty=overrides.get("coverage_penalty", 0.0))
-    weights = parse_weights(ensemble_weights, len(model))
-    spec = TranslatorSpec(tuple(str(m) for m in model), overrides,
-                          SUMMARIZE_DEFAULTS if ctx.info_name == "summarize" else {}, device, precision,
-                          quantize, alignments, nbest_rows=nbest is not None, threads=threads,
-                          weights=None if weights is None else tuple(weights))
+    spec.check()
     if input != "-" and not Path(input).exists():
         raise S2SError(f"{input}: no such file")
     interactive = unbuffered or (input == "-" and sys.stdin.isatty())
@@ -398,11 +405,20 @@ def translate(
             progress.close()
 
 
+# `s2s summarize`: translate with these for each decode key the model's training did not set
+SUMMARIZE_DEFAULTS = {"no_repeat_ngram": 3, "min_len": 3, "alpha": 1.0}
+
+app.command("translate", help=(
+    "Translate stdin (or --input) line by line to stdout: exactly one output line per input line.\n\n"
+    "Any decode key: --set decode.KEY=VALUE.\n\n"
+    "Example: `s2s translate -m exp --beam 5 < test.en | s2s score - test.de`"))(
+    _decode_command("translate", {}))
 app.command("summarize", help=(
     "Summarize stdin (or --input) line by line: `translate` with summarization defaults "
-    f"({', '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in SUMMARIZE_DEFAULTS.items())}) "
-    "for each decode key the model's config leaves at its default.\n\n"
-    "Example: `s2s summarize -m exp/summ < test.doc | s2s score - test.sum --metric rouge`"))(translate)
+    f"({', '.join(f'decode.{k}={v}' for k, v in SUMMARIZE_DEFAULTS.items())}) "
+    "for each decode key the model's training config did not set.\n\n"
+    "Example: `s2s summarize -m exp/summ < test.doc | s2s score - test.sum --metric rouge`"))(
+    _decode_command("summarize", SUMMARIZE_DEFAULTS))
 
 
 @app.command("shortlist")
@@ -411,7 +427,7 @@ def shortlist_cmd(config: Path = typer.Argument(..., help="Experiment YAML: its 
                   k: int = typer.Option(50, "--k", help="Target pieces per source piece."),
                   frequent: int = typer.Option(200, "--frequent", help="The most frequent target pieces, always in."),
                   score: str = typer.Option("dice", "--score", help="dice: 2c(s,t)/(c(s)+c(t)); prob: c(s,t)/c(s)."),
-                  set_: Optional[List[str]] = SetOption):
+                  set_: SetListOption = None):
     """Build MODEL/shortlist.safetensors: for each source piece the k target pieces that co-occur
     with it best in the training pairs, plus the most frequent target pieces (`translate --shortlist`).
 
@@ -423,42 +439,24 @@ def shortlist_cmd(config: Path = typer.Argument(..., help="Experiment YAML: its 
 
 
 @app.command()
-def align(model: Path = typer.Option(..., "-m", "--model", help="Model directory."),
+def align(model: ModelOption,
           src: str = typer.Option(..., "--src", help="The source sentence."),
           tgt: Optional[str] = typer.Option(None, "--tgt", help="Its target (default: the model's translation)."),
           layer: Optional[int] = typer.Option(None, help="Decoder layer, 0-based or -1 for the last "
                                                         "(default: the mean over layers); heads are averaged."),
           output: Path = typer.Option(Path("attention.png"), "-o", "--output", help="PNG to write."),
-          device: str = typer.Option("auto", help="auto (the GPU when torch sees one), cpu, cuda, cuda:N or mps.")):
+          device: DeviceOption = "auto"):
     """Draw the cross-attention of a target over its source as a heatmap with the subword pieces on the axes.
 
     Example: `s2s align -m exp --src "Clipboard management" -o attn.png`
     """
-    import torch
-
     from s2s.plot import plot_attention
-    from s2s.translate import Translator, cross_attention
+    from s2s.translate import Translator, attention_map
 
     translator = Translator.from_dir(model, device)
-    if translator.model.cfg.arch != "encoder_decoder":
-        raise S2SError(f"{model}: model.arch {translator.model.cfg.arch} has no cross-attention to draw")
-    n_layers = translator.model.cfg.dec_layers
-    if layer is not None and not -n_layers <= layer < n_layers:
-        raise S2SError(f"--layer: {layer} is not a layer of this {n_layers}-layer decoder")
-    if not src.strip():
-        raise S2SError("--src: empty sentence")
-    src_ids = translator.encode_lines([src], 1)[0]
-    if tgt is None:
-        tgt_ids = translator.search_sorted([src_ids])[0][0].tokens + [translator.tok.eos_id]
-    else:
-        tgt_ids = translator.tok.encode_tgt([tgt.strip()])[0]
-    on = translator.device
-    A = cross_attention(translator.model, torch.tensor([src_ids], device=on), torch.tensor([tgt_ids], device=on),
-                        layer, translator.tok.bos_id)[0].cpu()
-    tok = translator.tok
+    m = attention_map(translator, src, tgt, layer)
     which = "mean over layers" if layer is None else f"layer {layer}"
-    path = plot_attention(A.numpy(), [tok.piece(i, "src") for i in src_ids],
-                          [tok.piece(i) for i in tgt_ids], output,
+    path = plot_attention(m.A.numpy(), m.src_pieces, m.tgt_pieces, output,
                           f"cross-attention ({which}, mean over heads)")
     typer.echo(str(path))
 
@@ -500,7 +498,7 @@ def score(hyp: str = typer.Argument(..., help="Hypotheses file; - reads stdin.")
 
 
 @export_app.command("ct2")
-def export_ct2(model: Path = typer.Option(..., "-m", "--model", help="Model directory."),
+def export_ct2(model: ModelOption,
                output: Path = typer.Option(..., "-o", "--output", help="The CTranslate2 model directory."),
                quantization: Optional[str] = typer.Option(None, help="int8, int8_float32, int16, float16 "
                                                                      "or bfloat16 weights (default: float32)."),
@@ -515,7 +513,7 @@ def export_ct2(model: Path = typer.Option(..., "-m", "--model", help="Model dire
 
 
 @export_app.command("hf")
-def export_hf(model: Path = typer.Option(..., "-m", "--model", help="Model directory."),
+def export_hf(model: ModelOption,
               output: Path = typer.Option(..., "-o", "--output", help="The Hugging Face model directory."),
               force: bool = ForceOption):
     """Write a Hugging Face directory that AutoModelForSeq2SeqLM.from_pretrained loads.
@@ -589,7 +587,7 @@ def info(path: Path = typer.Argument(..., help="A model directory or an experime
 
 
 @app.command()
-def serve(model: Path = typer.Option(..., "-m", "--model", help="Model directory."),
+def serve(model: ModelOption,
           host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface)."),
           port: int = typer.Option(8080, help="Port to listen on (0: a free one, printed on stderr)."),
           threads: int = typer.Option(0, help="torch threads of the translating worker (0: torch's default)."),

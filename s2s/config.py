@@ -516,6 +516,20 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, parsed
 
 
+def decode_overrides(items: Optional[list[str]], command: str) -> dict:
+    """``--set decode.KEY=VALUE`` items of ``s2s COMMAND`` -> {KEY: VALUE} (checked when
+    applied, like a loaded config): translate, summarize and serve take decode keys only."""
+    out = {}
+    for item in items or []:
+        key, value = parse_override(item)
+        section, _, name = key.partition(".")
+        if section != "decode" or not name:
+            raise ConfigError(f"--set {item}: s2s {command} takes decode.* keys only "
+                              "(the model's other settings are fixed by its training)")
+        out[name] = value
+    return out
+
+
 def read_yaml(path: str | Path) -> dict:
     p = Path(path)
     if not p.exists():
@@ -549,6 +563,27 @@ def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> Expe
         key, value = parse_override(item)
         _set_dotted(raw, key, value)
     return config_from_dict(raw, str(path))
+
+
+def chosen_decode_keys(path: str | Path, overrides: Optional[list[str]] = None) -> frozenset[str]:
+    """The decode keys an experiment sets on purpose: those its YAML's decode section names,
+    and those its ``--set decode.KEY=...`` overrides name."""
+    section = read_yaml(path).get("decode")
+    keys = set(section) if isinstance(section, dict) else set()
+    for item in overrides or []:
+        key, _ = parse_override(item)
+        if key.startswith("decode."):
+            keys.add(key.removeprefix("decode."))
+    return frozenset(keys)
+
+
+def load_training_config(path: str | Path, overrides: Optional[list[str]] = None) -> ExperimentConfig:
+    """:func:`load_config` for ``s2s train``: the config also remembers, as ``cfg.decode_keys``
+    (not a config key), which decode keys the experiment chose, so that the model directory
+    records them in model.json (``decode_keys``) and ``s2s summarize`` keeps them."""
+    cfg = load_config(path, overrides)
+    object.__setattr__(cfg, "decode_keys", chosen_decode_keys(path, overrides))
+    return cfg
 
 
 def to_dict(cfg: Any) -> dict:

@@ -458,6 +458,12 @@ def pad_sequences(seqs: Sequence[Sequence[int]], pad_id: int = PAD_ID, prefix: O
     return torch.from_numpy(out)
 
 
+def teacher_forcing_input(tgt: Sequence[Sequence[int]], pad_id: int = PAD_ID, bos_id: int = BOS_ID) -> Tensor:
+    """The teacher-forcing shift, the one place it happens: targets (y_1, ..., y_m) ->
+    decoder inputs (<s>, y_1, ..., y_{m-1}), right-padded into (B, L)."""
+    return pad_sequences(tgt, pad_id, prefix=bos_id, drop_last=True)
+
+
 @dataclass
 class Batch:
     """A teacher-forcing batch.  The shift happens here, once:
@@ -477,7 +483,7 @@ class Batch:
     def from_ids(cls, src: Sequence[Sequence[int]], tgt: Sequence[Sequence[int]], pad_id: int = PAD_ID,
                  bos_id: int = BOS_ID) -> "Batch":
         return cls(src=pad_sequences(src, pad_id),
-                   tgt_in=pad_sequences(tgt, pad_id, prefix=bos_id, drop_last=True),
+                   tgt_in=teacher_forcing_input(tgt, pad_id, bos_id),
                    tgt_out=pad_sequences(tgt, pad_id),
                    n_src_tokens=sum(len(s) for s in src),
                    n_tgt_tokens=sum(len(t) for t in tgt), pad_id=pad_id)

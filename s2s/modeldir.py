@@ -177,6 +177,8 @@ def save_model_dir(directory: Path, model: torch.nn.Module, cfg: ExperimentConfi
     try:
         digest = save_weights(model, new_weights)
         meta = {"format": FORMAT_VERSION, "s2s_version": __version__, "sha256": digest, **(info or {})}
+        if getattr(cfg, "decode_keys", None) is not None:  # see s2s.config.load_training_config
+            meta["decode_keys"] = sorted(cfg.decode_keys)
         with open(new_meta, "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2)
             f.flush()

@@ -25,6 +25,7 @@ from typing import Optional, Protocol
 import torch
 from torch import Tensor
 
+from s2s.config import DecodeConfig
 from s2s.model.interface import S2SModel
 
 NEG_INF = float("-inf")
@@ -55,23 +56,12 @@ class Hypothesis:
 
 
 @dataclass(frozen=True)
-class SearchSettings:
-    beam: int = 5
-    nbest: int = 1
-    alpha: float = 0.6
-    length_penalty: str = "gnmt"
-    stop: str = "exact"  # beam: exact | early (see beam_stop_bound)
-    min_len: int = 0  # </s> is blocked before this many tokens
-    no_repeat_ngram: int = 0  # n > 0: no n-gram occurs twice in a hypothesis
-    coverage_penalty: float = 0.0  # beta of Wu et al.'s cp(X; Y) (a beam search, even of width 1)
-    sampling: bool = False  # draw y_t ~ p instead of searching (beam = 1; nbest samples per input)
-    temperature: float = 1.0
-    top_k: int = 0  # sample among the k most probable tokens (0: all)
-    top_p: float = 1.0  # ... among the smallest set with probability mass >= p
-    seed: int = 0
-    bos_id: int = 2
-    eos_id: int = 3
-    pad_id: int = 0
+class SpecialIds:
+    """The tokenizer's special token ids the search needs (the settings come from DecodeConfig)."""
+
+    bos_id: int  # y_0, the first decoder input
+    eos_id: int  # </s>: a hypothesis ends with it
+    pad_id: int  # never generated
 
 
 class StepDecoder(Protocol):
@@ -191,7 +181,7 @@ def block_repeated_ngrams(logp: Tensor, tokens: Tensor, n: int) -> Tensor:
     return logp
 
 
-def constrain(logp: Tensor, t: int, max_len: Tensor, s: SearchSettings,
+def constrain(logp: Tensor, t: int, max_len: Tensor, s: DecodeConfig, ids: SpecialIds,
               tokens: Optional[Tensor] = None, forced: Optional[Tensor] = None) -> Tensor:
     """Apply the search rules to step t's log-probs (N, V), in place.
 
@@ -204,18 +194,18 @@ def constrain(logp: Tensor, t: int, max_len: Tensor, s: SearchSettings,
     if forced is not None:
         rows = (forced >= 0).nonzero().flatten()
         kept = logp[rows, forced[rows]].clone()
-    logp[:, s.pad_id] = NEG_INF
-    if s.bos_id != s.eos_id:  # BART starts the decoder with </s>
-        logp[:, s.bos_id] = NEG_INF
+    logp[:, ids.pad_id] = NEG_INF
+    if ids.bos_id != ids.eos_id:  # BART starts the decoder with </s>
+        logp[:, ids.bos_id] = NEG_INF
     if t < s.min_len:
-        logp[:, s.eos_id] = NEG_INF
+        logp[:, ids.eos_id] = NEG_INF
     if s.no_repeat_ngram and tokens is not None:
         block_repeated_ngrams(logp, tokens, s.no_repeat_ngram)
     at_max = max_len <= t + 1  # (N,)
     if logp.device.type != "cpu" or bool(at_max.any()):  # no host sync on an accelerator
-        eos_lp = logp[:, s.eos_id].clone()
+        eos_lp = logp[:, ids.eos_id].clone()
         logp.masked_fill_(at_max[:, None], NEG_INF)
-        logp[:, s.eos_id] = torch.where(at_max, torch.where(torch.isinf(eos_lp), 0.0, eos_lp), logp[:, s.eos_id])
+        logp[:, ids.eos_id] = torch.where(at_max, torch.where(torch.isinf(eos_lp), 0.0, eos_lp), logp[:, ids.eos_id])
     if forced is not None and rows.numel():
         logp[rows] = NEG_INF
         logp[rows, forced[rows]] = kept
@@ -250,7 +240,7 @@ def sampling_distribution(logp: Tensor, temperature: float, top_k: int, top_p: f
 
 
 @torch.no_grad()
-def greedy_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings,
+def greedy_search(decoder: StepDecoder, max_len: Tensor, s: DecodeConfig, ids: SpecialIds,
                   prefix: Optional[Tensor] = None) -> list[list[Hypothesis]]:
     """y_t = argmax_v log p(v | y_<t, x) until </s>; one hypothesis per sentence.
 
@@ -268,12 +258,12 @@ def greedy_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings,
         max_len = max_len.repeat_interleave(K)
     rows_out: list[Optional[Hypothesis]] = [None] * (B * K)
     active = torch.arange(B * K, device=device)  # original row (sentence * K + sample) of each row
-    y = torch.full((B * K, 1), s.bos_id, dtype=torch.long, device=device)
+    y = torch.full((B * K, 1), ids.bos_id, dtype=torch.long, device=device)
     tokens = torch.empty((B * K, 0), dtype=torch.long, device=device)
     log_prob = torch.zeros(B * K, device=device)
     gen = torch.Generator(device=device).manual_seed(s.seed) if s.sampling else None
     for t in range(int(max_len.max())):
-        logp = constrain(decoder.step(y), t, max_len[active], s, tokens,
+        logp = constrain(decoder.step(y), t, max_len[active], s, ids, tokens,
                          forced_tokens(prefix, t, torch.div(active, K, rounding_mode="floor")))  # (N, V)
         if gen is None:
             best_lp, y_t = logp.max(dim=-1)  # (N,)
@@ -283,7 +273,7 @@ def greedy_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings,
             best_lp = logp.gather(1, y_t[:, None]).squeeze(1)
         log_prob = log_prob + best_lp
         tokens = torch.cat([tokens, y_t[:, None]], dim=1)
-        done = y_t == s.eos_id
+        done = y_t == ids.eos_id
         if bool(done.any()):
             m = t + 1
             norm = length_penalty(float(m), s.alpha, s.length_penalty)
@@ -301,7 +291,7 @@ def greedy_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings,
 
 
 @torch.no_grad()
-def beam_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings,
+def beam_search(decoder: StepDecoder, max_len: Tensor, s: DecodeConfig, ids: SpecialIds,
                 prefix: Optional[Tensor] = None) -> list[list[Hypothesis]]:
     """Beam search of width K = s.beam; returns the s.nbest best per sentence, best first.
 
@@ -323,14 +313,14 @@ def beam_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings,
     fin_logp = torch.zeros((B, K), device=device)
     fin_len = torch.zeros((B, K), dtype=torch.long, device=device)
     fin_tokens = torch.zeros((B, K, L), dtype=torch.long, device=device)
-    y = torch.full((B * K, 1), s.bos_id, dtype=torch.long, device=device)
+    y = torch.full((B * K, 1), ids.bos_id, dtype=torch.long, device=device)
     beta = s.coverage_penalty
     attn_sum: Optional[Tensor] = None  # (N*K, S) attention received so far, per row
 
     for t in range(L):
         N = active.size(0)
         sent_max = max_len[active]  # (N,)
-        logp = constrain(decoder.step(y), t, sent_max.repeat_interleave(K), s, tokens,
+        logp = constrain(decoder.step(y), t, sent_max.repeat_interleave(K), s, ids, tokens,
                          forced_tokens(prefix, t, active.repeat_interleave(K)))  # (N*K, V)
         if beta:
             a = decoder.attention()  # (N*K, S): this step's attention of each row
@@ -345,7 +335,7 @@ def beam_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings,
         m = t + 1  # length of a hypothesis ending at this step, </s> included
 
         # 1. finish: </s> among the top-K candidates joins the sentence's finished set
-        is_eos = (cand_tok == s.eos_id) & torch.isfinite(cand_scores)
+        is_eos = (cand_tok == ids.eos_id) & torch.isfinite(cand_scores)
         is_eos[:, K:] = False
         if bool(is_eos.any()):
             norm = cand_scores / length_penalty(float(m), s.alpha, s.length_penalty)
@@ -363,7 +353,7 @@ def beam_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings,
                 1, pick[:, :, None].expand(N, K, L))
 
         # 2. continue: the K best candidates that did not end
-        live = torch.where(cand_tok == s.eos_id, NEG_INF, cand_scores)
+        live = torch.where(cand_tok == ids.eos_id, NEG_INF, cand_scores)
         scores, pick = live.topk(K, dim=-1)  # (N, K)
         rows = cand_row.gather(1, pick).flatten()  # (N*K,) surviving beams' rows
         y_t = cand_tok.gather(1, pick).flatten()
@@ -400,7 +390,7 @@ def beam_search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings,
     return results
 
 
-def beam_stop_bound(best_live: Tensor, m: int, max_len: Tensor, s: SearchSettings) -> Tensor:
+def beam_stop_bound(best_live: Tensor, m: int, max_len: Tensor, s: DecodeConfig) -> Tensor:
     """The best normalized score the live beams (best cumulative log p ``best_live`` (N,),
     m tokens so far) may still reach; a sentence stops once its n-best finished beat it.
 
@@ -422,7 +412,7 @@ def beam_stop_bound(best_live: Tensor, m: int, max_len: Tensor, s: SearchSetting
     return torch.where(torch.isfinite(best_live), bound, NEG_INF)
 
 
-def search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings,
+def search(decoder: StepDecoder, max_len: Tensor, s: DecodeConfig, ids: SpecialIds,
            prefix: Optional[Tensor] = None) -> list[list[Hypothesis]]:
     """Greedy (or sampling) when beam = 1, else beam search.
 
@@ -435,5 +425,5 @@ def search(decoder: StepDecoder, max_len: Tensor, s: SearchSettings,
     if s.sampling and s.coverage_penalty:
         raise ValueError("sampling does not rescore hypotheses: no coverage penalty")
     if s.beam == 1 and (s.sampling or not s.coverage_penalty):
-        return greedy_search(decoder, max_len, s, prefix)
-    return beam_search(decoder, max_len, s, prefix)
+        return greedy_search(decoder, max_len, s, ids, prefix)
+    return beam_search(decoder, max_len, s, ids, prefix)

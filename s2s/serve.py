@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from s2s import __version__
-from s2s.config import DecodeConfig, parse_override, replace
+from s2s.config import DecodeConfig, replace
+from s2s.config import decode_overrides as parse_decode_overrides
 from s2s.errors import ConfigError, S2SError
 from s2s.search import Hypothesis
 from s2s.translate import Translation, Translator
@@ -445,16 +446,8 @@ def _exit_143(_sig, _frame) -> None:
 
 
 def decode_overrides(items: Sequence[str]) -> dict:
-    """``--set decode.KEY=VALUE`` items -> {KEY: VALUE} (checked when applied, like a loaded config)."""
-    out = {}
-    for item in items:
-        key, value = parse_override(item)
-        section, _, name = key.partition(".")
-        if section != "decode" or not name:
-            raise S2SError(f"--set {item}: s2s serve takes decode.* keys only "
-                           "(the model's other settings are fixed by its training)")
-        out[name] = value
-    return out
+    """``s2s serve --set decode.KEY=VALUE`` items -> {KEY: VALUE} (see :func:`s2s.config.decode_overrides`)."""
+    return parse_decode_overrides(list(items), "serve")
 
 
 def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8080,
@@ -465,11 +458,7 @@ def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8080,
     _require_server_libraries()
     import torch
 
-    if threads < 0:
-        raise S2SError(f"--threads: {threads} is negative")
-    if threads:
-        torch.set_num_threads(threads)
-    translator = Translator.from_dir(model_dir, **(decode or {}))
+    translator = Translator.from_dirs([model_dir], decode=decode, threads=threads)
     app = build_app(translator, limits, model_info(model_dir))
     sock = listen_socket(host, port)
     bound = sock.getsockname()

@@ -149,7 +149,7 @@ def subset_positions(ids: Tensor, x: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def subset_search_ids(s, ids: Tensor):
-    """Search settings whose special ids (bos, eos, pad) are positions in the subset ``ids``."""
+    """Special ids (bos, eos, pad: a :class:`s2s.search.SpecialIds`) as positions in the subset ``ids``."""
     bos, eos, pad = subset_positions(ids, torch.tensor([s.bos_id, s.eos_id, s.pad_id], device=ids.device)).tolist()
     return dataclasses.replace(s, bos_id=bos, eos_id=eos, pad_id=pad)
 

@@ -10,22 +10,28 @@ empty (or all-whitespace) line yields an empty translation.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence, TextIO
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, TextIO
 
 import torch
 
 from s2s.config import DecodeConfig, ExperimentConfig, check_arch_supports, replace
-from s2s.data import pad_sequences, tokenizer_fingerprint, truncate
-from s2s.errors import S2SError
+from s2s.data import pad_sequences, teacher_forcing_input, tokenizer_fingerprint, truncate
+from s2s.errors import ConfigError, S2SError
 from s2s.model import S2SModel, Seq2SeqTransformer
-from s2s.search import EnsembleDecoder, Hypothesis, ModelDecoder, SearchSettings, ensemble_log_weights, search
+from s2s.search import EnsembleDecoder, Hypothesis, ModelDecoder, SpecialIds, ensemble_log_weights, search
 from s2s.shortlist import Shortlist, load_shortlist, subset_positions, subset_search_ids
 from s2s.tokenizer import BOS_ID, Tokenizer
-from s2s.workers import TranslateProgress, paired_lines  # noqa: F401 (TranslateProgress: re-exported)
+from s2s.workers import (
+    PRECISIONS,
+    TranslateProgress,  # noqa: F401 (TranslateProgress: re-exported)
+    check_translator_options,
+    paired_lines,
+)
 
 log = logging.getLogger("s2s")
 
@@ -48,10 +54,42 @@ def cross_attention(model: Seq2SeqTransformer, src: torch.Tensor, tgt: torch.Ten
     src (B, S), tgt (B, T) target tokens y_1..y_T -> A (B, T, S), row t = where y_t looked.
     ``layer``: a decoder layer index (-1: the last, the one copy and coverage use) or
     None for the mean over all layers."""
-    tgt_in = torch.cat([torch.full_like(tgt[:, :1], bos_id), tgt[:, :-1]], dim=1)
+    tgt_in = teacher_forcing_input(tgt.tolist(), bos_id=bos_id).to(tgt.device)  # pads stay where tgt has them
     _, weights = model.decode(tgt_in, model.encode(src), need_weights=True)
     per_layer = torch.stack([w.float().mean(1) for w in weights])  # (layers, B, T, S)
     return per_layer.mean(0) if layer is None else per_layer[layer]
+
+
+@dataclass
+class AttentionMap:
+    A: torch.Tensor  # (T, S) on the CPU: row t = where target piece t looked
+    src_pieces: list[str]  # the S source subwords, </s> included
+    tgt_pieces: list[str]  # the T target subwords, </s> included
+
+
+def attention_map(translator: "Translator", src: str, tgt: Optional[str] = None,
+                  layer: Optional[int] = None) -> AttentionMap:
+    """The cross-attention of ``tgt`` (default: the translator's best translation of ``src``)
+    over ``src``, averaged over heads: ``layer`` a decoder layer (0-based, -1 the last) or
+    None for the mean over layers (see :func:`cross_attention`)."""
+    model = translator.model
+    if model.cfg.arch != "encoder_decoder":
+        raise S2SError(f"model.arch: {model.cfg.arch} has no cross-attention to draw")
+    n_layers = model.cfg.dec_layers
+    if layer is not None and not -n_layers <= layer < n_layers:
+        raise S2SError(f"--layer: {layer} is not a layer of this {n_layers}-layer decoder")
+    if not src.strip():
+        raise S2SError("--src: empty sentence")
+    tok = translator.tok
+    src_ids = translator.encode_lines([src], 1)[0]
+    if tgt is None:
+        tgt_ids = translator.search_sorted([src_ids])[0][0].tokens + [tok.eos_id]
+    else:
+        tgt_ids = tok.encode_tgt([tgt.strip()])[0]
+    on = translator.device
+    A = cross_attention(model, torch.tensor([src_ids], device=on), torch.tensor([tgt_ids], device=on),
+                        layer, tok.bos_id)[0].cpu()
+    return AttentionMap(A, [tok.piece(i, "src") for i in src_ids], [tok.piece(i) for i in tgt_ids])
 
 
 def hard_alignment(A: torch.Tensor, src_len: int, tgt_len: int) -> list[tuple[int, int]]:
@@ -129,6 +167,38 @@ def compile_decode_step(model: S2SModel) -> None:
     model._compiled_step = True
 
 
+def explicit_decode_keys(directory: str | Path) -> Optional[frozenset[str]]:
+    """The decode keys a model's training config set on purpose (its YAML or --set), as
+    recorded in model.json's ``decode_keys``; None for a model directory without the record."""
+    from s2s.modeldir import META
+
+    try:
+        meta = json.loads((Path(directory) / META).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    keys = meta.get("decode_keys") if isinstance(meta, dict) else None
+    return frozenset(keys) if isinstance(keys, list) else None
+
+
+def decode_settings(model: DecodeConfig, overrides: Mapping[str, Any],
+                    defaults: Mapping[str, Any] = {}, explicit: Optional[frozenset[str]] = None) -> DecodeConfig:
+    """The decode settings of a run: the model's, then ``defaults`` for each key the model
+    did not choose (``explicit``: the keys its training config set; None, for a model
+    directory that does not record them: each key still at DecodeConfig's default),
+    then ``overrides``.  ``sampling: true`` among the overrides also means beam 1, nbest 1
+    and no coverage penalty unless the overrides say otherwise.  Errors name the key."""
+    untouched = DecodeConfig()
+    chosen = (lambda k: k in explicit) if explicit is not None else \
+        (lambda k: getattr(model, k) != getattr(untouched, k))
+    changes = {**{k: v for k, v in defaults.items() if not chosen(k)}, **overrides}
+    if overrides.get("sampling") is True:
+        changes = {"beam": 1, "nbest": 1, "coverage_penalty": 0.0, **changes}
+    try:
+        return replace(model, "decode.", **changes)
+    except ConfigError as e:
+        raise S2SError(f"translate options: {e}") from None
+
+
 class Translator:
     def __init__(self, model: S2SModel, tokenizer: Tokenizer, decode: DecodeConfig,
                  device: str | torch.device = "cpu", trained_src_tokens: int = 0):
@@ -181,18 +251,32 @@ class Translator:
     @classmethod
     def from_dir(cls, directory: str | Path, device: str = "cpu", **decode_overrides) -> "Translator":
         """Load a model directory; ``decode_overrides`` replace its decode settings."""
-        return cls.from_dirs([directory], device, **decode_overrides)
+        return cls.from_dirs([directory], device, decode=decode_overrides)
 
     @classmethod
     def from_dirs(cls, directories: Sequence[str | Path], device: str | torch.device = "cpu",
-                  weights: Optional[Sequence[float]] = None, **decode_overrides) -> "Translator":
+                  weights: Optional[Sequence[float]] = None, decode: Optional[Mapping[str, Any]] = None,
+                  decode_defaults: Optional[Mapping[str, Any]] = None, precision: str = "fp32",
+                  quantize: Optional[str] = None, alignments: bool = False, threads: int = 0) -> "Translator":
         """An ensemble of model directories (or training checkpoints, RUN/checkpoints/step-N)
         that share one tokenizer (the first one's config gives the decode settings); one
-        directory is a single model.  ``weights``: one per member (see :class:`EnsembleDecoder`).
-        ``device``: cpu, cuda, cuda:N, mps, or auto (the GPU when torch sees one)."""
+        directory is a single model.  Every setting is checked here, once, for the CLI and
+        the Python API alike:
+
+        ``weights``: one per member (see :class:`EnsembleDecoder`);
+        ``device``: cpu, cuda, cuda:N, mps, or auto (the GPU when torch sees one);
+        ``decode``: decode keys replacing the model's (see :func:`decode_settings`);
+        ``decode_defaults``: keys used where the model's training did not choose its own
+        (``s2s summarize``'s, see :func:`decode_settings`);
+        ``precision``, ``quantize``: see :meth:`set_arithmetic`; ``alignments``: align each
+        hypothesis to its source (encoder_decoder models only); ``threads``: torch's
+        intra-op threads for this process (0: torch's default)."""
         from s2s.device import resolve_device
         from s2s.modeldir import load_model_dir
 
+        check_translator_options(len(directories), device, weights, precision, quantize, threads)
+        if threads:
+            torch.set_num_threads(threads)
         if not isinstance(device, torch.device):
             device = resolve_device(device)
         loaded = [load_model_dir(d, device) for d in directories]
@@ -202,25 +286,25 @@ class Translator:
             if tokenizer_fingerprint(other.cfg, other.directory) != wanted:
                 raise S2SError(f"{other.directory}: another tokenizer than {first.directory}; "
                                "an ensemble needs models trained with the same SentencePiece model(s)")
-        decode = replace(first.cfg.decode, "decode.", **decode_overrides)
-        translator = cls(first.model, first.tokenizer, decode, device, first.cfg.data.max_src_tokens)
+        settings = decode_settings(first.cfg.decode, decode or {}, decode_defaults or {},
+                                   explicit_decode_keys(first.directory))
+        translator = cls(first.model, first.tokenizer, settings, device, first.cfg.data.max_src_tokens)
         translator.extra_models = [m.model.eval() for m in loaded[1:]]
         translator.directory = first.directory
         if weights is not None:
-            if len(weights) != len(loaded):
-                raise S2SError(f"ensemble weights: {len(weights)} weights for {len(loaded)} models")
-            try:
-                ensemble_log_weights(list(weights))
-            except ValueError as e:
-                raise S2SError(str(e)) from None
             translator.weights = [float(w) for w in weights]
+        for member in [translator.model, *translator.extra_models] if alignments else []:
+            if member.cfg.arch != "encoder_decoder":
+                raise S2SError(f"--alignments: model.arch {member.cfg.arch} has no cross-attention to align with")
+        translator.alignments = alignments
+        translator.set_arithmetic(precision, quantize)
         return translator
 
     def set_arithmetic(self, precision: str = "fp32", quantize: Optional[str] = None) -> None:
         """``precision``: fp32; bf16 (the weights converted once, see :meth:`to_bf16`); or auto
         (:func:`auto_precision`: bf16 where the CPU multiplies bf16 natively, else fp32).
         ``quantize``: None, or int8 (see :meth:`quantize_int8`), with fp32 weights only."""
-        if precision not in ("fp32", "bf16", "auto"):
+        if precision not in PRECISIONS:
             raise S2SError(f"--precision: {precision!r} is not fp32, bf16 or auto")
         if quantize not in (None, "int8"):
             raise S2SError(f"--quantize: {quantize!r} is not int8")
@@ -263,15 +347,8 @@ class Translator:
                                  for m in self.extra_models]
 
     @property
-    def settings(self) -> SearchSettings:
-        d = self.decode
-        return SearchSettings(beam=d.beam, nbest=d.nbest, alpha=d.alpha,
-                              length_penalty=d.length_penalty, stop=d.stop, min_len=d.min_len,
-                              no_repeat_ngram=d.no_repeat_ngram, sampling=d.sampling,
-                              temperature=d.temperature, top_k=d.top_k, top_p=d.top_p, seed=d.seed,
-                              coverage_penalty=d.coverage_penalty,
-                              bos_id=self.tok.bos_id, eos_id=self.tok.eos_id,
-                              pad_id=self.tok.pad_id)
+    def special_ids(self) -> SpecialIds:
+        return SpecialIds(bos_id=self.tok.bos_id, eos_id=self.tok.eos_id, pad_id=self.tok.pad_id)
 
     # ------------------------------------------------------------------ #
     @torch.inference_mode()
@@ -293,12 +370,12 @@ class Translator:
         if self.decode.compile:
             for m in (self.model, *self.extra_models):
                 compile_decode_step(m)
-        settings, ids = self.settings, self.vocab_subset(src, prefix)
+        special, ids = self.special_ids, self.vocab_subset(src, prefix)
         if ids is not None:  # the search runs over the subset's positions
-            settings, prefix = subset_search_ids(settings, ids), subset_positions(ids, prefix)
+            special, prefix = subset_search_ids(special, ids), subset_positions(ids, prefix)
         decoders = [ModelDecoder(m, src, track, ids) for m in [self.model, *self.extra_models]]
         decoder = decoders[0] if len(decoders) == 1 else EnsembleDecoder(decoders, self.weights)
-        found = search(decoder, max_len, settings, prefix)
+        found = search(decoder, max_len, self.decode, special, prefix)
         if ids is not None:
             for hyps in found:
                 for h in hyps:

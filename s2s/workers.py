@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import queue
 import signal
@@ -32,6 +33,30 @@ from s2s.errors import S2SError
 log = logging.getLogger("s2s")
 
 CHUNK_LINES = 200  # lines per task sent to a worker (each worker sorts them into batches)
+
+
+PRECISIONS = ("fp32", "bf16", "auto")
+
+
+def check_translator_options(n_models: int, device: Any = "auto", weights: Optional[Any] = None,
+                             precision: str = "fp32", quantize: Optional[str] = None, threads: int = 0) -> None:
+    """Refuse a bad setting of ``Translator.from_dirs`` before anything loads (torch-free, so the
+    CLI's parent process checks them before reading its input)."""
+    from s2s.device import check_device_name
+
+    if threads < 0:
+        raise S2SError(f"--threads: {threads} is negative")
+    if isinstance(device, str):
+        check_device_name(device)
+    if precision not in PRECISIONS:
+        raise S2SError(f"--precision: {precision!r} is not fp32, bf16 or auto")
+    if quantize not in (None, "int8"):
+        raise S2SError(f"--quantize: {quantize!r} is not int8")
+    if weights is not None:
+        if len(weights) != n_models:
+            raise S2SError(f"ensemble weights: {len(weights)} weights for {n_models} models")
+        if not all(isinstance(w, (int, float)) and math.isfinite(w) and w > 0 for w in weights):
+            raise S2SError(f"ensemble weights must be positive numbers, got {list(weights)}")
 
 
 @dataclass(frozen=True)
@@ -49,31 +74,18 @@ class TranslatorSpec:
     threads: int = 0  # torch threads of the process that builds it (0: torch's default)
     weights: Optional[tuple[float, ...]] = None  # ensemble weights, one per model
 
-    def build(self):
-        """Load the model(s) and apply the settings: a ready ``Translator``."""
-        import torch
+    def check(self) -> None:
+        """The settings' errors, before any model loads."""
+        check_translator_options(len(self.models), self.device, self.weights, self.precision, self.quantize,
+                                 self.threads)
 
-        from s2s.config import DecodeConfig
-        from s2s.config import replace as replace_config
-        from s2s.errors import ConfigError
+    def build(self):
+        """Load the model(s) with these settings, each checked by ``Translator.from_dirs``."""
         from s2s.translate import Translator
 
-        if self.threads:
-            torch.set_num_threads(self.threads)
-        translator = Translator.from_dirs(list(self.models), self.device, weights=self.weights)
-        untouched = DecodeConfig()
-        overrides = {**{k: v for k, v in self.defaults.items()
-                        if getattr(translator.decode, k) == getattr(untouched, k)}, **self.overrides}
-        try:
-            translator.decode = replace_config(translator.decode, "decode.", **overrides)
-        except ConfigError as e:
-            raise S2SError(f"translate options: {e}") from None
-        for member in [translator.model, *translator.extra_models] if self.alignments else []:
-            if member.cfg.arch != "encoder_decoder":
-                raise S2SError(f"--alignments: model.arch {member.cfg.arch} has no cross-attention to align with")
-        translator.alignments = self.alignments
-        translator.set_arithmetic(self.precision, self.quantize)
-        return translator
+        return Translator.from_dirs(list(self.models), self.device, weights=self.weights, decode=self.overrides,
+                                    decode_defaults=self.defaults, precision=self.precision,
+                                    quantize=self.quantize, alignments=self.alignments, threads=self.threads)
 
     def shows_nbest(self, translator) -> bool:
         return translator.decode.nbest > 1 or self.nbest_rows
@@ -164,6 +176,8 @@ def translate_stream(spec: TranslatorSpec, lines: Iterable[str], out: TextIO, wo
     :func:`auto_workers`), but one process when the whole input fits in one chunk.
     ``line_by_line`` (--unbuffered) always runs in this one process.
     """
+    if workers < 0:
+        raise S2SError(f"--workers: {workers} is negative")
     cores = usable_cores()
     n = workers or auto_workers(spec.device, cores)
     if line_by_line and n > 1:

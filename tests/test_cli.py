@@ -203,15 +203,15 @@ def test_separate_flag_is_followed_downstream(corpus, tmp_path):
 
 def test_sampling_and_no_repeat_options(model_dir, corpus):
     src = "\n".join((corpus / "dev.en").read_text().splitlines()[:4]) + "\n"
-    a = s2s("translate", "-m", model_dir, "--sampling", "--seed", "5", "--top-p", "0.9", input=src)
-    b = s2s("translate", "-m", model_dir, "--sampling", "--seed", "5", "--top-p", "0.9", input=src)
+    a = s2s("translate", "-m", model_dir, "--sampling", "--seed", "5", "--set", "decode.top_p=0.9", input=src)
+    b = s2s("translate", "-m", model_dir, "--sampling", "--seed", "5", "--set", "decode.top_p=0.9", input=src)
     assert a.returncode == 0, a.stderr
     assert a.stdout == b.stdout and len(a.stdout.splitlines()) == 4
-    r = s2s("translate", "-m", model_dir, "--no-repeat-ngram", "2", input=src)
+    r = s2s("translate", "-m", model_dir, "--set", "decode.no_repeat_ngram=2", input=src)
     assert r.returncode == 0 and len(r.stdout.splitlines()) == 4
     r = s2s("translate", "-m", model_dir, "--sampling", "--beam", "4", input=src)
     assert r.returncode == 1 and "decode.sampling: needs decode.beam: 1" in r.stderr
-    r = s2s("translate", "-m", model_dir, "--top-p", "0", input=src)
+    r = s2s("translate", "-m", model_dir, "--set", "decode.top_p=0", input=src)
     assert r.returncode == 1 and "decode.top_p" in r.stderr
 
 

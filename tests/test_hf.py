@@ -11,9 +11,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from s2s.config import DecodeConfig  # noqa: E402
 from s2s.errors import S2SError  # noqa: E402
 from s2s.hf import export_hf, import_hf, model_from_hf  # noqa: E402
-from s2s.search import ModelDecoder, SearchSettings, search  # noqa: E402
+from s2s.search import ModelDecoder, SpecialIds, search  # noqa: E402
 
 V = 320  # byte-level BPE needs 256 byte symbols
 TOL = 1e-4
@@ -125,10 +126,10 @@ def test_teacher_forced_logits_match(pair):
 
 def s2s_generate(model, sections, src, beam: int, max_new: int) -> list[list[int]]:
     ids = sections["tokenizer"]
-    settings = SearchSettings(beam=beam, alpha=1.0, length_penalty="power", bos_id=ids["bos_id"],
-                              eos_id=ids["eos_id"], pad_id=ids["pad_id"])
+    settings = DecodeConfig(beam=beam, alpha=1.0, length_penalty="power")
+    special = SpecialIds(bos_id=ids["bos_id"], eos_id=ids["eos_id"], pad_id=ids["pad_id"])
     with torch.no_grad():
-        found = search(ModelDecoder(model, src), torch.full((src.size(0),), max_new), settings)
+        found = search(ModelDecoder(model, src), torch.full((src.size(0),), max_new), settings, special)
     return [hyps[0].tokens for hyps in found]
 
 

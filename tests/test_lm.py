@@ -7,7 +7,10 @@ from s2s.config import DecodeConfig, ExperimentConfig, ModelConfig, TrainConfig,
 from s2s.errors import ConfigError, S2SError
 from s2s.model import DecoderOnlyLM, make_model
 from s2s.model.lm import lm_mask, prefix_lm_mask
-from s2s.search import ModelDecoder, SearchSettings, search
+from s2s.search import ModelDecoder, SpecialIds, search
+from s2s.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+IDS = SpecialIds(bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID)
 
 INF = float("-inf")
 
@@ -69,8 +72,8 @@ def test_beam_search_runs_on_the_cache(arch):
     model = tiny(arch)
     src = torch.tensor([[5, 6, 7, 3], [9, 3, 0, 0]])
     with torch.no_grad():
-        found = search(ModelDecoder(model, src), torch.tensor([6, 6]), SearchSettings(beam=3))
-        one = search(ModelDecoder(model, src[1:, :2]), torch.tensor([6]), SearchSettings(beam=3))
+        found = search(ModelDecoder(model, src), torch.tensor([6, 6]), DecodeConfig(beam=3), IDS)
+        one = search(ModelDecoder(model, src[1:, :2]), torch.tensor([6]), DecodeConfig(beam=3), IDS)
     assert found[1][0].tokens == one[0][0].tokens
 
 

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from s2s.config import ModelConfig
+from s2s.config import DecodeConfig, ModelConfig
 from s2s.model import Seq2SeqTransformer
-from s2s.search import ModelDecoder, SearchSettings, beam_search, greedy_search, length_penalty, search
+from s2s.search import ModelDecoder, SpecialIds, beam_search, greedy_search, length_penalty, search
 
 PAD, UNK, BOS, EOS, A, B = 0, 1, 2, 3, 4, 5
 V = 6
@@ -47,10 +47,13 @@ SCRIPT = {
 }
 
 
-def settings(**kw):
-    base = dict(beam=2, nbest=2, alpha=0.0, length_penalty="gnmt", bos_id=BOS, eos_id=EOS, pad_id=PAD)
+IDS = SpecialIds(bos_id=BOS, eos_id=EOS, pad_id=PAD)
+
+
+def settings(**kw) -> DecodeConfig:
+    base = dict(beam=2, nbest=2, alpha=0.0, length_penalty="gnmt")
     base.update(kw)
-    return SearchSettings(**base)
+    return DecodeConfig(**base)
 
 
 def test_length_penalty_formula():
@@ -66,7 +69,7 @@ def test_length_penalty_formula():
 
 
 def test_beam_exact_hypotheses_without_length_penalty():
-    hyps = beam_search(ScriptedDecoder(SCRIPT), torch.tensor([10]), settings())[0]
+    hyps = beam_search(ScriptedDecoder(SCRIPT), torch.tensor([10]), settings(), IDS)[0]
     # "b </s>" = 0.4 * 0.85 = 0.34 beats "a b </s>" = 0.6 * 0.5 * 1.0 = 0.30
     assert [h.tokens for h in hyps] == [[B], [A, B]]
     assert hyps[0].log_prob == pytest.approx(math.log(0.34), abs=1e-6)
@@ -76,7 +79,7 @@ def test_beam_exact_hypotheses_without_length_penalty():
 
 def test_beam_length_penalty_changes_the_winner():
     alpha = 2.0
-    hyps = beam_search(ScriptedDecoder(SCRIPT), torch.tensor([10]), settings(alpha=alpha))[0]
+    hyps = beam_search(ScriptedDecoder(SCRIPT), torch.tensor([10]), settings(alpha=alpha), IDS)[0]
     # score(y) = log P(y) / lp(m), m counts </s>: "a b </s>" has m = 3, "b </s>" has m = 2
     s_ab = math.log(0.30) / ((5 + 3) / 6) ** alpha
     s_b = math.log(0.34) / ((5 + 2) / 6) ** alpha
@@ -92,8 +95,8 @@ def test_stop_rules_exact_and_early():
     script = {(): {EOS: 0.7, A: 0.3}, (A,): {A: 0.99, EOS: 0.01}, (A, A): {A: 0.99, EOS: 0.01}}
     s = dict(beam=2, nbest=1, alpha=1.0, length_penalty="power")
     exact_dec, early_dec = ScriptedDecoder(script), ScriptedDecoder(script)
-    exact = beam_search(exact_dec, torch.tensor([8]), settings(**s, stop="exact"))[0][0]
-    early = beam_search(early_dec, torch.tensor([8]), settings(**s, stop="early"))[0][0]
+    exact = beam_search(exact_dec, torch.tensor([8]), settings(**s, stop="exact"), IDS)[0][0]
+    early = beam_search(early_dec, torch.tensor([8]), settings(**s, stop="early"), IDS)[0][0]
     assert exact.tokens == [A, A, A]
     assert exact.score == pytest.approx((math.log(0.3) + 2 * math.log(0.99)) / 4, abs=1e-6)
     assert early.tokens == [] and early.score == pytest.approx(math.log(0.7), abs=1e-6)
@@ -103,13 +106,13 @@ def test_stop_rules_exact_and_early():
 def test_nbest_sorted_by_score():
     script = {(): {A: 0.5, B: 0.3, UNK: 0.2}, (A,): {EOS: 0.5, B: 0.5}, (B,): {EOS: 0.9, A: 0.1},
               (UNK,): {EOS: 1.0}}
-    hyps = beam_search(ScriptedDecoder(script), torch.tensor([6]), settings(beam=3, nbest=3, alpha=0.6))[0]
+    hyps = beam_search(ScriptedDecoder(script), torch.tensor([6]), settings(beam=3, nbest=3, alpha=0.6), IDS)[0]
     scores = [h.score for h in hyps]
     assert len(hyps) == 3 and scores == sorted(scores, reverse=True)
 
 
 def test_greedy_follows_argmax():
-    hyps = greedy_search(ScriptedDecoder(SCRIPT), torch.tensor([10]), settings(beam=1, nbest=1))[0]
+    hyps = greedy_search(ScriptedDecoder(SCRIPT), torch.tensor([10]), settings(beam=1, nbest=1), IDS)[0]
     assert hyps[0].tokens == [A, B]
     assert hyps[0].log_prob == pytest.approx(math.log(0.3), abs=1e-6)
 
@@ -120,16 +123,16 @@ def test_max_len_forces_eos():
         for prefix in [(A,) * n]:
             never_ends[prefix] = {A: 0.99, EOS: 0.01}
     for fn, s in ((beam_search, settings()), (greedy_search, settings(beam=1, nbest=1))):
-        hyps = fn(ScriptedDecoder(never_ends), torch.tensor([5]), s)[0]
+        hyps = fn(ScriptedDecoder(never_ends), torch.tensor([5]), s, IDS)[0]
         assert len(hyps[0].tokens) <= 4  # m <= max_len = 5, </s> included
         assert hyps[0].tokens == [A] * 4 or fn is beam_search
 
 
 def test_min_len_blocks_eos():
     script = {(): {EOS: 0.9, A: 0.1}, (A,): {EOS: 0.9, A: 0.1}, (A, A): {EOS: 0.9, A: 0.1}}
-    hyps = greedy_search(ScriptedDecoder(script), torch.tensor([10]), settings(beam=1, nbest=1, min_len=2))[0]
+    hyps = greedy_search(ScriptedDecoder(script), torch.tensor([10]), settings(beam=1, nbest=1, min_len=2), IDS)[0]
     assert hyps[0].tokens == [A, A]
-    hyps = beam_search(ScriptedDecoder(script), torch.tensor([10]), settings(min_len=2))[0]
+    hyps = beam_search(ScriptedDecoder(script), torch.tensor([10]), settings(min_len=2), IDS)[0]
     assert len(hyps[0].tokens) >= 2
 
 
@@ -156,9 +159,9 @@ def test_beam_batch_equals_one_by_one():
             super().select(index)
             self.which = [self.which[i] for i in index.tolist()]
 
-    together = beam_search(Multi(), torch.tensor([8, 8, 8]), settings(alpha=0.6))
+    together = beam_search(Multi(), torch.tensor([8, 8, 8]), settings(alpha=0.6), IDS)
     for i, script in enumerate(scripts):
-        alone = beam_search(ScriptedDecoder(script), torch.tensor([8]), settings(alpha=0.6))[0]
+        alone = beam_search(ScriptedDecoder(script), torch.tensor([8]), settings(alpha=0.6), IDS)[0]
         assert [(h.tokens, round(h.score, 6)) for h in together[i]] == \
                [(h.tokens, round(h.score, 6)) for h in alone]
 
@@ -178,8 +181,8 @@ def test_beam_one_equals_greedy_on_a_model(device):
     max_len = torch.full((5,), 12, device=device)
     s = settings(beam=1, nbest=1, alpha=0.0)
     with torch.no_grad():
-        greedy = greedy_search(ModelDecoder(model, src), max_len, s)
-        beam = beam_search(ModelDecoder(model, src), max_len, s)
+        greedy = greedy_search(ModelDecoder(model, src), max_len, s, IDS)
+        beam = beam_search(ModelDecoder(model, src), max_len, s, IDS)
     for g, b in zip(greedy, beam):
         assert g[0].tokens == b[0].tokens
         assert g[0].score == pytest.approx(b[0].score, abs=1e-5)
@@ -193,9 +196,9 @@ def test_search_on_model_batch_invariance(device):
     max_len = torch.full((4,), 10, device=device)
     s = settings(beam=3, nbest=1, alpha=0.6)
     with torch.no_grad():
-        batch = search(ModelDecoder(model, src), max_len, s)
+        batch = search(ModelDecoder(model, src), max_len, s, IDS)
         for i in range(4):
-            alone = search(ModelDecoder(model, src[i:i + 1]), max_len[:1], s)
+            alone = search(ModelDecoder(model, src[i:i + 1]), max_len[:1], s, IDS)
             assert alone[0][0].tokens == batch[i][0].tokens
             assert alone[0][0].score == pytest.approx(batch[i][0].score, abs=1e-5)
 
@@ -224,7 +227,7 @@ def test_wide_beam_finds_the_exhaustive_optimum(seed):
                 if best is None or score > best[0]:
                     best = (score, list(body))
         hyps = beam_search(ModelDecoder(model, src), torch.tensor([L]),
-                           settings(beam=27, nbest=1, alpha=alpha))[0]
+                           settings(beam=27, nbest=1, alpha=alpha), IDS)[0]
     assert hyps[0].tokens == best[1]
     assert hyps[0].score == pytest.approx(best[0], abs=1e-5)
 
@@ -258,12 +261,12 @@ def test_no_repeat_ngram_holds_on_a_random_model(n, beam):
     model = Seq2SeqTransformer(cfg, 12, 12, PAD).eval()
     src = torch.randint(4, 12, (6, 7))
     hyps = search(ModelDecoder(model, src), torch.full((6,), 25), settings(beam=beam, nbest=1,
-                                                                           no_repeat_ngram=n))
+                                                                           no_repeat_ngram=n), IDS)
     for h in hyps:
         toks = h[0].tokens
         grams = [tuple(toks[i:i + n]) for i in range(len(toks) - n + 1)]
         assert len(grams) == len(set(grams)), toks
-    plain = search(ModelDecoder(model, src), torch.full((6,), 25), settings(beam=beam, nbest=1))
+    plain = search(ModelDecoder(model, src), torch.full((6,), 25), settings(beam=beam, nbest=1), IDS)
     assert any(len({tuple(h[0].tokens[i:i + n]) for i in range(len(h[0].tokens) - n + 1)})
                < len(h[0].tokens) - n + 1 for h in plain), "the random model should repeat without the rule"
 
@@ -289,19 +292,19 @@ def test_sampling_draws_from_p_and_is_seeded():
     script = {(): {A: 0.7, B: 0.3}}
     n = 4000
     s = settings(beam=1, nbest=1, sampling=True, seed=3)
-    hyps = greedy_search(ScriptedDecoder(script, batch=n), torch.full((n,), 5), s)
+    hyps = greedy_search(ScriptedDecoder(script, batch=n), torch.full((n,), 5), s, IDS)
     share_a = sum(h[0].tokens == [A] for h in hyps) / n
     assert abs(share_a - 0.7) < 0.03  # 4 sigma of a binomial(4000, 0.7)
     assert hyps[0][0].log_prob == pytest.approx(math.log(0.7 if hyps[0][0].tokens == [A] else 0.3))
-    again = greedy_search(ScriptedDecoder(script, batch=n), torch.full((n,), 5), s)
+    again = greedy_search(ScriptedDecoder(script, batch=n), torch.full((n,), 5), s, IDS)
     assert [h[0].tokens for h in again] == [h[0].tokens for h in hyps]
     other = greedy_search(ScriptedDecoder(script, batch=n), torch.full((n,), 5), settings(
-        beam=1, nbest=1, sampling=True, seed=4))
+        beam=1, nbest=1, sampling=True, seed=4), IDS)
     assert [h[0].tokens for h in other] != [h[0].tokens for h in hyps]
     top1 = greedy_search(ScriptedDecoder(SCRIPT, batch=1), torch.full((1,), 5),
-                         settings(beam=1, nbest=1, sampling=True, top_k=1))
+                         settings(beam=1, nbest=1, sampling=True, top_k=1), IDS)
     assert top1[0][0].tokens == greedy_search(ScriptedDecoder(SCRIPT), torch.full((1,), 5),
-                                              settings(beam=1, nbest=1))[0][0].tokens
+                                              settings(beam=1, nbest=1), IDS)[0][0].tokens
 
 
 # --------------------------------------------------------------------------- #
@@ -331,7 +334,7 @@ def test_beam_scores_include_the_coverage_penalty():
     model = _random_model()
     src = torch.tensor([[5, 6, 7, 8, EOS], [9, 10, EOS, PAD, PAD]])
     s = settings(beam=3, nbest=3, alpha=0.6, coverage_penalty=0.5)
-    hyps = beam_search(ModelDecoder(model, src, track_attention=True), torch.tensor([6, 6]), s)
+    hyps = beam_search(ModelDecoder(model, src, track_attention=True), torch.tensor([6, 6]), s, IDS)
     for b, sent in enumerate(hyps):
         for h in sent:
             tgt = torch.tensor([h.tokens + [EOS]])
@@ -348,7 +351,7 @@ def test_forced_prefix_starts_every_hypothesis(beam):
     src = torch.tensor([[5, 6, 7, EOS], [8, 9, EOS, PAD]])
     prefix = torch.tensor([[10, 11, 4], [7, -1, -1]])
     s = settings(beam=beam, nbest=beam, alpha=0.0)
-    hyps = search(ModelDecoder(model, src), torch.tensor([8, 8]), s, prefix)
+    hyps = search(ModelDecoder(model, src), torch.tensor([8, 8]), s, IDS, prefix)
     for sent, want in zip(hyps, ([10, 11, 4], [7])):
         assert sent
         for h in sent:
@@ -374,8 +377,8 @@ def test_ensemble_averages_probabilities():
     torch.testing.assert_close(got, ((pa + pb) / 2).log())
     same = EnsembleDecoder([ModelDecoder(a, src), ModelDecoder(a, src)])
     s = settings(beam=2, nbest=1)
-    assert (beam_search(same, torch.tensor([6]), s)[0][0].tokens
-            == beam_search(ModelDecoder(a, src), torch.tensor([6]), s)[0][0].tokens)
+    assert (beam_search(same, torch.tensor([6]), s, IDS)[0][0].tokens
+            == beam_search(ModelDecoder(a, src), torch.tensor([6]), s, IDS)[0][0].tokens)
 
 
 def test_coverage_penalty_applies_at_beam_one():
@@ -386,7 +389,7 @@ def test_coverage_penalty_applies_at_beam_one():
     model = _random_model(4)
     src = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, EOS], [9, 10, 11, 5, 6, 7, EOS, PAD, PAD, PAD, PAD]])
     s = settings(beam=1, nbest=1, alpha=0.6, coverage_penalty=0.7)
-    hyps = search(ModelDecoder(model, src, track_attention=True), torch.tensor([4, 4]), s)
+    hyps = search(ModelDecoder(model, src, track_attention=True), torch.tensor([4, 4]), s, IDS)
     for b, sent in enumerate(hyps):
         (h,) = sent
         A = cross_attention(model, src[b:b + 1], torch.tensor([h.tokens + [EOS]]), -1)[0]
@@ -395,7 +398,7 @@ def test_coverage_penalty_applies_at_beam_one():
         lp = length_penalty(len(h.tokens) + 1, 0.6)
         assert h.score == pytest.approx(h.log_prob / lp + float(cp), abs=1e-4)
     # the same as a beam search of width 1 called directly
-    direct = beam_search(ModelDecoder(model, src, track_attention=True), torch.tensor([4, 4]), s)
+    direct = beam_search(ModelDecoder(model, src, track_attention=True), torch.tensor([4, 4]), s, IDS)
     assert [[h.tokens for h in x] for x in direct] == [[h.tokens for h in x] for x in hyps]
 
 
@@ -418,9 +421,9 @@ def test_coverage_penalty_changes_the_beam_one_output():
             return torch.ones(len(self.prefixes), 3, dtype=torch.bool)
 
     script = {(): {A: 1.0}, (A,): {EOS: 0.6, B: 0.4}, (A, B): {EOS: 1.0}}
-    greedy = search(Attending(script), torch.tensor([5]), settings(beam=1, nbest=1))
+    greedy = search(Attending(script), torch.tensor([5]), settings(beam=1, nbest=1), IDS)
     assert greedy[0][0].tokens == [A]
-    covered = search(Attending(script), torch.tensor([5]), settings(beam=1, nbest=1, coverage_penalty=0.1))
+    covered = search(Attending(script), torch.tensor([5]), settings(beam=1, nbest=1, coverage_penalty=0.1), IDS)
     assert covered[0][0].tokens == [A, B]
 
 
@@ -430,7 +433,7 @@ def test_sampling_draws_nbest_samples_per_sentence():
     script = {(): {A: 0.5, B: 0.5}, (A,): {A: 0.5, EOS: 0.5}, (B,): {B: 0.5, EOS: 0.5}}
     n, B_ = 8, 3
     s = settings(beam=1, nbest=n, sampling=True, seed=5)
-    hyps = search(ScriptedDecoder(script, batch=B_), torch.full((B_,), 6), s)
+    hyps = search(ScriptedDecoder(script, batch=B_), torch.full((B_,), 6), s, IDS)
     assert [len(h) for h in hyps] == [n] * B_
     for sent in hyps:
         assert [h.score for h in sent] == sorted((h.score for h in sent), reverse=True)

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from s2s.config import ModelConfig
+from s2s.config import DecodeConfig, ModelConfig
 from s2s.model import Seq2SeqTransformer
-from s2s.search import ModelDecoder, SearchSettings, beam_search
+from s2s.search import ModelDecoder, SpecialIds, beam_search
 from s2s.trainer import coverage_loss
 
 V, PAD, EOS = 20, 0, 3
@@ -133,8 +133,8 @@ def test_coverage_lives_in_the_last_layer_cache_entry():
 def test_beam_search_on_a_copy_model():
     model = copy_model(coverage=True)
     src, _ = batch()
-    s = SearchSettings(beam=3, nbest=3, alpha=0.6, bos_id=2, eos_id=EOS, pad_id=PAD)
-    hyps = beam_search(ModelDecoder(model, src), torch.tensor([6, 6]), s)
+    s = DecodeConfig(beam=3, nbest=3, alpha=0.6)
+    hyps = beam_search(ModelDecoder(model, src), torch.tensor([6, 6]), s, SpecialIds(bos_id=2, eos_id=EOS, pad_id=PAD))
     for h in hyps:
         assert h and all(x.log_prob <= 0 for x in h)
         assert [x.score for x in h] == sorted((x.score for x in h), reverse=True)

@@ -15,8 +15,9 @@ import math
 import pytest
 import torch
 
+from s2s.config import DecodeConfig
 from s2s.model.attention import MultiHeadAttention, attention, causal_mask, padding_mask
-from s2s.search import SearchSettings, greedy_search
+from s2s.search import SpecialIds, greedy_search
 from s2s.trainer import label_smoothed_nll
 
 ABS = 1e-5
@@ -374,8 +375,8 @@ def test_example8_cell_B_chain_rule_product():
     assert math.exp(-nll) == pytest.approx(0.05, abs=ABS)
 
     # greedy search sums the per-step log-probs into the hypothesis' log_prob
-    settings = SearchSettings(beam=1, length_penalty="none", bos_id=2, eos_id=3, pad_id=0)
-    hyps = greedy_search(ScriptedDecoder(steps), torch.tensor([10]), settings)
+    settings = DecodeConfig(beam=1, length_penalty="none")
+    hyps = greedy_search(ScriptedDecoder(steps), torch.tensor([10]), settings, SpecialIds(bos_id=2, eos_id=3, pad_id=0))
     (hyp,) = hyps[0]
     assert hyp.tokens == [4, 5]
     assert hyp.log_prob == pytest.approx(math.log(0.05), abs=ABS)

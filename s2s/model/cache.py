@@ -28,7 +28,6 @@ from torch import Tensor
 
 from s2s.model.base import VocabSubset
 
-
 CACHE_BUCKET = 32  # self-attention buffers hold a multiple of this many positions
 
 
