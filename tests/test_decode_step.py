@@ -72,7 +72,8 @@ def test_bf16_weights_decode_close_to_fp32(arch_kw):
 @torch.no_grad()
 def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch, caplog):
     """Where torch.compile fails, --compile decodes eagerly (same outputs) and warns once."""
-    from s2s.search import SearchSettings, search
+    from s2s.config import DecodeConfig
+    from s2s.search import SpecialIds, search
     from s2s.translate import compile_decode_step
 
     def broken_compile(fn, **kwargs):
@@ -82,13 +83,13 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch, caplo
 
     model = make_model(dropout=0.0, attention_dropout=0.0).float()
     src = right_pad([tokens(5, seed=70), tokens(8, seed=71)])
-    s = SearchSettings(beam=3, bos_id=1, eos_id=2, pad_id=0)
+    s, ids = DecodeConfig(beam=3), SpecialIds(bos_id=1, eos_id=2, pad_id=0)
     max_len = torch.full((2,), 9)
-    eager = search(ModelDecoder(model, src), max_len, s)
+    eager = search(ModelDecoder(model, src), max_len, s, ids)
     monkeypatch.setattr(torch, "compile", broken_compile)
     compile_decode_step(model)
     with caplog.at_level("WARNING", logger="s2s"):
-        got = search(ModelDecoder(model, src), max_len, s)
+        got = search(ModelDecoder(model, src), max_len, s, ids)
     assert got == eager
     warnings = [r.getMessage() for r in caplog.records if "--compile" in r.getMessage()]
     assert warnings == ["--compile: torch.compile failed (RuntimeError: no C++ compiler); decoding without it"]
