@@ -19,25 +19,20 @@ newest complete one exactly where it stopped.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import math
 import platform
-import re
-import shutil
 import signal
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from s2s import __version__
@@ -47,19 +42,17 @@ from s2s.data import BinDataset, Batch, data_signature, token_batches, tokenizer
 from s2s.errors import Interrupted, S2SError
 from s2s.metrics import corpus_bleu
 from s2s.model import S2SModel
-from s2s.modeldir import (CHECKPOINT_STATE, CONFIG, META, WEIGHTS, build_model, check_finite, copy_tokenizer,
-                          load_model_dir, load_weights, read_meta, save_model_dir, write_config,
-                          write_error, write_weights)
+from s2s.checkpoint import (TrainState, list_checkpoints, load_newest_intact, restart_advice,
+                            save_checkpoint)
+from s2s.modeldir import (CONFIG, META, WEIGHTS, build_model, copy_tokenizer, load_model_dir, load_weights,
+                          read_meta, save_model_dir, write_config)
 from s2s.outdir import check_run_dir, lock_run_dir
-from s2s.textio import atomic_dir, atomic_write, file_sha256, read_lines
+from s2s.textio import atomic_write, file_sha256, read_lines
 from s2s.tokenizer import PAD_ID, Tokenizer, resolve_tokenizer_config
 
 log = logging.getLogger("s2s")
 
-CHECKPOINTS = "checkpoints"
-OPTIMIZER = "optimizer.safetensors"
 MAX_BAD_UPDATES = 20  # non-finite updates in a row before training gives up
-_CKPT_RE = re.compile(r"^step-(\d+)$")
 
 
 class TrainingInterrupted(Interrupted):
@@ -132,100 +125,6 @@ def coverage_loss(a: Tensor, tgt_mask: Tensor) -> Tensor:
     """
     c = a.cumsum(dim=1) - a  # (B, T, S): attention received before step t
     return (torch.minimum(a, c).sum(-1) * tgt_mask).sum()
-
-
-# --------------------------------------------------------------------------- #
-# Checkpoints
-# --------------------------------------------------------------------------- #
-
-@dataclass
-class TrainState:
-    step: int = 0  # optimizer updates done
-    epoch: int = 0  # current epoch (0-based)
-    batch: int = 0  # next batch index within the epoch's batch order
-    elapsed: float = 0.0  # wall-clock seconds over all segments of the run
-    best_value: Optional[float] = None
-    best_step: int = 0
-    validations: list = field(default_factory=list)
-    batching: dict = field(default_factory=dict)  # what the data position depends on
-
-
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (temporary directories are ignored)."""
-    d = run_dir / CHECKPOINTS
-    if not d.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _CKPT_RE.match(p.name))]
-    return [p for _, p in sorted(found)]
-
-
-def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    state: TrainState, keep: int) -> Path:
-    target = run_dir / CHECKPOINTS / f"step-{state.step:08d}"
-    opt = optimizer.state_dict()
-    tensors = {"rng.torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        tensors.update({f"rng.cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    scalars = {}
-    for idx, st in opt["state"].items():
-        for key, value in st.items():
-            if isinstance(value, Tensor):
-                tensors[f"state.{idx}.{key}"] = value.contiguous()
-            else:
-                scalars[f"{idx}.{key}"] = value
-    check_finite(model, target)
-    with atomic_dir(target, replace=True) as tmp:  # replace: a step redone after resuming from an older one;
-        # a failed write (OSError) is `target: write failed (...)`
-        digests = {WEIGHTS: write_weights(model, tmp / WEIGHTS)}
-        try:
-            save_file(tensors, str(tmp / OPTIMIZER))
-        except SafetensorError as e:  # a full disk, as safetensors reports it
-            raise OSError(errno.EIO, write_error(e)) from None
-        digests[OPTIMIZER] = file_sha256(tmp / OPTIMIZER)
-        (tmp / CHECKPOINT_STATE).write_text(json.dumps({
-            "train_state": asdict(state), "param_groups": opt["param_groups"],
-            "optimizer_scalars": scalars, "s2s_version": __version__, "sha256": digests}, indent=1))
-    for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return target
-
-
-class DamagedCheckpoint(S2SError):
-    """A checkpoint that is incomplete or whose files do not match their checksums."""
-
-
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
-    """Restore model, optimizer and RNG from ``path``.  The files' checksums are verified
-    before anything is loaded; anything that does not fit is a :class:`DamagedCheckpoint`."""
-    try:
-        meta = json.loads((path / CHECKPOINT_STATE).read_text(encoding="utf-8"))
-        for name, digest in meta.get("sha256", {}).items():
-            if file_sha256(path / name) != digest:
-                raise DamagedCheckpoint(f"{path}: damaged ({name}: checksum mismatch)")
-        tensors = load_file(str(path / OPTIMIZER))
-    except (OSError, ValueError, SafetensorError) as e:
-        raise DamagedCheckpoint(f"{path}: damaged ({e})") from None
-    try:
-        load_weights(model, path / WEIGHTS)
-        state: dict = {}
-        for name, value in tensors.items():
-            if name.startswith("state."):
-                _, idx, key = name.split(".", 2)
-                state.setdefault(int(idx), {})[key] = value
-        for name, value in meta.get("optimizer_scalars", {}).items():
-            idx, key = name.split(".", 1)
-            state.setdefault(int(idx), {})[key] = value
-        optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-        train_state = TrainState(**meta["train_state"])
-        rng = tensors["rng.torch"]
-    except (S2SError, KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise DamagedCheckpoint(f"{path}: damaged ({e})") from None
-    torch.set_rng_state(rng)
-    n_cuda = sum(1 for k in tensors if k.startswith("rng.cuda."))
-    cuda = [tensors[f"rng.cuda.{i}"] for i in range(n_cuda)]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
-    return train_state
 
 
 # --------------------------------------------------------------------------- #
@@ -610,7 +509,7 @@ class Trainer:
                 if mine.is_file() and file_sha256(mine) != file_sha256(p):
                     raise S2SError(f"{p}: the tokenizer changed since {self.run_dir} started; "
                                    "resume with the original tokenizer or start a new run")
-            self.state = self.load_newest_intact(ckpts)
+            self.state = load_newest_intact(self.run_dir, self.model, self.optimizer)
             batching = self.batching()
             for key, value in self.state.batching.items():
                 if batching[key] != value:
@@ -625,27 +524,6 @@ class Trainer:
             copy_tokenizer(self.cfg, self.data_dir, self.run_dir)
             with atomic_write(self.run_dir / "env.json") as f:
                 json.dump(package_versions(), f, indent=2)
-
-    def load_newest_intact(self, ckpts: list[Path]) -> TrainState:
-        """Resume from the newest checkpoint that loads and matches its checksums;
-        damaged newer ones (a disk error, a crash of the file system) are skipped with a warning."""
-        for ckpt in reversed(ckpts):
-            try:
-                state = load_checkpoint(ckpt, self.model, self.optimizer)
-            except DamagedCheckpoint as e:
-                log.warning("%s; trying the checkpoint before it", e)
-                continue
-            log.info("resumed from %s (step %d, epoch %d)", ckpt, state.step, state.epoch)
-            return state
-        raise S2SError(f"{self.run_dir / CHECKPOINTS}: no undamaged checkpoint to resume from; "
-                       "start a new run with another -o")
-
-    def restart_advice(self) -> str:
-        """--resume only when there is a checkpoint to resume from."""
-        ckpts = list_checkpoints(self.run_dir)
-        if ckpts:
-            return f"--resume from the last checkpoint ({ckpts[-1]})"
-        return f"start again (no checkpoint was written; remove {self.run_dir} or pass another -o)"
 
     def elapsed(self) -> float:
         """Wall-clock seconds of the whole run, earlier (resumed) segments included."""
@@ -739,7 +617,7 @@ class Trainer:
                         if bad_steps >= MAX_BAD_UPDATES:
                             raise S2SError(f"{self.run_dir}: {bad_steps} non-finite updates in a row "
                                            f"after step {st.step}; lower train.lr or check the data, "
-                                           f"then {self.restart_advice()}")
+                                           f"then {restart_advice(self.run_dir)}")
                         continue
                     bad_steps = 0
                     st.step += 1

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from s2s.cli import run
-from s2s.trainer import list_checkpoints
+from s2s.checkpoint import list_checkpoints
 from tests.conftest import TINY_YAML
 
 BAD_FILES = {
@@ -868,17 +868,15 @@ def test_checkpoint_write_failing_inside_safetensors(env, tmp_path, monkeypatch,
     import torch
     from safetensors import SafetensorError
 
-    import s2s.modeldir
-    import s2s.trainer
+    import safetensors.torch  # s2s imports save_file and save_model where it writes: patch them at their source
+
+    from s2s.checkpoint import TrainState, save_checkpoint
     from s2s.errors import S2SError
-    from s2s.trainer import TrainState, save_checkpoint
 
     def full(*args, **kwargs):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-    import safetensors.torch  # modeldir imports save_model where it writes: patch it at its source
 
-    monkeypatch.setattr(s2s.trainer if writer == "optimizer" else safetensors.torch,
-                        "save_file" if writer == "optimizer" else "save_model", full)
+    monkeypatch.setattr(safetensors.torch, "save_file" if writer == "optimizer" else "save_model", full)
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.ones(1, 3)).sum().backward()

@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from s2s.config import load_config
+from s2s.checkpoint import list_checkpoints
 from s2s.distributed import World, auto_procs, shard, threads_per_process, training_bytes
-from s2s.trainer import Trainer, list_checkpoints
+from s2s.trainer import Trainer
 
 # No dropout, so that both runs draw nothing at random after the (identical) initialization.
 # adam_eps 1e-4: the key bias's gradient is zero in exact arithmetic (softmax ignores a constant

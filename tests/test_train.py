@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from s2s.config import load_config
 from s2s.errors import S2SError
 from s2s.modeldir import load_model_dir
-from s2s.trainer import Trainer, inverse_sqrt_lr, is_new_best, label_smoothed_nll, list_checkpoints, train
+from s2s.checkpoint import list_checkpoints
+from s2s.trainer import Trainer, inverse_sqrt_lr, is_new_best, label_smoothed_nll, train
 
 
 def test_inverse_sqrt_schedule():
@@ -294,7 +295,7 @@ def test_non_finite_abort_advises_resume_only_from_a_checkpoint(prepared, tmp_pa
 
 
 def test_non_finite_weights_are_never_written(prepared, tmp_path):
-    from s2s.trainer import TrainState, save_checkpoint
+    from s2s.checkpoint import TrainState, save_checkpoint
 
     cfg = load_config(prepared)
     model = load_model_dir(train(cfg, tmp_path / "run", show_progress=False)).model
