@@ -10,6 +10,8 @@ Each checkpoint is written into a temporary directory that is renamed when
 complete (``--resume`` never sees half of one); the last ``train.keep_checkpoints``
 are kept.  A checkpoint is also something ``s2s translate -m`` and ``s2s average``
 accept: its config and tokenizer are those of the run directory two levels up.
+A run resumes from the newest checkpoint that is intact, and only with the
+model, tokenizer and batching settings it was saved under.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from s2s import __version__
+from s2s.config import ExperimentConfig, load_config, to_dict
 from s2s.errors import S2SError
-from s2s.modeldir import META, WEIGHTS, check_finite, load_weights, read_meta, write_error, write_weights
+from s2s.modeldir import CONFIG, META, WEIGHTS, check_finite, load_weights, read_meta, write_error, write_weights
 from s2s.textio import atomic_dir, file_sha256
+from s2s.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # torch is imported where tensors are touched: `s2s info` reads configs only
     import torch
@@ -182,3 +186,27 @@ def restart_advice(run_dir: Path) -> str:
     if ckpts:
         return f"--resume from the last checkpoint ({ckpts[-1]})"
     return f"start again (no checkpoint was written; remove {run_dir} or pass another -o)"
+
+
+def check_resumable(run_dir: Path, cfg: ExperimentConfig, data_dir: Path) -> None:
+    """A run resumes only with the model config it started with and the tokenizer it copied."""
+    old = run_dir / CONFIG
+    if old.is_file():
+        before, now = to_dict(load_config(old))["model"], to_dict(cfg)["model"]
+        for key in now:
+            if before[key] != now[key]:
+                raise S2SError(f"{old}: model.{key} differs from the run being resumed")
+    for p in Tokenizer.all_files(data_dir, cfg.tokenizer, cfg.data):
+        mine = run_dir / p.name
+        if mine.is_file() and file_sha256(mine) != file_sha256(p):
+            raise S2SError(f"{p}: the tokenizer changed since {run_dir} started; "
+                           "resume with the original tokenizer or start a new run")
+
+
+def check_batching(saved: dict, now: dict) -> None:
+    """The data position (epoch, batch) of a checkpoint means the same batches only under the
+    settings it was saved with (seed, train.max_tokens, train.update_freq, data.dir, world size)."""
+    for key, value in saved.items():
+        if now[key] != value:
+            raise S2SError(f"{key}: {now[key]} differs from the run being resumed "
+                           f"({value}); the data position would not match")

@@ -312,9 +312,9 @@ def test_non_finite_weights_are_never_written(prepared, tmp_path):
 def test_a_batch_out_of_memory_is_split(prepared, tmp_path, monkeypatch, caplog):
     """A batch that does not fit is split in halves with a warning; the gradient is the same."""
     from s2s.model import Seq2SeqTransformer
-    from s2s.trainer import Trainer
+    from s2s.trainer import make_trainer
 
-    trainer = Trainer(load_config(prepared, ["model.dropout=0"]), tmp_path / "run", show_progress=False)
+    trainer = make_trainer(load_config(prepared, ["model.dropout=0"]), tmp_path / "run", show_progress=False)
     batch = trainer.train_data.batch(trainer.epoch_batches(0)[0])
     assert len(batch) > 3
     trainer.model.train()
@@ -344,7 +344,7 @@ def test_a_batch_out_of_memory_is_split(prepared, tmp_path, monkeypatch, caplog)
 def test_metrics_go_to_tensorboard_when_installed(prepared, tmp_path, monkeypatch):
     """With a SummaryWriter available, every logged number is a scalar (a stand-in writer here:
     tensorboard is an optional package)."""
-    from s2s.trainer import Trainer
+    import s2s.runlog
 
     scalars = []
 
@@ -361,7 +361,7 @@ def test_metrics_go_to_tensorboard_when_installed(prepared, tmp_path, monkeypatc
         def close(self):
             scalars.append("closed")
 
-    monkeypatch.setattr(Trainer, "open_tensorboard", staticmethod(lambda run_dir: Writer(str(run_dir / "tensorboard"))))
+    monkeypatch.setattr(s2s.runlog, "open_tensorboard", lambda run_dir: Writer(str(run_dir / "tensorboard")))
     train(load_config(prepared), tmp_path / "run", show_progress=False)
     assert ("train/loss", 1) in scalars and ("dev/dev_loss", 3) in scalars and ("train/lr", 6) in scalars
     assert scalars[-1] == "closed"
@@ -386,7 +386,8 @@ def test_prefetcher_returns_the_batches_asked_for():
 
     built = []
 
-    def build(group):
+    def build(epoch, group):
+        assert epoch == 0
         built.append([g.tolist() for g in group])
         return [g.sum() for g in group]
 
