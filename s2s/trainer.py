@@ -136,6 +136,7 @@ def coverage_loss(a: Tensor, tgt_mask: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- #
 
 def check_prepared(cfg: ExperimentConfig) -> None:
+    """data.dir holds data prepared from this config's data settings with its tokenizer."""
     if not cfg.data.train:
         raise S2SError("data.train: no training corpus configured")
     data_dir = Path(cfg.data.dir)
@@ -152,7 +153,6 @@ def check_prepared(cfg: ExperimentConfig) -> None:
     if meta.get("tokenizer") != tokenizer_fingerprint(cfg, data_dir):
         raise S2SError(f"{data_dir}: the data was prepared with another tokenizer; "
                        "run `s2s prepare CONFIG` again")
-
 
 
 def setup_environment(tc: TrainConfig) -> tuple[World, torch.device]:
@@ -213,6 +213,43 @@ def make_trainer(cfg: ExperimentConfig, run_dir: Path, datasets: Datasets = prep
         load_weights(model, init / WEIGHTS, read_meta(init).get("sha256"))
     teacher = load_teacher(cfg, data_dir, device) if cfg.train.distill.teacher else None
     return Trainer(cfg, run_dir, model, tok, train_data, dev_data, teacher, world, device, show_progress)
+
+
+@contextlib.contextmanager
+def claim_run_dir(run_dir: Path, world: World) -> Iterator[None]:
+    """Rank 0 checks that the run directory is new, empty or a run directory of its own,
+    and holds its lock until training ends (s2s.outdir); when that fails, every rank stops."""
+    with contextlib.ExitStack() as held:
+        error = None
+        if world.is_main:
+            try:
+                check_run_dir(run_dir)
+                held.enter_context(lock_run_dir(run_dir))
+            except S2SError as e:
+                error = e
+        if world.any(error is not None):
+            raise error or S2SError(f"{run_dir}: rank 0 could not take the run directory")
+        yield
+
+
+def open_run_dir(run_dir: Path, resume: bool, world: World) -> bool:
+    """Create the run directory (rank 0); one holding a run is used only with ``resume``.
+    Returns whether there are checkpoints to resume from."""
+    ckpts = list_checkpoints(run_dir)
+    has_run = bool(ckpts) or (run_dir / META).exists()
+    if has_run and not resume:
+        raise S2SError(f"{run_dir}: already holds a training run; pass --resume to continue it "
+                       "or -o to choose another directory")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise S2SError(f"{run_dir}: exists and is not a directory")
+    try:
+        if world.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise S2SError(f"{run_dir}: cannot create the run directory ({e.strerror})") from None
+    if resume and not ckpts:
+        log.info("%s: no checkpoint to resume from; starting a new run", run_dir)
+    return resume and bool(ckpts)
 
 
 @contextlib.contextmanager
@@ -444,26 +481,12 @@ class Trainer:
                     signal.Signals(signum).name)
 
     def start(self, resume: bool) -> None:
-        """Open the run directory: a new run there, or (``resume``) the newest intact checkpoint
-        of the same model, tokenizer and batching; then write config, tokenizer and env.json."""
-        ckpts = list_checkpoints(self.run_dir)
-        has_run = bool(ckpts) or (self.run_dir / META).exists()
-        if has_run and not resume:
-            raise S2SError(f"{self.run_dir}: already holds a training run; pass --resume to continue it "
-                           "or -o to choose another directory")
-        if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise S2SError(f"{self.run_dir}: exists and is not a directory")
-        try:
-            if self.world.is_main:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise S2SError(f"{self.run_dir}: cannot create the run directory ({e.strerror})") from None
-        if resume and ckpts:
+        """A new run in the run directory, or (``resume``) the newest intact checkpoint of the
+        same model, tokenizer and batching; then config, tokenizer and env.json are written."""
+        if open_run_dir(self.run_dir, resume, self.world):
             check_resumable(self.run_dir, self.cfg, self.data_dir)
             self.state = load_newest_intact(self.run_dir, self.model, self.optimizer)
             check_batching(self.state.batching, self.batching())
-        elif resume:
-            log.info("%s: no checkpoint to resume from; starting a new run", self.run_dir)
         self.state.batching = self.batching()
         self.seed_rank()
         if self.world.is_main:
@@ -506,25 +529,9 @@ class Trainer:
         """Stop before the next update: a limit is reached or a signal came (on any rank)."""
         return self.world.any(self._signal is not None or self.finished(last_val_seconds))
 
-    @contextlib.contextmanager
-    def claim_run_dir(self):
-        """Rank 0 checks that the run directory is new, empty or a run directory of its own,
-        and holds its lock until training ends (s2s.outdir); when that fails, every rank stops."""
-        with contextlib.ExitStack() as held:
-            error = None
-            if self.world.is_main:
-                try:
-                    check_run_dir(self.run_dir)
-                    held.enter_context(lock_run_dir(self.run_dir))
-                except S2SError as e:
-                    error = e
-            if self.world.any(error is not None):
-                raise error or S2SError(f"{self.run_dir}: rank 0 could not take the run directory")
-            yield
-
     def run(self, resume: bool = False) -> Path:
         """Train, holding the run directory's lock throughout."""
-        with self.claim_run_dir():
+        with claim_run_dir(self.run_dir, self.world):
             return self._run(resume)
 
     def _run(self, resume: bool) -> Path:

@@ -432,7 +432,7 @@ def test_progress_bar_shows_step_time_and_loss_from_the_first_step(prepared, tmp
 
 
 def test_progress_line_formula():
-    from s2s.trainer import progress_line
+    from s2s.runlog import progress_line
 
     assert progress_line(7, 100, 65.0, 900.0, 4.25) == "step 7/100 | 0:01:05 used, 0:13:55 left of 0:15:00 | loss 4.250"
     assert progress_line(1, None, 3.0, math.inf, None, "lr 1.00e-03") == "step 1 | 0:00:03 | lr 1.00e-03"
