@@ -23,7 +23,11 @@ import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from s2s import __version__
 from s2s.config import ExperimentConfig, load_config, to_dict
@@ -31,9 +35,6 @@ from s2s.errors import S2SError
 from s2s.modeldir import CONFIG, META, WEIGHTS, check_finite, load_weights, read_meta, write_error, write_weights
 from s2s.textio import atomic_dir, file_sha256
 from s2s.tokenizer import Tokenizer
-
-if TYPE_CHECKING:  # torch is imported where tensors are touched: `s2s info` reads configs only
-    import torch
 
 log = logging.getLogger("s2s")
 
@@ -94,10 +95,6 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.opti
                     state: TrainState, keep: int) -> Path:
     """Write RUN/checkpoints/step-N atomically (a failed write is ``step-N: write failed (...)``,
     nothing left behind) and remove all but the newest ``keep``."""
-    import torch
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-
     target = run_dir / CHECKPOINTS / f"step-{state.step:08d}"
     opt = optimizer.state_dict()
     tensors = {"rng.torch": torch.get_rng_state()}
@@ -130,10 +127,6 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.opti
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
     """Restore model, optimizer and RNG from ``path``.  The files' checksums are verified
     before anything is loaded; anything that does not fit is a :class:`DamagedCheckpoint`."""
-    import torch
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     try:
         meta = json.loads((path / CHECKPOINT_STATE).read_text(encoding="utf-8"))
         for name, digest in meta.get("sha256", {}).items():

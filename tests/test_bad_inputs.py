@@ -402,14 +402,14 @@ def test_translate_to_a_full_disk_on_stdout(env):
 def test_train_checkpoint_on_a_full_disk(env, tmp_path, capsys, monkeypatch):
     """The disk fills while a checkpoint is written: an error, the previous checkpoint intact,
     and --resume continues once there is room again."""
-    import s2s.trainer
+    import s2s.checkpoint
 
     sets = _resume_cfg(env, tmp_path)
     run = tmp_path / "run"
     cli_ok(capsys, monkeypatch, "train", env["cfg"], "-o", run, *sets[:1], "train.max_steps=2", *sets[2:])
     before = list_checkpoints(run)
     with monkeypatch.context() as m:
-        _fail_with(m, s2s.trainer, "save_file", errno.ENOSPC)  # writing the optimizer state
+        _fail_with(m, s2s.checkpoint, "save_file", errno.ENOSPC)  # writing the optimizer state
         r = cli(capsys, m, "train", env["cfg"], "-o", run, "--resume", *sets)
     assert_error(r, run / "checkpoints" / "step-00000004", "No space left on device")
     assert list_checkpoints(run) == before
@@ -868,15 +868,17 @@ def test_checkpoint_write_failing_inside_safetensors(env, tmp_path, monkeypatch,
     import torch
     from safetensors import SafetensorError
 
-    import safetensors.torch  # s2s imports save_file and save_model where it writes: patch them at their source
+    import safetensors.torch  # modeldir imports save_model where it writes: patch it at its source
 
+    import s2s.checkpoint
     from s2s.checkpoint import TrainState, save_checkpoint
     from s2s.errors import S2SError
 
     def full(*args, **kwargs):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr(safetensors.torch, "save_file" if writer == "optimizer" else "save_model", full)
+    monkeypatch.setattr(s2s.checkpoint if writer == "optimizer" else safetensors.torch,
+                        "save_file" if writer == "optimizer" else "save_model", full)
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.ones(1, 3)).sum().backward()
