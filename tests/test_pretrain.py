@@ -104,7 +104,7 @@ def test_pretrain_with_train_procs_2_runs_two_ranks(with_sentinels, tmp_path):
     """s2s pretrain starts its data-parallel ranks itself too (here through the library API)."""
     import json
 
-    from s2s.trainer import list_checkpoints
+    from s2s.checkpoint import list_checkpoints
 
     cfg = load_config(with_sentinels, ["train.procs=2", "train.max_steps=2", "train.validate_every=2",
                                        "train.dev_bleu_sentences=0", "train.best_metric=loss"])
