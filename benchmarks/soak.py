@@ -139,14 +139,14 @@ def soak_stream(model: Path, n_lines: int, work: Path, seed: int) -> dict:
 def final_weights(run: Path) -> dict:
     from safetensors.torch import load_file
 
-    from s2s.trainer import list_checkpoints
+    from s2s.checkpoint import list_checkpoints
 
     return load_file(str(list_checkpoints(run)[-1] / "model.safetensors"))
 
 
 def soak_crash(cfg: Path, work: Path, kills: int, seed: int) -> dict:
+    from s2s.checkpoint import list_checkpoints
     from s2s.modeldir import load_model_dir
-    from s2s.trainer import list_checkpoints
 
     print("crash: the uninterrupted run ...", file=sys.stderr)
     t0 = time.time()

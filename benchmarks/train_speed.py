@@ -114,11 +114,11 @@ def run_s2s(precision: str, batches, warmup: int, threads: int) -> float:
     group (RANK/WORLD_SIZE set) each update takes one batch per rank: this rank's share."""
     from s2s.config import load_config
     from s2s.distributed import World, shard
-    from s2s.trainer import Trainer
+    from s2s.trainer import make_trainer
 
     cfg = load_config(RECIPE, [f"train.precision={precision}", f"train.threads={threads}"])
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(cfg, Path(tmp) / "run", show_progress=False)
+        trainer = make_trainer(cfg, Path(tmp) / "run", show_progress=False)
         world: World = trainer.world
         groups = [batches[i:i + world.size] for i in range(0, len(batches), world.size)]
         return _timed(lambda group: trainer.train_step(shard(group, world))[0], groups, warmup)

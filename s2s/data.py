@@ -23,7 +23,7 @@ import signal
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Iterator, Optional, Sequence
+from typing import IO, Iterator, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -401,11 +401,20 @@ def prepare_split(pairs: Iterator[tuple[str, str]], rules: CleanRules, tok: Toke
     return stats
 
 
+class TrainingData(Protocol):
+    """What training reads: per-pair lengths (for token batching) and batches by index.
+    ``epoch`` is the epoch being trained (0 for dev), for data that changes with it
+    (denoising seeds its noise with it)."""
+
+    src_lens: np.ndarray
+    tgt_lens: np.ndarray
+
+    def batch(self, indices: Sequence[int], epoch: int = 0) -> "Batch": ...
+
+
 class BinDataset:
     """One binarized split, memory-mapped: ids and offsets stay on disk (the page cache
     holds what is read), and only the per-pair lengths, two int64 arrays, are in memory."""
-
-    epoch = 0  # the epoch being read (the trainer sets it; denoising datasets seed their noise with it)
 
     def __init__(self, directory: str | Path, split: str, pad_id: int = PAD_ID, bos_id: int = BOS_ID):
         d = Path(directory)
@@ -431,7 +440,8 @@ class BinDataset:
         return (self.src[self.src_off[i]:self.src_off[i + 1]],
                 self.tgt[self.tgt_off[i]:self.tgt_off[i + 1]])
 
-    def batch(self, indices: Sequence[int]) -> "Batch":
+    def batch(self, indices: Sequence[int], epoch: int = 0) -> "Batch":
+        """The pairs ``indices`` as a Batch (the same in every epoch)."""
         pairs = [self.pair(int(i)) for i in indices]
         return Batch.from_ids([p[0] for p in pairs], [p[1] for p in pairs], self.pad_id, self.bos_id)
 

@@ -6,7 +6,7 @@
     DIR/model.json          format version, s2s version, sha256 of the weights, step, metrics
 
 A training run directory is itself a model directory (holding its best
-weights); the run's training checkpoints live in DIR/checkpoints/.
+weights); the run's training checkpoints live in DIR/checkpoints/ (s2s.checkpoint).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
 META = "model.json"
 CONFIG = "config.yaml"
-CHECKPOINT_STATE = "state.json"  # in checkpoints/step-N/, beside model.safetensors
 
 
 def vocab_sizes(cfg: ExperimentConfig, tok: Tokenizer) -> tuple[int, int]:
@@ -261,18 +260,6 @@ def shape_mismatches(model: torch.nn.Module, path: Path) -> list[tuple[str, tupl
     return wrong
 
 
-def recorded_sha256(directory: Path) -> str:
-    """The sha256 recorded for ``directory/model.safetensors``: by model.json in a model
-    directory, by state.json in a training checkpoint."""
-    state = directory / CHECKPOINT_STATE
-    if directory.is_dir() and not (directory / META).exists() and state.is_file():
-        try:
-            return json.loads(state.read_text(encoding="utf-8"))["sha256"][WEIGHTS]
-        except (ValueError, UnicodeDecodeError, KeyError, TypeError):
-            raise S2SError(f"{state}: corrupted checkpoint state") from None
-    return read_meta(directory).get("sha256")
-
-
 def load_spec(directory: Path) -> tuple[ExperimentConfig, Tokenizer]:
     """The config and tokenizer a model or run directory holds."""
     cfg = load_config(directory / CONFIG)
@@ -287,6 +274,8 @@ def load_model_dir(directory: str | Path, device: str | torch.device = "cpu") ->
     """Load config, tokenizer and verified weights of a model directory (eval mode), or of a
     training checkpoint RUN/checkpoints/step-N (config and tokenizer from RUN, the checksum
     from its state.json; ``directory`` of the result is then RUN)."""
+    from s2s.checkpoint import is_checkpoint, recorded_sha256, run_dir_of
+
     d = Path(directory)
     if is_checkpoint(d):
         run, digest = run_dir_of(d), recorded_sha256(d)
@@ -348,16 +337,6 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
     return rows
 
 
-def is_checkpoint(path: Path) -> bool:
-    """A training checkpoint (checkpoints/step-N: weights and state.json, no model.json)."""
-    return path.is_dir() and not (path / META).exists() and (path / CHECKPOINT_STATE).is_file()
-
-
-def run_dir_of(path: Path) -> Path:
-    """The directory holding config.yaml and the tokenizer for a checkpoint or model directory."""
-    return path.parent.parent if path.parent.name == "checkpoints" else path
-
-
 def average_checkpoints(paths: list[str | Path], out: str | Path, force: bool = False) -> Path:
     """theta_avg = (1/n) sum_i theta_i over n checkpoints of one architecture,
     written as a model directory (config and tokenizer from the first one's run).
@@ -371,6 +350,8 @@ def average_checkpoints(paths: list[str | Path], out: str | Path, force: bool = 
 
 
 def _average_checkpoints(paths: list[str | Path], out: str | Path, force: bool) -> Path:
+    from s2s.checkpoint import recorded_sha256, run_dir_of
+
     if not paths:
         raise S2SError("average: no checkpoints given")
     dirs = [Path(p) for p in paths]

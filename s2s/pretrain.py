@@ -53,7 +53,6 @@ class DenoisingDataset:
     def __init__(self, data: BinDataset, denoiser: Denoiser, seed: int, split_key: int, eos_id: int):
         self.data, self.denoiser, self.seed, self.split_key, self.eos_id = data, denoiser, seed, split_key, eos_id
         self.n = len(data)
-        self.epoch = 0  # set by the trainer before each epoch's batches
         lens = np.concatenate([data.src_lens, data.tgt_lens])
         self.src_lens = self.tgt_lens = lens
 
@@ -65,10 +64,11 @@ class DenoisingDataset:
         ids = (src if i < self.n else tgt).tolist()
         return ids[:-1] if ids and ids[-1] == self.eos_id else ids  # without </s>
 
-    def batch(self, indices: Sequence[int]) -> Batch:
+    def batch(self, indices: Sequence[int], epoch: int = 0) -> Batch:
+        """Documents ``indices`` noised with a generator seeded by (seed, split, epoch, document)."""
         src, tgt = [], []
         for i in indices:
-            rng = np.random.default_rng([self.seed, self.split_key, self.epoch, int(i)])
+            rng = np.random.default_rng([self.seed, self.split_key, epoch, int(i)])
             x_noisy, y = self.denoiser(self.document(int(i)), rng)
             src.append(x_noisy + [self.eos_id])
             tgt.append(y + [self.eos_id])
@@ -84,25 +84,27 @@ def pretraining_config(cfg: ExperimentConfig) -> ExperimentConfig:
     return dataclasses.replace(cfg, train=train)
 
 
+def denoising_datasets(cfg: ExperimentConfig, tok: Tokenizer) -> tuple[DenoisingDataset, Optional[DenoisingDataset]]:
+    """Both sides of the prepared train and dev splits as documents, noised as ``cfg.pretrain`` says."""
+    from s2s.trainer import prepared_datasets
+
+    train, dev = prepared_datasets(cfg, tok)
+    denoiser = Denoiser(cfg.pretrain, tok)
+    return (DenoisingDataset(train, denoiser, cfg.seed, 0, tok.eos_id),
+            DenoisingDataset(dev, denoiser, cfg.seed, 1, tok.eos_id) if dev is not None else None)
+
+
 def pretrain(cfg: ExperimentConfig, run_dir: Optional[str | Path] = None, resume: bool = False,
              show_progress: bool = True) -> Path:
     """Denoising pretraining as ``cfg.pretrain`` describes; return the run (= model) directory.
     With train.procs > 1 (or auto) the data-parallel ranks run as processes of their own."""
     from s2s.distributed import launch_local, process_split
-    from s2s.trainer import Trainer
+    from s2s.trainer import make_trainer, run_dir_of_config
 
-    target = run_dir or cfg.output_dir
-    if not target:
-        raise S2SError("output_dir: no run directory; set output_dir in the config or pass -o RUN_DIR")
+    target = run_dir_of_config(cfg, run_dir)
     procs, threads = process_split(cfg)
     if procs > 1:
-        launch_local("pretrain", cfg, Path(target), resume, show_progress, procs, threads)
-        return Path(target)
-    trainer = Trainer(pretraining_config(cfg), Path(target), show_progress)
-    denoiser = Denoiser(cfg.pretrain, trainer.tok)
-    eos = trainer.tok.eos_id
-    trainer.train_data = DenoisingDataset(trainer.train_data, denoiser, cfg.seed, 0, eos)
-    if trainer.dev_data is not None:
-        trainer.dev_data = DenoisingDataset(trainer.dev_data, denoiser, cfg.seed, 1, eos)
+        launch_local("pretrain", cfg, target, resume, show_progress, procs, threads)
+        return target
+    trainer = make_trainer(pretraining_config(cfg), target, denoising_datasets, show_progress)
     return trainer.run(resume)
-

@@ -13,66 +13,67 @@ A run directory (``-o RUN_DIR``) holds
 A checkpoint holds the weights, the optimizer (AdamW moments), the torch RNG
 state and the data position (epoch, batch), written into a temporary
 directory that is renamed when complete; ``--resume`` continues from the
-newest complete one exactly where it stopped.
+newest complete one exactly where it stopped (s2s.checkpoint).  What the run
+reports (metrics.jsonl, env.json, the progress bar) is s2s.runlog.
+
+:func:`make_trainer` sets up a run (threads and device, the prepared data, the
+tokenizer, the datasets, the model, a distillation teacher); :class:`Trainer`
+is the loop over :meth:`Trainer.updates`, the update step, validation and the
+choice of the best model.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import math
-import platform
-import re
-import shutil
 import signal
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from s2s import __version__
-from s2s.config import ExperimentConfig, replace, to_dict
-from s2s.data import Batch, BinDataset, data_signature, token_batches, tokenizer_fingerprint
-from s2s.distributed import all_reduce_update, init_world, launch_local, process_split, shard
+from s2s.checkpoint import (
+    TrainState,
+    check_batching,
+    check_resumable,
+    list_checkpoints,
+    load_newest_intact,
+    restart_advice,
+    save_checkpoint,
+)
+from s2s.config import ExperimentConfig, TrainConfig, replace
+from s2s.data import Batch, BinDataset, TrainingData, data_signature, token_batches, tokenizer_fingerprint
+from s2s.distributed import World, all_reduce_update, init_world, launch_local, process_split, shard
 from s2s.errors import Interrupted, S2SError
 from s2s.metrics import corpus_bleu
 from s2s.model import S2SModel
 from s2s.modeldir import (
-    CHECKPOINT_STATE,
     CONFIG,
     META,
     WEIGHTS,
     build_model,
-    check_finite,
     copy_tokenizer,
     load_model_dir,
     load_weights,
     read_meta,
     save_model_dir,
     write_config,
-    write_error,
-    write_weights,
 )
 from s2s.outdir import check_run_dir, lock_run_dir
-from s2s.textio import atomic_dir, atomic_write, file_sha256, read_lines
+from s2s.runlog import LogWindow, MetricsLog, Progress, write_env
+from s2s.textio import read_lines
 from s2s.tokenizer import PAD_ID, Tokenizer, resolve_tokenizer_config
 
 log = logging.getLogger("s2s")
 
-CHECKPOINTS = "checkpoints"
-OPTIMIZER = "optimizer.safetensors"
 MAX_BAD_UPDATES = 20  # non-finite updates in a row before training gives up
-_CKPT_RE = re.compile(r"^step-(\d+)$")
 
 
 class TrainingInterrupted(Interrupted):
@@ -148,204 +149,11 @@ def coverage_loss(a: Tensor, tgt_mask: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------- #
-# Checkpoints
+# Setting up a run
 # --------------------------------------------------------------------------- #
-
-@dataclass
-class TrainState:
-    step: int = 0  # optimizer updates done
-    epoch: int = 0  # current epoch (0-based)
-    batch: int = 0  # next batch index within the epoch's batch order
-    elapsed: float = 0.0  # wall-clock seconds over all segments of the run
-    best_value: Optional[float] = None
-    best_step: int = 0
-    validations: list = field(default_factory=list)
-    batching: dict = field(default_factory=dict)  # what the data position depends on
-
-
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (temporary directories are ignored)."""
-    d = run_dir / CHECKPOINTS
-    if not d.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _CKPT_RE.match(p.name))]
-    return [p for _, p in sorted(found)]
-
-
-def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    state: TrainState, keep: int) -> Path:
-    target = run_dir / CHECKPOINTS / f"step-{state.step:08d}"
-    opt = optimizer.state_dict()
-    tensors = {"rng.torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        tensors.update({f"rng.cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    scalars = {}
-    for idx, st in opt["state"].items():
-        for key, value in st.items():
-            if isinstance(value, Tensor):
-                tensors[f"state.{idx}.{key}"] = value.contiguous()
-            else:
-                scalars[f"{idx}.{key}"] = value
-    check_finite(model, target)
-    with atomic_dir(target, replace=True) as tmp:  # replace: a step redone after resuming from an older one;
-        # a failed write (OSError) is `target: write failed (...)`
-        digests = {WEIGHTS: write_weights(model, tmp / WEIGHTS)}
-        try:
-            save_file(tensors, str(tmp / OPTIMIZER))
-        except SafetensorError as e:  # a full disk, as safetensors reports it
-            raise OSError(errno.EIO, write_error(e)) from None
-        digests[OPTIMIZER] = file_sha256(tmp / OPTIMIZER)
-        (tmp / CHECKPOINT_STATE).write_text(json.dumps({
-            "train_state": asdict(state), "param_groups": opt["param_groups"],
-            "optimizer_scalars": scalars, "s2s_version": __version__, "sha256": digests}, indent=1))
-    for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return target
-
-
-class DamagedCheckpoint(S2SError):
-    """A checkpoint that is incomplete or whose files do not match their checksums."""
-
-
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
-    """Restore model, optimizer and RNG from ``path``.  The files' checksums are verified
-    before anything is loaded; anything that does not fit is a :class:`DamagedCheckpoint`."""
-    try:
-        meta = json.loads((path / CHECKPOINT_STATE).read_text(encoding="utf-8"))
-        for name, digest in meta.get("sha256", {}).items():
-            if file_sha256(path / name) != digest:
-                raise DamagedCheckpoint(f"{path}: damaged ({name}: checksum mismatch)")
-        tensors = load_file(str(path / OPTIMIZER))
-    except (OSError, ValueError, SafetensorError) as e:
-        raise DamagedCheckpoint(f"{path}: damaged ({e})") from None
-    try:
-        load_weights(model, path / WEIGHTS)
-        state: dict = {}
-        for name, value in tensors.items():
-            if name.startswith("state."):
-                _, idx, key = name.split(".", 2)
-                state.setdefault(int(idx), {})[key] = value
-        for name, value in meta.get("optimizer_scalars", {}).items():
-            idx, key = name.split(".", 1)
-            state.setdefault(int(idx), {})[key] = value
-        optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-        train_state = TrainState(**meta["train_state"])
-        rng = tensors["rng.torch"]
-    except (S2SError, KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise DamagedCheckpoint(f"{path}: damaged ({e})") from None
-    torch.set_rng_state(rng)
-    n_cuda = sum(1 for k in tensors if k.startswith("rng.cuda."))
-    cuda = [tensors[f"rng.cuda.{i}"] for i in range(n_cuda)]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
-    return train_state
-
-
-# --------------------------------------------------------------------------- #
-# Progress on stderr
-# --------------------------------------------------------------------------- #
-
-def clock(seconds: float) -> str:
-    """H:MM:SS."""
-    secs = max(0, int(seconds))
-    return f"{secs // 3600}:{secs % 3600 // 60:02d}:{secs % 60:02d}"
-
-
-def progress_line(step: int, total_steps: Optional[int], elapsed: float, max_seconds: float,
-                  loss: Optional[float], info: str = "") -> str:
-    """What the bar says: the step (of max_steps), time used and left of max_time, the last loss."""
-    parts = [f"step {step:,}" + (f"/{total_steps:,}" if total_steps else "")]
-    if math.isfinite(max_seconds):
-        parts.append(f"{clock(elapsed)} used, {clock(max_seconds - elapsed)} left of {clock(max_seconds)}")
-    else:
-        parts.append(clock(elapsed))
-    if loss is not None:
-        parts.append(f"loss {loss:.3f}")
-    if info:
-        parts.append(info)
-    return " | ".join(parts)
-
-
-class Progress:
-    """A rich progress bar when stderr is a terminal, else a log line every ``log_every`` steps.
-
-    The bar fills by steps against train.max_steps, else by time against train.max_time,
-    and from the first step on shows the step, time used and left, and that update's loss
-    (redrawn at most 4 times a second, so reading the loss costs one host sync per redraw)."""
-
-    REDRAW_SECONDS = 0.25
-
-    def __init__(self, total_steps: Optional[int], max_seconds: float, enabled: bool, console=None):
-        self.enabled = enabled
-        self.total = total_steps
-        self.max_seconds = max_seconds
-        self._bar = None
-        self._by_time = not total_steps and math.isfinite(max_seconds)
-        self._loss: Optional[float] = None
-        self._info = ""
-        self._drawn = -math.inf
-        if enabled:
-            from rich.console import Console
-            from rich.progress import BarColumn, TextColumn
-            from rich.progress import Progress as RichProgress
-
-            console = console or Console(stderr=True)
-            if console.is_terminal:
-                self._bar = RichProgress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.fields[info]}"),
-                                         console=console, transient=False)
-                total = max_seconds if self._by_time else total_steps
-                self._task = self._bar.add_task("train", total=total, info="")
-                self._bar.start()
-
-    def eta(self, step: int, elapsed: float, rate: float) -> str:
-        left = []
-        if self.total:
-            left.append((self.total - step) / max(rate, 1e-9))
-        if math.isfinite(self.max_seconds):
-            left.append(self.max_seconds - elapsed)
-        if not left:
-            return "?"
-        return clock(min(left))
-
-    def step(self, step: int, elapsed: float, loss: Callable[[], float]) -> None:
-        """After every update: redraw the bar (throttled) with this update's loss."""
-        if self._bar is None or time.monotonic() - self._drawn < self.REDRAW_SECONDS:
-            return
-        self._loss = loss()
-        self._draw(step, elapsed)
-
-    def _draw(self, step: int, elapsed: float) -> None:
-        self._drawn = time.monotonic()
-        self._bar.update(self._task, completed=min(elapsed, self.max_seconds) if self._by_time else step,
-                         info=progress_line(step, self.total, elapsed, self.max_seconds, self._loss, self._info))
-        self._bar.refresh()  # print this frame now, not at rich's next timed refresh
-
-    def update(self, step: int, info: str, elapsed: float = 0.0) -> None:
-        if self._bar is not None:
-            self._info = info
-            self._draw(step, elapsed)
-        elif self.enabled:
-            log.info("step %d | %s", step, info)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-
-
-# --------------------------------------------------------------------------- #
-# The trainer
-# --------------------------------------------------------------------------- #
-
-def package_versions() -> dict:
-    import sacrebleu
-    import sentencepiece
-
-    return {"s2s": __version__, "python": platform.python_version(), "torch": torch.__version__,
-            "numpy": np.__version__, "sentencepiece": sentencepiece.__version__,
-            "sacrebleu": sacrebleu.__version__, "platform": platform.platform()}
-
 
 def check_prepared(cfg: ExperimentConfig) -> None:
+    """data.dir holds data prepared from this config's data settings with its tokenizer."""
     if not cfg.data.train:
         raise S2SError("data.train: no training corpus configured")
     data_dir = Path(cfg.data.dir)
@@ -364,77 +172,144 @@ def check_prepared(cfg: ExperimentConfig) -> None:
                        "run `s2s prepare CONFIG` again")
 
 
+def setup_environment(tc: TrainConfig) -> tuple[World, torch.device]:
+    """This process's rank and device (s2s.distributed; train.device) and torch's threads
+    (train.threads); warns when bf16 is asked of a CPU without native bf16 matmuls."""
+    world, device = init_world(tc.device)
+    if tc.threads:
+        torch.set_num_threads(tc.threads)
+    if (tc.precision == "bf16" and device.type == "cpu"
+            and not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        log.warning("train.precision: this CPU has no native bf16 matmul (AVX-512 BF16 or AMX); "
+                    "bf16 will run much slower than fp32")
+    return world, device
+
+
+def load_teacher(cfg: ExperimentConfig, data_dir: Path, device: torch.device) -> S2SModel:
+    """The distillation teacher (train.distill.teacher): frozen, in eval mode, with the
+    student's tokenizer."""
+    from s2s.config import load_config
+
+    directory = Path(cfg.train.distill.teacher)
+    read_meta(directory)  # a model directory, or a one-line error saying what it is not
+    theirs = load_config(directory / CONFIG)
+    if tokenizer_fingerprint(theirs, directory) != tokenizer_fingerprint(cfg, data_dir):
+        raise S2SError(f"train.distill.teacher: {directory} has another tokenizer than "
+                       f"{data_dir}; the student must use the teacher's vocabulary")
+    teacher = load_model_dir(directory, device)
+    for p in teacher.model.parameters():
+        p.requires_grad_(False)
+    return teacher.model.eval()
+
+
+def prepared_datasets(cfg: ExperimentConfig, tok: Tokenizer) -> tuple[TrainingData, Optional[TrainingData]]:
+    """The prepared train and dev splits of data.dir (no dev split without data.dev)."""
+    ids = {"pad_id": tok.pad_id, "bos_id": tok.bos_id}
+    data_dir = Path(cfg.data.dir)
+    return BinDataset(data_dir, "train", **ids), BinDataset(data_dir, "dev", **ids) if cfg.data.dev else None
+
+
+Datasets = Callable[[ExperimentConfig, Tokenizer], tuple[TrainingData, Optional[TrainingData]]]
+
+
+def make_trainer(cfg: ExperimentConfig, run_dir: Path, datasets: Datasets = prepared_datasets,
+                 show_progress: bool = True) -> Trainer:
+    """A Trainer for ``cfg`` writing ``run_dir``, training on what ``datasets(cfg, tokenizer)``
+    returns (the prepared splits; denoised ones for pretraining): threads and device set, the
+    prepared data checked, the model built from ``seed`` (and train.init_from), the teacher loaded."""
+    cfg = resolve_tokenizer_config(cfg)
+    world, device = setup_environment(cfg.train)
+    torch.manual_seed(cfg.seed)
+    check_prepared(cfg)
+    data_dir = Path(cfg.data.dir)
+    tok = Tokenizer.load(data_dir, cfg.tokenizer, cfg.data)
+    train_data, dev_data = datasets(cfg, tok)
+    model: S2SModel = build_model(cfg, tok).to(device)
+    if cfg.train.init_from:
+        init = Path(cfg.train.init_from)
+        load_weights(model, init / WEIGHTS, read_meta(init).get("sha256"))
+    teacher = load_teacher(cfg, data_dir, device) if cfg.train.distill.teacher else None
+    return Trainer(cfg, run_dir, model, tok, train_data, dev_data, teacher, world, device, show_progress)
+
+
+@contextlib.contextmanager
+def claim_run_dir(run_dir: Path, world: World) -> Iterator[None]:
+    """Rank 0 checks that the run directory is new, empty or a run directory of its own,
+    and holds its lock until training ends (s2s.outdir); when that fails, every rank stops."""
+    with contextlib.ExitStack() as held:
+        error = None
+        if world.is_main:
+            try:
+                check_run_dir(run_dir)
+                held.enter_context(lock_run_dir(run_dir))
+            except S2SError as e:
+                error = e
+        if world.any(error is not None):
+            raise error or S2SError(f"{run_dir}: rank 0 could not take the run directory")
+        yield
+
+
+def open_run_dir(run_dir: Path, resume: bool, world: World) -> bool:
+    """Create the run directory (rank 0); one holding a run is used only with ``resume``.
+    Returns whether there are checkpoints to resume from."""
+    ckpts = list_checkpoints(run_dir)
+    has_run = bool(ckpts) or (run_dir / META).exists()
+    if has_run and not resume:
+        raise S2SError(f"{run_dir}: already holds a training run; pass --resume to continue it "
+                       "or -o to choose another directory")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise S2SError(f"{run_dir}: exists and is not a directory")
+    try:
+        if world.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise S2SError(f"{run_dir}: cannot create the run directory ({e.strerror})") from None
+    if resume and not ckpts:
+        log.info("%s: no checkpoint to resume from; starting a new run", run_dir)
+    return resume and bool(ckpts)
+
+
+@contextlib.contextmanager
+def signals_caught(handler: Callable) -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP (unless ignored, as under nohup) go to ``handler`` meanwhile."""
+    ending = [signal.SIGINT, signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # under nohup hangups stay ignored
+        ending.append(signal.SIGHUP)
+    handlers = {s: signal.signal(s, handler) for s in ending}
+    try:
+        yield
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
+# --------------------------------------------------------------------------- #
+# The trainer
+# --------------------------------------------------------------------------- #
+
 class Trainer:
-    def __init__(self, cfg: ExperimentConfig, run_dir: Path, show_progress: bool = True):
-        cfg = resolve_tokenizer_config(cfg)
-        self.cfg = cfg
-        self.tc = cfg.train
-        self.run_dir = run_dir
-        self.world, self.device = init_world(self.tc.device)
-        self.show_progress = show_progress and self.world.is_main
-        if self.tc.threads:
-            torch.set_num_threads(self.tc.threads)
-        if (self.tc.precision == "bf16" and self.device.type == "cpu"
-                and not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-            log.warning("train.precision: this CPU has no native bf16 matmul (AVX-512 BF16 or AMX); "
-                        "bf16 will run much slower than fp32")
-        torch.manual_seed(cfg.seed)
-        check_prepared(cfg)
+    """The loop over :meth:`updates`, the update step, validation and the best model.
+    Built by :func:`make_trainer`."""
+
+    def __init__(self, cfg: ExperimentConfig, run_dir: Path, model: S2SModel, tok: Tokenizer,
+                 train_data: TrainingData, dev_data: Optional[TrainingData] = None,
+                 teacher: Optional[S2SModel] = None, world: World = World(),
+                 device: torch.device = torch.device("cpu"), show_progress: bool = True):
+        self.cfg, self.tc, self.run_dir = cfg, cfg.train, run_dir
         self.data_dir = Path(cfg.data.dir)
-        self.tok = Tokenizer.load(self.data_dir, cfg.tokenizer, cfg.data)
-        ids = {"pad_id": self.tok.pad_id, "bos_id": self.tok.bos_id}
-        self.train_data = BinDataset(self.data_dir, "train", **ids)
-        self.dev_data = BinDataset(self.data_dir, "dev", **ids) if cfg.data.dev else None
-        self.model: S2SModel = build_model(cfg, self.tok).to(self.device)
-        if self.tc.init_from:
-            init = Path(self.tc.init_from)
-            load_weights(self.model, init / WEIGHTS, read_meta(init).get("sha256"))
+        self.world, self.device = world, device
+        self.show_progress = show_progress and world.is_main
+        self.tok, self.train_data, self.dev_data = tok, train_data, dev_data
+        self.model, self.teacher = model, teacher
         # the module that trains: the model itself, or its torch.compile'd graph (same parameters)
-        self.train_model = torch.compile(self.model, dynamic=True) if self.tc.compile else self.model
-        self.teacher = self.load_teacher() if self.tc.distill.teacher else None
-        fused = {"fused": True} if self.device.type == "cuda" else {"foreach": True}
+        self.train_model = torch.compile(model, dynamic=True) if self.tc.compile else model
+        fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=self.tc.lr, betas=(self.tc.adam_beta1, self.tc.adam_beta2),
+            model.parameters(), lr=self.tc.lr, betas=(self.tc.adam_beta1, self.tc.adam_beta2),
             eps=self.tc.adam_eps, weight_decay=self.tc.weight_decay, **fused)
         self.state = TrainState()
+        self.metrics = MetricsLog(run_dir)
         self._signal: Optional[int] = None
-        self.tensorboard = None  # a SummaryWriter while running, when tensorboard is installed
-
-    def load_teacher(self) -> S2SModel:
-        """The distillation teacher: frozen, in eval mode, with the student's tokenizer."""
-        from s2s.config import load_config
-
-        directory = Path(self.tc.distill.teacher)
-        read_meta(directory)  # a model directory, or a one-line error saying what it is not
-        theirs = load_config(directory / CONFIG)
-        if tokenizer_fingerprint(theirs, directory) != tokenizer_fingerprint(self.cfg, self.data_dir):
-            raise S2SError(f"train.distill.teacher: {directory} has another tokenizer than "
-                           f"{self.data_dir}; the student must use the teacher's vocabulary")
-        teacher = load_model_dir(directory, self.device)
-        for p in teacher.model.parameters():
-            p.requires_grad_(False)
-        return teacher.model.eval()
-
-    # ---- bookkeeping ------------------------------------------------- #
-    def write_metrics(self, record: dict) -> None:
-        """One line of metrics.jsonl; the numbers also go to TensorBoard when it is installed."""
-        with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.tensorboard is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.tensorboard.add_scalar(f"{'dev' if key.startswith('dev') else 'train'}/{key}",
-                                                value, record["step"])
-            self.tensorboard.flush()
-
-    @staticmethod
-    def open_tensorboard(run_dir: Path):
-        """A SummaryWriter on RUN_DIR/tensorboard, or None when tensorboard is not installed."""
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            return None
-        return SummaryWriter(str(run_dir / "tensorboard"))
 
     def batching(self) -> dict:
         batching = {"seed": self.cfg.seed, "train.max_tokens": self.tc.max_tokens,
@@ -453,8 +328,33 @@ class Trainer:
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
         """The batch order of an epoch: a pure function of (seed, epoch)."""
         rng = np.random.default_rng([self.cfg.seed, epoch])
-        self.train_data.epoch = epoch
         return token_batches(self.train_data.src_lens, self.train_data.tgt_lens, self.tc.max_tokens, rng)
+
+    def updates(self, stop: Callable[[], bool]) -> Iterator[list[Batch]]:
+        """This rank's batches of each update, from the data position in ``self.state`` on, epoch
+        after epoch; ``stop()`` is asked before each.  The position advances past an update's
+        batches as they are handed out, to the next epoch after its last update.  The next
+        update's batches are built on a thread while this one trains."""
+        st = self.state
+        per_update = self.tc.update_freq * self.world.size
+        prefetch = Prefetcher(lambda epoch, group: [self.train_data.batch(idx, epoch=epoch)
+                                                    for idx in shard(group, self.world)])
+        order = self.epoch_batches(st.epoch)
+        try:
+            while True:
+                if st.batch >= len(order):  # the epoch is done
+                    st.epoch, st.batch = st.epoch + 1, 0
+                    order = self.epoch_batches(st.epoch)
+                if stop():
+                    return
+                group = order[st.batch:st.batch + per_update]
+                data = prefetch.take((st.epoch, st.batch), group)
+                st.batch += len(group)
+                if st.batch < len(order):
+                    prefetch.ahead((st.epoch, st.batch), order[st.batch:st.batch + per_update])
+                yield data
+        finally:
+            prefetch.close()
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16,
@@ -542,7 +442,7 @@ class Trainer:
         self.model.eval()
         nll, n = 0.0, 0
         for idx in token_batches(self.dev_data.src_lens, self.dev_data.tgt_lens, self.tc.max_tokens):
-            b = self.dev_data.batch(idx).to(self.device)
+            b = self.dev_data.batch(idx, epoch=0).to(self.device)  # the same batches (and noise) every time
             with self.autocast():
                 logits = self.model(b.src, b.tgt_in)
             nll += float(label_smoothed_nll(logits, b.tgt_out, 0.0, self.tok.pad_id))
@@ -583,13 +483,13 @@ class Trainer:
             save_model_dir(self.run_dir, self.model, self.cfg, self.data_dir, info)
         record["best"] = better
         self.state.validations.append(record)
-        self.write_metrics(record)
+        self.metrics.write(record)
         log.info("validation | step %d | %s%s", self.state.step,
                  " | ".join(f"{k} {v}" for k, v in record.items() if k.startswith("dev")),
                  " | new best" if better else "")
         return record
 
-    # ---- the loop ---------------------------------------------------- #
+    # ---- the run ----------------------------------------------------- #
     def _on_signal(self, signum, frame) -> None:
         if self._signal is not None:  # a second Ctrl-C: stop now
             raise KeyboardInterrupt
@@ -598,68 +498,18 @@ class Trainer:
                     signal.Signals(signum).name)
 
     def start(self, resume: bool) -> None:
-        ckpts = list_checkpoints(self.run_dir)
-        has_run = bool(ckpts) or (self.run_dir / META).exists()
-        if has_run and not resume:
-            raise S2SError(f"{self.run_dir}: already holds a training run; pass --resume to continue it "
-                           "or -o to choose another directory")
-        if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise S2SError(f"{self.run_dir}: exists and is not a directory")
-        try:
-            if self.world.is_main:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise S2SError(f"{self.run_dir}: cannot create the run directory ({e.strerror})") from None
-        if resume and ckpts:
-            old = self.run_dir / CONFIG
-            if old.is_file():
-                from s2s.config import load_config
-
-                before, now = to_dict(load_config(old))["model"], to_dict(self.cfg)["model"]
-                for key in now:
-                    if before[key] != now[key]:
-                        raise S2SError(f"{old}: model.{key} differs from the run being resumed")
-            for p in Tokenizer.all_files(self.data_dir, self.cfg.tokenizer, self.cfg.data):
-                mine = self.run_dir / p.name
-                if mine.is_file() and file_sha256(mine) != file_sha256(p):
-                    raise S2SError(f"{p}: the tokenizer changed since {self.run_dir} started; "
-                                   "resume with the original tokenizer or start a new run")
-            self.state = self.load_newest_intact(ckpts)
-            batching = self.batching()
-            for key, value in self.state.batching.items():
-                if batching[key] != value:
-                    raise S2SError(f"{key}: {batching[key]} differs from the run being resumed "
-                                   f"({value}); the data position would not match")
-        elif resume:
-            log.info("%s: no checkpoint to resume from; starting a new run", self.run_dir)
+        """A new run in the run directory, or (``resume``) the newest intact checkpoint of the
+        same model, tokenizer and batching; then config, tokenizer and env.json are written."""
+        if open_run_dir(self.run_dir, resume, self.world):
+            check_resumable(self.run_dir, self.cfg, self.data_dir)
+            self.state = load_newest_intact(self.run_dir, self.model, self.optimizer)
+            check_batching(self.state.batching, self.batching())
         self.state.batching = self.batching()
         self.seed_rank()
         if self.world.is_main:
             write_config(self.run_dir, self.cfg)
             copy_tokenizer(self.cfg, self.data_dir, self.run_dir)
-            with atomic_write(self.run_dir / "env.json") as f:
-                json.dump(package_versions(), f, indent=2)
-
-    def load_newest_intact(self, ckpts: list[Path]) -> TrainState:
-        """Resume from the newest checkpoint that loads and matches its checksums;
-        damaged newer ones (a disk error, a crash of the file system) are skipped with a warning."""
-        for ckpt in reversed(ckpts):
-            try:
-                state = load_checkpoint(ckpt, self.model, self.optimizer)
-            except DamagedCheckpoint as e:
-                log.warning("%s; trying the checkpoint before it", e)
-                continue
-            log.info("resumed from %s (step %d, epoch %d)", ckpt, state.step, state.epoch)
-            return state
-        raise S2SError(f"{self.run_dir / CHECKPOINTS}: no undamaged checkpoint to resume from; "
-                       "start a new run with another -o")
-
-    def restart_advice(self) -> str:
-        """--resume only when there is a checkpoint to resume from."""
-        ckpts = list_checkpoints(self.run_dir)
-        if ckpts:
-            return f"--resume from the last checkpoint ({ckpts[-1]})"
-        return f"start again (no checkpoint was written; remove {self.run_dir} or pass another -o)"
+            write_env(self.run_dir)
 
     def elapsed(self) -> float:
         """Wall-clock seconds of the whole run, earlier (resumed) segments included."""
@@ -696,36 +546,17 @@ class Trainer:
         """Stop before the next update: a limit is reached or a signal came (on any rank)."""
         return self.world.any(self._signal is not None or self.finished(last_val_seconds))
 
-    @contextlib.contextmanager
-    def claim_run_dir(self):
-        """Rank 0 checks that the run directory is new, empty or a run directory of its own,
-        and holds its lock until training ends (s2s.outdir); when that fails, every rank stops."""
-        with contextlib.ExitStack() as held:
-            error = None
-            if self.world.is_main:
-                try:
-                    check_run_dir(self.run_dir)
-                    held.enter_context(lock_run_dir(self.run_dir))
-                except S2SError as e:
-                    error = e
-            if self.world.any(error is not None):
-                raise error or S2SError(f"{self.run_dir}: rank 0 could not take the run directory")
-            yield
-
     def run(self, resume: bool = False) -> Path:
         """Train, holding the run directory's lock throughout."""
-        with self.claim_run_dir():
+        with claim_run_dir(self.run_dir, self.world):
             return self._run(resume)
 
     def _run(self, resume: bool) -> Path:
         self.start(resume)
         main = self.world.is_main
-        self.tensorboard = self.open_tensorboard(self.run_dir) if main else None
         tc, st = self.tc, self.state
-        ending = [signal.SIGINT, signal.SIGTERM]
-        if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # under nohup hangups stay ignored
-            ending.append(signal.SIGHUP)
-        handlers = {s: signal.signal(s, self._on_signal) for s in ending}
+        if main:
+            self.metrics.open()
         progress = Progress(tc.max_steps or None, tc.max_seconds, self.show_progress)
         self._base_elapsed, self._started = st.elapsed, time.time()
         last_val = st.validations[-1]["seconds"] if st.validations else 0.0
@@ -734,17 +565,10 @@ class Trainer:
         window = LogWindow()
         bad_steps = 0
         validated_at = st.validations[-1]["step"] if st.validations else -1
-        per_update = tc.update_freq * self.world.size
-        prefetch = Prefetcher(lambda group: [self.train_data.batch(idx) for idx in shard(group, self.world)])
+        updates = self.updates(lambda: self.should_stop(last_val))
         try:
-            while not self.should_stop(last_val):
-                batches = self.epoch_batches(st.epoch)
-                while st.batch < len(batches) and not self.should_stop(last_val):
-                    group = batches[st.batch:st.batch + per_update]
-                    data = prefetch.take((st.epoch, st.batch), group)
-                    st.batch += len(group)
-                    if st.batch < len(batches):  # built on a thread while this update computes
-                        prefetch.ahead((st.epoch, st.batch), batches[st.batch:st.batch + per_update])
+            with signals_caught(self._on_signal), contextlib.closing(updates):
+                for data in updates:
                     loss, ok, counts = self.train_step(data)
                     if not ok:
                         bad_steps += 1
@@ -753,7 +577,7 @@ class Trainer:
                         if bad_steps >= MAX_BAD_UPDATES:
                             raise S2SError(f"{self.run_dir}: {bad_steps} non-finite updates in a row "
                                            f"after step {st.step}; lower train.lr or check the data, "
-                                           f"then {self.restart_advice()}")
+                                           f"then {restart_advice(self.run_dir)}")
                         continue
                     bad_steps = 0
                     st.step += 1
@@ -768,20 +592,14 @@ class Trainer:
                             last_val = self.validate()["seconds"]
                             self.checkpoint()
                         validated_at = st.step
-                if st.batch >= len(batches):
-                    st.epoch, st.batch = st.epoch + 1, 0
-            if main:
-                if self._signal is None and validated_at != st.step:
-                    self.validate()
-                self.checkpoint()
-            self.world.barrier()  # no rank leaves before the last checkpoint is written
+                if main:
+                    if self._signal is None and validated_at != st.step:
+                        self.validate()
+                    self.checkpoint()
+                self.world.barrier()  # no rank leaves before the last checkpoint is written
         finally:
-            prefetch.close()
             progress.close()
-            if self.tensorboard is not None:
-                self.tensorboard.close()
-            for s, h in handlers.items():
-                signal.signal(s, h)
+            self.metrics.close()
         if self._signal is not None:
             name = signal.Signals(self._signal).name
             raise TrainingInterrupted(
@@ -795,7 +613,7 @@ class Trainer:
                  st.elapsed / 60, tc.best_metric, st.best_value, st.best_step, self.run_dir)
         return self.run_dir
 
-    def log_progress(self, window: "LogWindow", progress: Progress) -> None:
+    def log_progress(self, window: LogWindow, progress: Progress) -> None:
         """One metrics.jsonl line and a progress update: the mean loss since the last one."""
         st = self.state
         seconds = max(time.time() - window.started, 1e-9)
@@ -803,7 +621,7 @@ class Trainer:
         rate = window.all_tokens / seconds
         lr = self.optimizer.param_groups[0]["lr"]
         elapsed = self.elapsed()
-        self.write_metrics({"step": st.step, "epoch": st.epoch, "loss": round(mean, 4), "lr": lr,
+        self.metrics.write({"step": st.step, "epoch": st.epoch, "loss": round(mean, 4), "lr": lr,
                             "tok_s": round(rate), "elapsed": round(elapsed, 1)})
         eta = progress.eta(st.step, elapsed, window.steps / seconds)
         progress.update(st.step, f"mean loss {mean:.3f} | lr {lr:.2e} | {rate:,.0f} tok/s | ETA {eta}", elapsed)
@@ -818,42 +636,25 @@ class Prefetcher:
     """Builds an update's batches on a background thread while the previous update
     computes (torch releases the GIL inside its kernels).  Batches are named by
     their data position (epoch, batch index): ``take`` returns those ``ahead``
-    built for the same position, or builds them now."""
+    built for the same position, or builds them now; ``build(epoch, group)``."""
 
-    def __init__(self, build):
+    def __init__(self, build: Callable[[int, list[np.ndarray]], list[Batch]]):
         self._build = build
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s2s-batches")
         self._position: Optional[tuple[int, int]] = None
         self._future: Optional[Future] = None
 
     def ahead(self, position: tuple[int, int], group: list[np.ndarray]) -> None:
-        self._position, self._future = position, self._pool.submit(self._build, group)
+        self._position, self._future = position, self._pool.submit(self._build, position[0], group)
 
     def take(self, position: tuple[int, int], group: list[np.ndarray]) -> list[Batch]:
         if self._future is not None and self._position == position:
             future, self._future, self._position = self._future, None, None
             return future.result()
-        return self._build(group)
+        return self._build(position[0], group)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-@dataclass
-class LogWindow:
-    """Loss and token counts accumulated between two log lines."""
-
-    loss: Tensor | float = 0.0  # summed label-smoothed loss, kept on the device
-    tgt_tokens: int = 0
-    all_tokens: int = 0  # source + target, padding excluded
-    steps: int = 0
-    started: float = field(default_factory=time.time)
-
-    def add(self, loss: Tensor, tgt_tokens: int, all_tokens: int) -> None:
-        self.loss = self.loss + loss
-        self.tgt_tokens += tgt_tokens
-        self.all_tokens += all_tokens
-        self.steps += 1
 
 
 def _head(it, k: int):
@@ -863,15 +664,21 @@ def _head(it, k: int):
         yield x
 
 
+def run_dir_of_config(cfg: ExperimentConfig, run_dir: Optional[str | Path]) -> Path:
+    """``-o RUN_DIR``, else the config's output_dir."""
+    target = run_dir or cfg.output_dir
+    if not target:
+        raise S2SError("output_dir: no run directory; set output_dir in the config or pass -o RUN_DIR")
+    return Path(target)
+
+
 def train(cfg: ExperimentConfig, run_dir: Optional[str | Path] = None, resume: bool = False,
           show_progress: bool = True) -> Path:
     """Train a model as ``cfg`` describes; return the run (= model) directory.
     With train.procs > 1 (or auto) the data-parallel ranks run as processes of their own."""
-    target = run_dir or cfg.output_dir
-    if not target:
-        raise S2SError("output_dir: no run directory; set output_dir in the config or pass -o RUN_DIR")
+    target = run_dir_of_config(cfg, run_dir)
     procs, threads = process_split(cfg)
     if procs > 1:
-        launch_local("train", cfg, Path(target), resume, show_progress, procs, threads)
-        return Path(target)
-    return Trainer(cfg, Path(target), show_progress).run(resume)
+        launch_local("train", cfg, target, resume, show_progress, procs, threads)
+        return target
+    return make_trainer(cfg, target, show_progress=show_progress).run(resume)

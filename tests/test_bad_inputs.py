@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from s2s.checkpoint import list_checkpoints
 from s2s.cli import run
-from s2s.trainer import list_checkpoints
 from tests.conftest import TINY_YAML
 
 BAD_FILES = {
@@ -402,14 +402,14 @@ def test_translate_to_a_full_disk_on_stdout(env):
 def test_train_checkpoint_on_a_full_disk(env, tmp_path, capsys, monkeypatch):
     """The disk fills while a checkpoint is written: an error, the previous checkpoint intact,
     and --resume continues once there is room again."""
-    import s2s.trainer
+    import s2s.checkpoint
 
     sets = _resume_cfg(env, tmp_path)
     run = tmp_path / "run"
     cli_ok(capsys, monkeypatch, "train", env["cfg"], "-o", run, *sets[:1], "train.max_steps=2", *sets[2:])
     before = list_checkpoints(run)
     with monkeypatch.context() as m:
-        _fail_with(m, s2s.trainer, "save_file", errno.ENOSPC)  # writing the optimizer state
+        _fail_with(m, s2s.checkpoint, "save_file", errno.ENOSPC)  # writing the optimizer state
         r = cli(capsys, m, "train", env["cfg"], "-o", run, "--resume", *sets)
     assert_error(r, run / "checkpoints" / "step-00000004", "No space left on device")
     assert list_checkpoints(run) == before
@@ -865,19 +865,18 @@ def test_max_len_b_is_capped_by_the_documented_maximum(env, tmp_path, capsys, mo
 def test_checkpoint_write_failing_inside_safetensors(env, tmp_path, monkeypatch, writer):
     """safetensors reports a full disk as SafetensorError, not OSError: still
     `RUN/checkpoints/step-N: write failed (No space left on device)`, nothing left behind."""
+    import safetensors.torch  # modeldir imports save_model where it writes: patch it at its source
     import torch
     from safetensors import SafetensorError
 
-    import s2s.modeldir
-    import s2s.trainer
+    import s2s.checkpoint
+    from s2s.checkpoint import TrainState, save_checkpoint
     from s2s.errors import S2SError
-    from s2s.trainer import TrainState, save_checkpoint
 
     def full(*args, **kwargs):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-    import safetensors.torch  # modeldir imports save_model where it writes: patch it at its source
 
-    monkeypatch.setattr(s2s.trainer if writer == "optimizer" else safetensors.torch,
+    monkeypatch.setattr(s2s.checkpoint if writer == "optimizer" else safetensors.torch,
                         "save_file" if writer == "optimizer" else "save_model", full)
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.Adam(model.parameters())

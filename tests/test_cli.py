@@ -390,7 +390,7 @@ def test_sampling_nbest_prints_n_samples_per_line(model_dir, corpus):
 
 
 def test_ensemble_of_a_run_and_its_checkpoint_with_weights(model_dir, corpus):
-    from s2s.trainer import list_checkpoints
+    from s2s.checkpoint import list_checkpoints
 
     ckpt = list_checkpoints(model_dir)[0]
     src = (corpus / "dev.en").read_text().splitlines()[:3]

@@ -74,12 +74,12 @@ def test_word_level_kd_loss_of_a_training_batch_is_the_formula(prepared, teacher
     computed here token by token from the two models' scores."""
     from safetensors.torch import load_file
 
-    from s2s.trainer import Trainer
+    from s2s.trainer import make_trainer
 
     cfg = load_config(prepared, [f"train.distill.teacher={teacher}", f"train.distill.lambda={lam}",
                                  f"train.distill.temperature={T}", "train.label_smoothing=0",
                                  "model.dropout=0"])
-    trainer = Trainer(cfg, tmp_path / "student", show_progress=False)
+    trainer = make_trainer(cfg, tmp_path / "student", show_progress=False)
     weights = load_file(teacher / "model.safetensors")
     shared = [k for k in trainer.teacher.state_dict() if k in weights]  # tied tensors are stored once
     assert len(shared) > 5 and all(torch.equal(trainer.teacher.state_dict()[k], weights[k]) for k in shared)

@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from s2s.checkpoint import list_checkpoints
 from s2s.config import load_config
 from s2s.distributed import World, auto_procs, shard, threads_per_process, training_bytes
-from s2s.trainer import Trainer, list_checkpoints
+from s2s.trainer import make_trainer
 
 # No dropout, so that both runs draw nothing at random after the (identical) initialization.
 # adam_eps 1e-4: the key bias's gradient is zero in exact arithmetic (softmax ignores a constant
@@ -66,7 +67,7 @@ def _assert_same_training(one, two, prepared, tmp_path):
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
     # the updates moved the weights far more than the tolerance: the comparison means something
-    start = Trainer(load_config(prepared, SETTINGS), tmp_path / "unused", show_progress=False).model.state_dict()
+    start = make_trainer(load_config(prepared, SETTINGS), tmp_path / "unused", show_progress=False).model.state_dict()
     assert max(float((a[k] - start[k]).abs().max()) for k in a) > 1e-3
     # rank 0 alone logged: one line per step, with the losses and token counts of both ranks' batches
     m1 = [r for r in _metrics(one) if "loss" in r]

@@ -11,10 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from s2s.checkpoint import list_checkpoints
 from s2s.config import load_config
 from s2s.errors import S2SError
 from s2s.modeldir import load_model_dir
-from s2s.trainer import Trainer, inverse_sqrt_lr, is_new_best, label_smoothed_nll, list_checkpoints, train
+from s2s.trainer import Trainer, inverse_sqrt_lr, is_new_best, label_smoothed_nll, train
 
 
 def test_inverse_sqrt_schedule():
@@ -294,7 +295,7 @@ def test_non_finite_abort_advises_resume_only_from_a_checkpoint(prepared, tmp_pa
 
 
 def test_non_finite_weights_are_never_written(prepared, tmp_path):
-    from s2s.trainer import TrainState, save_checkpoint
+    from s2s.checkpoint import TrainState, save_checkpoint
 
     cfg = load_config(prepared)
     model = load_model_dir(train(cfg, tmp_path / "run", show_progress=False)).model
@@ -311,9 +312,9 @@ def test_non_finite_weights_are_never_written(prepared, tmp_path):
 def test_a_batch_out_of_memory_is_split(prepared, tmp_path, monkeypatch, caplog):
     """A batch that does not fit is split in halves with a warning; the gradient is the same."""
     from s2s.model import Seq2SeqTransformer
-    from s2s.trainer import Trainer
+    from s2s.trainer import make_trainer
 
-    trainer = Trainer(load_config(prepared, ["model.dropout=0"]), tmp_path / "run", show_progress=False)
+    trainer = make_trainer(load_config(prepared, ["model.dropout=0"]), tmp_path / "run", show_progress=False)
     batch = trainer.train_data.batch(trainer.epoch_batches(0)[0])
     assert len(batch) > 3
     trainer.model.train()
@@ -343,7 +344,7 @@ def test_a_batch_out_of_memory_is_split(prepared, tmp_path, monkeypatch, caplog)
 def test_metrics_go_to_tensorboard_when_installed(prepared, tmp_path, monkeypatch):
     """With a SummaryWriter available, every logged number is a scalar (a stand-in writer here:
     tensorboard is an optional package)."""
-    from s2s.trainer import Trainer
+    import s2s.runlog
 
     scalars = []
 
@@ -360,7 +361,7 @@ def test_metrics_go_to_tensorboard_when_installed(prepared, tmp_path, monkeypatc
         def close(self):
             scalars.append("closed")
 
-    monkeypatch.setattr(Trainer, "open_tensorboard", staticmethod(lambda run_dir: Writer(str(run_dir / "tensorboard"))))
+    monkeypatch.setattr(s2s.runlog, "open_tensorboard", lambda run_dir: Writer(str(run_dir / "tensorboard")))
     train(load_config(prepared), tmp_path / "run", show_progress=False)
     assert ("train/loss", 1) in scalars and ("dev/dev_loss", 3) in scalars and ("train/lr", 6) in scalars
     assert scalars[-1] == "closed"
@@ -385,7 +386,8 @@ def test_prefetcher_returns_the_batches_asked_for():
 
     built = []
 
-    def build(group):
+    def build(epoch, group):
+        assert epoch == 0
         built.append([g.tolist() for g in group])
         return [g.sum() for g in group]
 
@@ -430,7 +432,7 @@ def test_progress_bar_shows_step_time_and_loss_from_the_first_step(prepared, tmp
 
 
 def test_progress_line_formula():
-    from s2s.trainer import progress_line
+    from s2s.runlog import progress_line
 
     assert progress_line(7, 100, 65.0, 900.0, 4.25) == "step 7/100 | 0:01:05 used, 0:13:55 left of 0:15:00 | loss 4.250"
     assert progress_line(1, None, 3.0, math.inf, None, "lr 1.00e-03") == "step 1 | 0:00:03 | lr 1.00e-03"
