@@ -98,13 +98,7 @@ def pretrain(cfg: ExperimentConfig, run_dir: Optional[str | Path] = None, resume
              show_progress: bool = True) -> Path:
     """Denoising pretraining as ``cfg.pretrain`` describes; return the run (= model) directory.
     With train.procs > 1 (or auto) the data-parallel ranks run as processes of their own."""
-    from s2s.distributed import launch_local, process_split
-    from s2s.trainer import make_trainer, run_dir_of_config
+    from s2s.trainer import run_training
 
-    target = run_dir_of_config(cfg, run_dir)
-    procs, threads = process_split(cfg)
-    if procs > 1:
-        launch_local("pretrain", cfg, target, resume, show_progress, procs, threads)
-        return target
-    trainer = make_trainer(pretraining_config(cfg), target, denoising_datasets, show_progress)
-    return trainer.run(resume)
+    return run_training("pretrain", cfg, run_dir, resume, show_progress, denoising_datasets,
+                        pretraining_config(cfg))

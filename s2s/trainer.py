@@ -672,13 +672,22 @@ def run_dir_of_config(cfg: ExperimentConfig, run_dir: Optional[str | Path]) -> P
     return Path(target)
 
 
+def run_training(command: str, cfg: ExperimentConfig, run_dir: Optional[str | Path], resume: bool,
+                 show_progress: bool, datasets=None, trainer_cfg: Optional[ExperimentConfig] = None) -> Path:
+    """``s2s train`` or ``s2s pretrain`` (``command``): one process, or with train.procs > 1 (or
+    auto) the data-parallel ranks as processes of their own; return the run (= model) directory.
+    ``datasets`` (default: the prepared splits) and ``trainer_cfg`` (default: ``cfg``) go to
+    :func:`make_trainer`."""
+    target = run_dir_of_config(cfg, run_dir)
+    procs, threads = process_split(cfg)
+    if procs > 1:
+        launch_local(command, cfg, target, resume, show_progress, procs, threads)
+        return target
+    return make_trainer(trainer_cfg or cfg, target, datasets or prepared_datasets, show_progress).run(resume)
+
+
 def train(cfg: ExperimentConfig, run_dir: Optional[str | Path] = None, resume: bool = False,
           show_progress: bool = True) -> Path:
     """Train a model as ``cfg`` describes; return the run (= model) directory.
     With train.procs > 1 (or auto) the data-parallel ranks run as processes of their own."""
-    target = run_dir_of_config(cfg, run_dir)
-    procs, threads = process_split(cfg)
-    if procs > 1:
-        launch_local("train", cfg, target, resume, show_progress, procs, threads)
-        return target
-    return make_trainer(cfg, target, show_progress=show_progress).run(resume)
+    return run_training("train", cfg, run_dir, resume, show_progress)
