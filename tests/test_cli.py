@@ -449,8 +449,9 @@ def test_help_reads_like_a_usage_line():
         for internal in ("<bool>", "list[", "{", "}"):
             assert internal not in r.stdout, (cmd, internal)
     r = runner.invoke(app, ["translate", "--help"], env={"COLUMNS": "200"})
-    for key in ("beam", "alpha", "max_len_b", "no_repeat_ngram", "top_p", "batch_tokens"):
+    for key in ("beam", "alpha", "max_len_b", "min_len", "coverage_penalty", "batch_tokens"):
         assert f"(default: the model's decode.{key})" in r.stdout, key
+    assert "decode.KEY=VALUE" in r.stdout  # every other decode key: --set decode.KEY=VALUE
     assert "<path>" in r.stdout  # -m, repeatable: the type of one value
 
 
