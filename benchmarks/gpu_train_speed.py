@@ -59,10 +59,10 @@ def timed(step, batches, warmup: int, device: torch.device) -> float:
 
 
 def run_s2s(cfg, batches, warmup: int) -> float:
-    from s2s.trainer import Trainer
+    from s2s.trainer import make_trainer
 
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(cfg, Path(tmp) / "run", show_progress=False)
+        trainer = make_trainer(cfg, Path(tmp) / "run", show_progress=False)
         return timed(lambda b: trainer.train_step([b]), batches, warmup, trainer.device)
 
 
