@@ -311,6 +311,19 @@ def test_every_glossary_term_appears_and_other_lines_are_unchanged(model_dir, gl
     assert constrained == 5
 
 
+@pytest.mark.parametrize("members,decode", [(1, {"coverage_penalty": 0.2, "beam": 1}),
+                                             (1, {"coverage_penalty": 0.2, "beam": 3}),
+                                             (2, {"beam": 2, "no_repeat_ngram": 2})])
+def test_glossary_with_coverage_penalty_ensembles_and_ngram_blocking(model_dir, glossary_file, members, decode):
+    from s2s.translate import Translator
+
+    tr = Translator.from_dirs([model_dir] * members, decode={**decode, "glossary": str(glossary_file)})
+    g = load_glossary(glossary_file)
+    for line, t in zip(SOURCES, tr.translate_chunk(SOURCES)):
+        for term in g.targets_in(line):
+            assert term in t.text, (line, t.text)
+
+
 def test_glossary_with_a_shortlist_keeps_the_terms(model_dir, glossary_file):
     from s2s.shortlist import Shortlist
     from s2s.translate import Translator
