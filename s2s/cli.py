@@ -341,6 +341,9 @@ def _decode_command(name: str, defaults: dict):
         batch_tokens: Annotated[Optional[int], _decode_flag("batch_tokens")] = None,
         prefix_file: Annotated[Optional[Path], typer.Option(
             help="Force each output to start with the same line of this file.")] = None,
+        glossary: Annotated[Optional[Path], typer.Option(
+            help="Lines `source term<TAB>target term`: an output whose source holds the term (whole words) "
+                 "holds the target term (constrained beam search; decode.glossary).")] = None,
         threads: Annotated[int, typer.Option(help="torch threads (0: torch's default).")] = 0,
         precision: Annotated[str, typer.Option(
             help="fp32; bf16 (weights converted; fast only with native bf16 matmuls); "
@@ -369,6 +372,8 @@ def _decode_command(name: str, defaults: dict):
         for key, on in (("sampling", sampling), ("compile", compile), ("shortlist", shortlist)):
             if on:
                 overrides[key] = True
+        if glossary is not None:
+            overrides["glossary"] = str(glossary)
         weights = parse_weights(ensemble_weights, len(model))
         spec = TranslatorSpec(tuple(str(m) for m in model), overrides, defaults, device, precision, quantize,
                               alignments, nbest_rows="nbest" in overrides, threads=threads,

@@ -289,6 +289,7 @@ class DecodeConfig:
     max_output_tokens: int = 1024  # a*|x|+b is capped here (and by a learned position table)
     shortlist: bool = False  # score only each batch's shortlist (MODEL/shortlist.safetensors, `s2s shortlist`)
     compile: bool = False  # run the decoder step through torch.compile (Inductor; falls back to eager)
+    glossary: str = ""  # a file of `source term<TAB>target term` lines the outputs must keep (s2s.glossary)
 
     def __post_init__(self) -> None:
         _check(self.beam >= 1, "decode.beam", "must be >= 1")
@@ -303,6 +304,8 @@ class DecodeConfig:
         _check(not self.sampling or self.beam == 1, "decode.sampling", "needs decode.beam: 1")
         _check(not (self.sampling and self.coverage_penalty), "decode.coverage_penalty",
                "rescores searched hypotheses; sampling draws them (set it to 0 with decode.sampling)")
+        _check(not (self.sampling and self.glossary), "decode.glossary",
+               "constrains searched hypotheses; sampling draws them (no glossary with decode.sampling)")
         _check(self.temperature > 0, "decode.temperature", "must be > 0")
         _check(self.top_k >= 0, "decode.top_k", "must be >= 0")
         _check(0 < self.top_p <= 1, "decode.top_p", "must be in (0, 1]")

@@ -413,17 +413,25 @@ def beam_stop_bound(best_live: Tensor, m: int, max_len: Tensor, s: DecodeConfig)
 
 
 def search(decoder: StepDecoder, max_len: Tensor, s: DecodeConfig, ids: SpecialIds,
-           prefix: Optional[Tensor] = None) -> list[list[Hypothesis]]:
+           prefix: Optional[Tensor] = None, constraints: Optional[Tensor] = None) -> list[list[Hypothesis]]:
     """Greedy (or sampling) when beam = 1, else beam search.
 
     A coverage penalty rescores finished hypotheses, which greedy search never
     compares: with one, beam = 1 is a beam search of width 1 (a finished
     hypothesis scores log p / lp(m) + cp and competes with the live one, as at
-    any width), not greedy."""
+    any width), not greedy.  ``constraints`` (B, M, L), token sequences -1 padded,
+    that each output must contain: lexically constrained beam search at any width
+    (s2s.constraints, dynamic beam allocation)."""
     if s.sampling and s.beam != 1:
         raise ValueError("sampling draws one token per step: use beam = 1")
     if s.sampling and s.coverage_penalty:
         raise ValueError("sampling does not rescore hypotheses: no coverage penalty")
+    if constraints is not None:
+        if s.sampling:
+            raise ValueError("sampling draws tokens: it cannot keep lexical constraints")
+        from s2s.constraints import constrained_beam_search  # it builds on this module
+
+        return constrained_beam_search(decoder, max_len, s, ids, constraints, prefix)
     if s.beam == 1 and (s.sampling or not s.coverage_penalty):
         return greedy_search(decoder, max_len, s, ids, prefix)
     return beam_search(decoder, max_len, s, ids, prefix)

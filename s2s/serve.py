@@ -10,7 +10,8 @@ together are thus translated together, sorted by length into token-bounded
 batches as ``s2s translate`` does with a file; a request that waited while the
 worker was busy waits no longer.
 
-    POST /translate  {"texts": ["Hello", ...], "beam": 5, "nbest": 2, "alignments": true, "scores": true}
+    POST /translate  {"texts": ["Hello", ...], "beam": 5, "nbest": 2, "alignments": true, "scores": true,
+                      "glossary": {"source term": "target term", ...}}
                      -> {"translations": [{"text": ..., "score": ..., "alignment": [[j, t], ...],
                                            "nbest": [{"text": ..., "score": ..., "alignment": ...}, ...]}]}
     GET  /health     {"status": "ok", "requests": ..., "texts": ..., "batches": ...,
@@ -45,12 +46,13 @@ from s2s import __version__
 from s2s.config import DecodeConfig, replace
 from s2s.config import decode_overrides as parse_decode_overrides
 from s2s.errors import ConfigError, S2SError
+from s2s.glossary import Glossary, check_entry
 from s2s.search import Hypothesis
 from s2s.translate import Translation, Translator
 
 log = logging.getLogger("s2s")
 
-REQUEST_KEYS = ("texts", "beam", "nbest", "alignments", "scores")
+REQUEST_KEYS = ("texts", "beam", "nbest", "alignments", "scores", "glossary")
 
 
 class RequestError(S2SError):
@@ -98,6 +100,7 @@ class SearchRequest:
     beam: int
     nbest: int
     alignments: bool
+    glossary: tuple[tuple[str, str], ...] = ()  # (source term, target term): added to decode.glossary's
 
 
 @dataclass(frozen=True)
@@ -137,9 +140,11 @@ def parse_request(body: bytes, decode: DecodeConfig, limits: ServeLimits,
     if len(texts) > limits.max_texts:
         raise RequestError(413, f"texts: {len(texts)} texts, over this server's limit of "
                                 f"{limits.max_texts} per request")
-    chars = sum(len(t) for t in texts)
+    glossary = parse_glossary(data.get("glossary", {}), decode)
+    chars = sum(len(t) for t in texts) + sum(len(a) + len(b) for a, b in glossary)
     if chars > limits.max_chars:
-        raise RequestError(413, f"texts: {chars} characters, over this server's limit of "
+        raise RequestError(413, f"{'texts and glossary' if glossary else 'texts'}: {chars} characters, "
+                                f"over this server's limit of "
                                 f"{limits.max_chars} per request")
     for key in ("beam", "nbest"):
         value = data.get(key)
@@ -159,7 +164,25 @@ def parse_request(body: bytes, decode: DecodeConfig, limits: ServeLimits,
     alignments = data.get("alignments", False)
     if alignments and not can_align:
         raise RequestError(422, "alignments: this model has no cross-attention to align with")
-    return TranslateRequest(texts, SearchRequest(beam, nbest, alignments), data.get("scores", False))
+    return TranslateRequest(texts, SearchRequest(beam, nbest, alignments, glossary), data.get("scores", False))
+
+
+def parse_glossary(value: Any, decode: DecodeConfig) -> tuple[tuple[str, str], ...]:
+    """A request's ``glossary``: an object {source term: target term} (s2s.glossary's entries,
+    whole-word source terms) -> its (source, target) pairs, stripped."""
+    if not isinstance(value, dict):
+        raise RequestError(422, f"glossary: expected an object {{source term: target term}}, got {_type_name(value)}")
+    if value and decode.sampling:
+        raise RequestError(422, "glossary: this server samples (decode.sampling); sampling cannot keep terms")
+    pairs = []
+    for source, target in value.items():
+        if not isinstance(target, str):
+            raise RequestError(422, f"glossary[{source!r}]: expected a string, got {_type_name(target)}")
+        try:
+            pairs.append(check_entry(source, target, f"glossary[{source!r}]"))
+        except S2SError as e:
+            raise RequestError(422, str(e)) from None
+    return tuple(pairs)
 
 
 def hypothesis_json(text: str, h: Optional[Hypothesis], scores: bool, alignments: bool) -> dict:
@@ -297,6 +320,13 @@ class BatchingQueue:
             self._stats.batches += 1
         return group
 
+    def _glossary(self, search: SearchRequest) -> Optional[Glossary]:
+        """The request's glossary entries added to the server's decode.glossary (None: the server's alone)."""
+        if not search.glossary:
+            return None
+        base = self.translator.glossary()
+        return base.merged(dict(search.glossary), "request") if base else Glossary(dict(search.glossary), "request")
+
     def _translate(self, group: list[_Job]) -> None:
         live = [job for job in group if job.future.set_running_or_notify_cancel()]  # not abandoned
         try:
@@ -304,7 +334,8 @@ class BatchingQueue:
                 search = group[0].search
                 self.translator.decode = replace(self.base_decode, "decode.", beam=search.beam, nbest=search.nbest)
                 self.translator.alignments = search.alignments
-                found = self.translator.translate_chunk([t for job in live for t in job.texts])
+                found = self.translator.translate_chunk([t for job in live for t in job.texts],
+                                                        glossary=self._glossary(search))
                 start = 0
                 for job in live:
                     job.future.set_result(found[start:start + len(job.texts)])

@@ -20,8 +20,10 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, TextIO
 import torch
 
 from s2s.config import DecodeConfig, ExperimentConfig, check_arch_supports, replace
+from s2s.constraints import pad_constraints, room_for_constraints, unmet_constraints
 from s2s.data import pad_sequences, teacher_forcing_input, tokenizer_fingerprint, truncate
 from s2s.errors import ConfigError, S2SError
+from s2s.glossary import Glossary, load_glossary
 from s2s.model import S2SModel, Seq2SeqTransformer
 from s2s.search import EnsembleDecoder, Hypothesis, ModelDecoder, SpecialIds, ensemble_log_weights, search
 from s2s.shortlist import Shortlist, load_shortlist, subset_positions, subset_search_ids
@@ -222,6 +224,7 @@ class Translator:
         self.weights: Optional[list[float]] = None  # the members' weights (None: equal)
         self.directory: Optional[Path] = None  # the model directory (its shortlist.safetensors)
         self.shortlist: Optional[Shortlist] = None  # decode.shortlist: the table, read on first use
+        self._glossaries: dict[str, Glossary] = {}  # decode.glossary's files, each read once
 
     @property
     def decode(self) -> DecodeConfig:
@@ -298,6 +301,7 @@ class Translator:
                 raise S2SError(f"--alignments: model.arch {member.cfg.arch} has no cross-attention to align with")
         translator.alignments = alignments
         translator.set_arithmetic(precision, quantize)
+        translator.glossary()  # a bad glossary file fails here, before any input is read
         return translator
 
     def set_arithmetic(self, precision: str = "fp32", quantize: Optional[str] = None) -> None:
@@ -346,6 +350,24 @@ class Translator:
             self.extra_models = [quantize_dynamic(m, {torch.nn.Linear}, dtype=torch.qint8)
                                  for m in self.extra_models]
 
+    def glossary(self) -> Optional[Glossary]:
+        """decode.glossary's terms (s2s.glossary), the file read once; None without one."""
+        path = self.decode.glossary
+        if not path:
+            return None
+        if path not in self._glossaries:
+            self._glossaries[path] = load_glossary(path)
+        return self._glossaries[path]
+
+    def constraint_ids(self, lines: Sequence[str],
+                       glossary: Glossary) -> tuple[list[list[str]], list[list[list[int]]]]:
+        """Each line's glossary constraints: the target terms of the source terms it
+        contains, and each term's target pieces (without </s>)."""
+        terms = [glossary.targets_in(line) for line in lines]
+        distinct = list(dict.fromkeys(term for ts in terms for term in ts))
+        pieces = dict(zip(distinct, (x[:-1] for x in self.tok.encode_tgt(distinct)))) if distinct else {}
+        return terms, [[pieces[term] for term in ts] for ts in terms]
+
     @property
     def special_ids(self) -> SpecialIds:
         return SpecialIds(bos_id=self.tok.bos_id, eos_id=self.tok.eos_id, pad_id=self.tok.pad_id)
@@ -353,9 +375,11 @@ class Translator:
     # ------------------------------------------------------------------ #
     @torch.inference_mode()
     def search_ids(self, src_ids: Sequence[Sequence[int]],
-                   prefix_ids: Optional[Sequence[Sequence[int]]] = None) -> list[list[Hypothesis]]:
+                   prefix_ids: Optional[Sequence[Sequence[int]]] = None,
+                   constraint_ids: Optional[Sequence[Sequence[Sequence[int]]]] = None) -> list[list[Hypothesis]]:
         """Search one batch of encoded sources (each ending in </s>); ``prefix_ids``
-        are target tokens each output must start with."""
+        are target tokens each output must start with, ``constraint_ids`` token
+        sequences each output must contain (s2s.constraints)."""
         for m in (self.model, *self.extra_models):
             check_arch_supports(m.cfg, self.decode, self.alignments)
         src = pad_sequences(src_ids, self.tok.pad_id).to(self.device)  # (B, S)
@@ -366,16 +390,21 @@ class Translator:
         if prefix_ids is not None and any(prefix_ids):
             prefix = pad_sequences(prefix_ids, pad_id=-1).to(self.device)  # (B, P)
             max_len = torch.maximum(max_len, (prefix >= 0).sum(1) + 1)  # room for the prefix and </s>
+        constraints = None if constraint_ids is None else pad_constraints(constraint_ids)  # (B, M, L)
+        if constraints is not None:
+            constraints = constraints.to(self.device)
+            max_len = room_for_constraints(max_len, constraints, self.output_cap(self.decode))
         track = self.decode.coverage_penalty > 0
         if self.decode.compile:
             for m in (self.model, *self.extra_models):
                 compile_decode_step(m)
-        special, ids = self.special_ids, self.vocab_subset(src, prefix)
+        special, ids = self.special_ids, self.vocab_subset(src, prefix, constraints)
         if ids is not None:  # the search runs over the subset's positions
             special, prefix = subset_search_ids(special, ids), subset_positions(ids, prefix)
+            constraints = subset_positions(ids, constraints)
         decoders = [ModelDecoder(m, src, track, ids) for m in [self.model, *self.extra_models]]
         decoder = decoders[0] if len(decoders) == 1 else EnsembleDecoder(decoders, self.weights)
-        found = search(decoder, max_len, self.decode, special, prefix)
+        found = search(decoder, max_len, self.decode, special, prefix, constraints)
         if ids is not None:
             for hyps in found:
                 for h in hyps:
@@ -384,9 +413,11 @@ class Translator:
             self.align(src, [len(s) - 1 for s in src_ids], found)
         return found
 
-    def vocab_subset(self, src: torch.Tensor, prefix: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def vocab_subset(self, src: torch.Tensor, prefix: Optional[torch.Tensor],
+                     constraints: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """With decode.shortlist, the batch's target ids (V',) ascending: its shortlist
-        (see s2s.shortlist), the special ids and a forced prefix's ids; else None (all).
+        (see s2s.shortlist), the special ids, a forced prefix's and the constraints' ids;
+        else None (all).
         Only a translator loaded from a model directory has a shortlist (dev BLEU while
         training scores the whole vocabulary); an ensemble uses its first member's."""
         if not self.decode.shortlist or (self.directory is None and self.shortlist is None):
@@ -399,8 +430,9 @@ class Translator:
             self.shortlist = load_shortlist(self.directory, self.model.src_embed.num_embeddings,
                                             self.model.tgt_embed.num_embeddings)
         always = [self.tok.pad_id, self.tok.unk_id, self.tok.bos_id, self.tok.eos_id]
-        if prefix is not None:
-            always += prefix[prefix >= 0].unique().tolist()
+        for forced in (prefix, constraints):
+            if forced is not None:
+                always += forced[forced >= 0].unique().tolist()
         return self.shortlist.subset(src, always)
 
     def align(self, src: torch.Tensor, src_lens: list[int], found: list[list[Hypothesis]]) -> None:
@@ -422,7 +454,8 @@ class Translator:
             h.alignment = hard_alignment(A[r], src_lens[i], len(h.tokens))
 
     def search_sorted(self, src_ids: Sequence[Sequence[int]],
-                      prefix_ids: Optional[Sequence[Sequence[int]]] = None) -> list[list[Hypothesis]]:
+                      prefix_ids: Optional[Sequence[Sequence[int]]] = None,
+                      constraint_ids: Optional[Sequence[Sequence[Sequence[int]]]] = None) -> list[list[Hypothesis]]:
         """Search many sources: sorted by length into token-bounded batches, order restored."""
         order = sorted(range(len(src_ids)), key=lambda i: len(src_ids[i]), reverse=True)
         results: list[list[Hypothesis]] = [[] for _ in src_ids]
@@ -436,7 +469,8 @@ class Translator:
                 end += 1
             batch = [src_ids[i] for i in order[start:end]]
             prefixes = None if prefix_ids is None else [prefix_ids[i] for i in order[start:end]]
-            for i, hyps in zip(order[start:end], self.search_ids(batch, prefixes)):
+            constraints = None if constraint_ids is None else [constraint_ids[i] for i in order[start:end]]
+            for i, hyps in zip(order[start:end], self.search_ids(batch, prefixes, constraints)):
                 results[i] = hyps
             start = end
         return results
@@ -458,14 +492,26 @@ class Translator:
         return out
 
     def translate_chunk(self, lines: Sequence[str], first_line_no: int = 1,
-                        prefixes: Optional[Sequence[str]] = None) -> list[Translation]:
+                        prefixes: Optional[Sequence[str]] = None,
+                        glossary: Optional[Glossary] = None) -> list[Translation]:
+        """Translate ``lines`` (line numbers from ``first_line_no``); ``prefixes`` force each
+        output's start; ``glossary`` (default: decode.glossary's) gives each line the target
+        terms its output must contain, with a warning for a line whose best output misses one."""
         ids = self.encode_lines(lines, first_line_no)
         todo = [i for i, x in enumerate(ids) if x is not None]
         prefix_ids = None
         if prefixes is not None:  # target pieces without </s>; an empty prefix forces nothing
             wanted = [prefixes[i].strip() for i in todo]
             prefix_ids = [x[:-1] if p else [] for x, p in zip(self.tok.encode_tgt(wanted), wanted)]
-        found = self.search_sorted([ids[i] for i in todo], prefix_ids)
+        glossary = glossary if glossary is not None else self.glossary()
+        terms, constraint_ids = self.constraint_ids([lines[i] for i in todo], glossary) if glossary else (None, None)
+        found = self.search_sorted([ids[i] for i in todo], prefix_ids, constraint_ids)
+        for i, ts, cs, h in zip(todo, terms or [], constraint_ids or [], found):
+            missed = unmet_constraints(h[0].tokens, cs) if h else []
+            if missed:
+                log.warning("line %d: glossary term(s) %s not in the translation: no hypothesis within "
+                            "the maximum output length kept them", first_line_no + i,
+                            ", ".join(repr(ts[j]) for j in missed))
         hyps: list[list[Hypothesis]] = [[] for _ in lines]
         for i, h in zip(todo, found):
             hyps[i] = h

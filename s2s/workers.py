@@ -78,6 +78,10 @@ class TranslatorSpec:
         """The settings' errors, before any model loads."""
         check_translator_options(len(self.models), self.device, self.weights, self.precision, self.quantize,
                                  self.threads)
+        if self.overrides.get("glossary"):  # a bad file names its line now, not once per worker
+            from s2s.glossary import load_glossary
+
+            load_glossary(self.overrides["glossary"])
 
     def build(self):
         """Load the model(s) with these settings, each checked by ``Translator.from_dirs``."""

@@ -140,6 +140,19 @@ def test_concurrent_requests_are_answered_correctly_and_batched(server, model_di
     assert status == 200 and json.loads(text)["batches"] == after.batches
 
 
+def test_a_request_glossary_puts_its_terms_in_the_outputs(server, model_dir):
+    from s2s.glossary import Glossary
+
+    url, _ = server
+    lines = ["A simple file manager.", "Hello world", "The program shows the time.", ""]
+    terms = {"file": "Datei", "Hello": "Hallo Welt"}
+    got = translate(url, texts=lines, glossary=terms)
+    want = Translator.from_dir(model_dir).translate_chunk(lines, glossary=Glossary(terms))
+    assert [t["text"] for t in got] == [t.text for t in want]
+    assert "Datei" in got[0]["text"] and "Hallo Welt" in got[1]["text"]
+    assert [t["text"] for t in got[2:]] == Translator.from_dir(model_dir).translate(lines[2:])
+
+
 def test_info_describes_the_model(server):
     url, _ = server
     status, text = http(url + "/info")
@@ -159,7 +172,13 @@ BAD = [
     ({"texts": ["a", 3]}, 422, "texts[1]: expected a string, got an integer"),
     ({"texts": []}, 422, "texts: empty list"),
     ({"texts": ["a"], "tgt_lang": "de"}, 422, "tgt_lang: unknown key (valid keys: texts, beam"),
-    ({"texts": ["a"], "glossary": {"a": "b"}}, 422, "glossary: unknown key"),
+    ({"texts": ["a"], "glossary": [["a", "b"]]}, 422, "glossary: expected an object {source term: target term}, "
+                                                      "got a list"),
+    ({"texts": ["a"], "glossary": {"a": 3}}, 422, "glossary['a']: expected a string, got an integer"),
+    ({"texts": ["a"], "glossary": {" ": "b"}}, 422, "glossary[' ']: empty source term"),
+    ({"texts": ["a"], "glossary": {"a": ""}}, 422, "glossary['a']: empty target term for 'a'"),
+    ({"texts": ["x" * 2995], "glossary": {"word": "Wort1"}}, 413,
+     "texts and glossary: 3004 characters, over this server's limit of 3000"),
     ({"texts": ["a"], "beam": "5"}, 422, "beam: expected an integer, got a string"),
     ({"texts": ["a"], "beam": True}, 422, "beam: expected an integer, got a boolean"),
     ({"texts": ["a"], "beam": 0}, 422, "beam: must be >= 1"),
