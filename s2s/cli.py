@@ -356,6 +356,14 @@ def _decode_command(name: str, defaults: dict):
         quantize: Annotated[Optional[str], typer.Option(
             help="int8: dynamic int8 quantization of the linear layers (CPU).")] = None,
         unbuffered: Annotated[bool, typer.Option("--unbuffered", help="Translate and flush line by line.")] = False,
+        split_sentences: Annotated[bool, typer.Option(
+            "--split-sentences",
+            help="Each line is a paragraph: split it into sentences (sentencex, the model's source "
+                 "language), translate them, rejoin them on one line (decode.split_sentences).")] = False,
+        markup: Annotated[bool, typer.Option(
+            "--markup",
+            help="Take inline tags (<b>…</b>, <a href=…>, <br/>) out before translating and put them "
+                 "back where the alignment puts their words (decode.markup).")] = False,
         alignments: Annotated[bool, typer.Option(
             "--alignments", help="Append ` ||| j-t ...`: source subword j aligned to target subword t.")] = False,
         errors: Annotated[str, typer.Option(help="Invalid UTF-8 input: strict (error) or replace.")] = "strict",
@@ -369,7 +377,8 @@ def _decode_command(name: str, defaults: dict):
         flags = dict(beam=beam, alpha=alpha, nbest=nbest, max_len_a=max_len_a, max_len_b=max_len_b,
                      min_len=min_len, coverage_penalty=coverage_penalty, seed=seed, batch_tokens=batch_tokens)
         overrides = {**decode_overrides(set_, name), **{k: v for k, v in flags.items() if v is not None}}
-        for key, on in (("sampling", sampling), ("compile", compile), ("shortlist", shortlist)):
+        for key, on in (("sampling", sampling), ("compile", compile), ("shortlist", shortlist),
+                        ("split_sentences", split_sentences), ("markup", markup)):
             if on:
                 overrides[key] = True
         if glossary is not None:

@@ -290,6 +290,8 @@ class DecodeConfig:
     shortlist: bool = False  # score only each batch's shortlist (MODEL/shortlist.safetensors, `s2s shortlist`)
     compile: bool = False  # run the decoder step through torch.compile (Inductor; falls back to eager)
     glossary: str = ""  # a file of `source term<TAB>target term` lines the outputs must keep (s2s.glossary)
+    split_sentences: bool = False  # a line is a paragraph: its sentences translated, rejoined on one line
+    markup: bool = False  # inline tags (<b>..</b>, <br/>) taken out and put back through the alignment
 
     def __post_init__(self) -> None:
         _check(self.beam >= 1, "decode.beam", "must be >= 1")
@@ -316,11 +318,12 @@ class DecodeConfig:
 
 
 def check_arch_supports(model: ModelConfig, decode: DecodeConfig, alignments: bool = False) -> None:
-    """Refuse decode settings ``model.arch`` cannot serve: the coverage penalty and
+    """Refuse decode settings ``model.arch`` cannot serve: the coverage penalty, markup and
     alignments read the cross-attention, which only encoder_decoder has (copy and
     coverage are refused by ModelConfig itself).  ``alignments``: --alignments."""
     if model.arch == "encoder_decoder":
         return
+    _check(not decode.markup, "decode.markup", f"places tags by the cross-attention; model.arch {model.arch} has none")
     _check(decode.coverage_penalty == 0, "decode.coverage_penalty",
            f"needs cross-attention; model.arch {model.arch} has none")
     _check(not alignments, "--alignments", f"model.arch {model.arch} has no cross-attention to align with")

@@ -225,6 +225,7 @@ class Translator:
         self.directory: Optional[Path] = None  # the model directory (its shortlist.safetensors)
         self.shortlist: Optional[Shortlist] = None  # decode.shortlist: the table, read on first use
         self._glossaries: dict[str, Glossary] = {}  # decode.glossary's files, each read once
+        self.languages = ("src", "tgt")  # data.src_lang, data.tgt_lang (s2s.documents: sentence rules, joining)
 
     @property
     def decode(self) -> DecodeConfig:
@@ -245,6 +246,10 @@ class Translator:
                         decode.max_len_b, cap, "the model's learned position table"
                         if self.position_cap is not None and self.position_cap < decode.max_output_tokens
                         else "decode.max_output_tokens")
+        if decode.split_sentences:
+            from s2s.documents import require_splitter
+
+            require_splitter()
         self._decode = decode
 
     def output_cap(self, decode: DecodeConfig) -> int:
@@ -294,6 +299,7 @@ class Translator:
         translator = cls(first.model, first.tokenizer, settings, device, first.cfg.data.max_src_tokens)
         translator.extra_models = [m.model.eval() for m in loaded[1:]]
         translator.directory = first.directory
+        translator.languages = (first.cfg.data.src_lang, first.cfg.data.tgt_lang)
         if weights is not None:
             translator.weights = [float(w) for w in weights]
         for member in [translator.model, *translator.extra_models] if alignments else []:
@@ -475,8 +481,10 @@ class Translator:
             start = end
         return results
 
-    def encode_lines(self, lines: Sequence[str], first_line_no: int) -> list[Optional[list[int]]]:
-        """Source ids per line (None for an empty line), truncating over-long lines with a warning."""
+    def encode_lines(self, lines: Sequence[str], first_line_no: int | Sequence[int]) -> list[Optional[list[int]]]:
+        """Source ids per line (None for an empty line), truncating over-long lines with a warning
+        naming the line (``first_line_no``: the first line's number, or each line's)."""
+        line_nos = _line_numbers(first_line_no, len(lines))
         stripped = [line.strip() for line in lines]
         nonempty = [i for i, s in enumerate(stripped) if s]
         encoded = self.tok.encode_src([stripped[i] for i in nonempty])
@@ -486,7 +494,7 @@ class Translator:
                 ids = truncate(ids, self.trained_src_tokens)
             if len(ids) > self.max_input:
                 log.warning("line %d: %d tokens, truncated to the model's limit of %d",
-                            first_line_no + i, len(ids), self.max_input)
+                            line_nos[i], len(ids), self.max_input)
                 ids = truncate(ids, self.max_input)
             out[i] = ids
         return out
@@ -494,10 +502,23 @@ class Translator:
     def translate_chunk(self, lines: Sequence[str], first_line_no: int = 1,
                         prefixes: Optional[Sequence[str]] = None,
                         glossary: Optional[Glossary] = None) -> list[Translation]:
-        """Translate ``lines`` (line numbers from ``first_line_no``); ``prefixes`` force each
-        output's start; ``glossary`` (default: decode.glossary's) gives each line the target
-        terms its output must contain, with a warning for a line whose best output misses one."""
-        ids = self.encode_lines(lines, first_line_no)
+        """One Translation per line; with decode.split_sentences or decode.markup each line is a
+        paragraph (s2s.documents), else a sentence (:meth:`translate_sentences`)."""
+        if self.decode.split_sentences or self.decode.markup:
+            from s2s.documents import translate_paragraphs
+
+            return translate_paragraphs(self, lines, first_line_no, prefixes)
+        return self.translate_sentences(lines, first_line_no, prefixes, glossary)
+
+    def translate_sentences(self, lines: Sequence[str], first_line_no: int | Sequence[int] = 1,
+                            prefixes: Optional[Sequence[str]] = None,
+                            glossary: Optional[Glossary] = None) -> list[Translation]:
+        """One Translation per line, each line one input of the model (``first_line_no``: the
+        first line's number, or each line's); ``prefixes``: see :meth:`translate_lines`;
+        ``glossary`` (default: decode.glossary's) gives each line the target terms its output
+        must contain, with a warning for a line whose best output misses one."""
+        line_nos = _line_numbers(first_line_no, len(lines))
+        ids = self.encode_lines(lines, line_nos)
         todo = [i for i, x in enumerate(ids) if x is not None]
         prefix_ids = None
         if prefixes is not None:  # target pieces without </s>; an empty prefix forces nothing
@@ -510,12 +531,12 @@ class Translator:
             missed = unmet_constraints(h[0].tokens, cs) if h else []
             if missed:
                 log.warning("line %d: glossary term(s) %s not in the translation: no hypothesis within "
-                            "the maximum output length kept them", first_line_no + i,
+                            "the maximum output length kept them", line_nos[i],
                             ", ".join(repr(ts[j]) for j in missed))
         hyps: list[list[Hypothesis]] = [[] for _ in lines]
         for i, h in zip(todo, found):
             hyps[i] = h
-        return [Translation(first_line_no + i, h, [self.tok.decode_tgt(x.tokens) for x in h])
+        return [Translation(line_nos[i], h, [self.tok.decode_tgt(x.tokens) for x in h])
                 for i, h in enumerate(hyps)]
 
     def translate_lines(self, lines: Iterable[str], chunk_lines: int = 1000,
@@ -537,6 +558,11 @@ class Translator:
     def translate(self, lines: Sequence[str]) -> list[str]:
         """Best translation of each line."""
         return [t.text for t in self.translate_lines(lines)]
+
+
+def _line_numbers(first_line_no: int | Sequence[int], n: int) -> Sequence[int]:
+    """Each of ``n`` lines' number: first_line_no, first_line_no + 1, ... or the ones given."""
+    return range(first_line_no, first_line_no + n) if isinstance(first_line_no, int) else first_line_no
 
 
 def write_translations(translator: Translator, lines: Iterable[str], out: TextIO, nbest: bool = False,

@@ -28,11 +28,11 @@ def test_each_decode_flag_names_a_decode_config_field_of_its_type(command):
         base = typing.get_args(hints[key])[0]  # Annotated[Optional[T], ...] -> Optional[T]
         assert typing.get_args(base) == (types[key], type(None)), key
         assert f"(default: the model's decode.{key})" in params[key].help
-    # every other option that shares a DecodeConfig name is an on-switch (--sampling, --compile,
-    # --shortlist) or --glossary FILE
-    assert {name for name in params if name in FIELDS} - set(DECODE_FLAGS) == \
-        {"sampling", "compile", "shortlist", "glossary"}
-    for name in ("sampling", "compile", "shortlist"):
+    # every other option that shares a DecodeConfig name is an on-switch (--sampling, --compile, --shortlist,
+    # --split-sentences, --markup) or --glossary FILE
+    switches = {"sampling", "compile", "shortlist", "split_sentences", "markup"}
+    assert {name for name in params if name in FIELDS} - set(DECODE_FLAGS) == switches | {"glossary"}
+    for name in switches:
         assert types[name] is bool and f"decode.{name}" in params[name].help
     assert types["glossary"] is str and "decode.glossary" in params["glossary"].help
 
