@@ -8,10 +8,13 @@ CONFIG's prepared data (``s2s tokenizer train`` and ``s2s prepare`` done; ``--se
 as in ``s2s train``) gives the batches: at most ``--max-tokens`` padded tokens each, cut as
 the trainer cuts them.  ``--shape base`` is a transformer-base (6+6 layers, d_model 512, FFN
 2048, 8 heads) on the same vocabulary; ``--shape config`` keeps CONFIG's model.  s2s runs
-through its Trainer's own ``train_step`` (on CUDA: bf16 autocast, fused AdamW);
-MarianMTModel (post-norm, its only layout) gets the same label-smoothed loss, clipping
-and AdamW in a plain loop, under the same autocast.  Each engine's updates after
-``--warmup`` are timed, the device synchronised at both ends.
+through its Trainer's own ``train_step`` (bf16: a bf16 copy of the fp32 master weights
+made once per update, s2s.precision.Bf16Copy; on CUDA: fused AdamW skipping non-finite
+updates on the device, batches in pinned memory copied without blocking, no host sync per
+update); MarianMTModel (post-norm, its only layout) gets the same label-smoothed loss,
+clipping and AdamW in a plain loop, under bf16 autocast (the usual way to train it in
+bf16).  Each engine's updates after ``--warmup`` are timed, the device synchronised at
+both ends.
 
 Tokens are source + target tokens, padding excluded.  MFU = 3 x the forward pass's matmul
 FLOPs (benchmarks/train_speed.py's ``forward_matmul_flops``, on each sentence's real length)
@@ -63,7 +66,8 @@ def run_s2s(cfg, batches, warmup: int) -> float:
 
     with tempfile.TemporaryDirectory() as tmp:
         trainer = make_trainer(cfg, Path(tmp) / "run", show_progress=False)
-        return timed(lambda b: trainer.train_step([b]), batches, warmup, trainer.device)
+        pinned = [b.pinned(trainer.device.type == "cuda") for b in batches]  # as the trainer's prefetcher does
+        return timed(lambda b: trainer.train_step([b]), pinned, warmup, trainer.device)
 
 
 def run_marian(cfg, batches, warmup: int, device: torch.device) -> float:

@@ -7,7 +7,8 @@ The reference model of recipes/ddtp-en-de.yaml (3+3 layers, d_model 256, FFN 102
 ddtp-en-de batches of at most 4096 padded tokens.  Every engine runs as its own
 process (or processes) on the same batches (saved once by this script) and times
 whole updates: forward, label-smoothed loss, backward, gradient clipping, AdamW.
-s2s runs through its Trainer's own ``train_step``; MarianMTModel (post-norm, its
+s2s runs through its Trainer's own ``train_step`` (``s2s_bf16`` is ``train.precision: bf16``: a
+bf16 copy of the fp32 master weights made once per update, s2s.precision.Bf16Copy); MarianMTModel (post-norm, its
 only layout) gets the same loss, clipping and AdamW in a plain loop.  The
 ``s2s_fp32_2x1`` engine is two ranks of one gloo process group (one thread each),
 every update one batch per rank and one all-reduce; its tokens/s are those of both
@@ -32,6 +33,7 @@ a bf16 update takes about a minute, so bf16 is left out there (its keys null) un
 
     python benchmarks/train_speed.py            # 3 rounds of 20 timed updates per engine
     python benchmarks/train_speed.py --quick    # one round of 8: a smoke test, not a measurement
+    python benchmarks/train_speed.py --engines s2s_fp32,s2s_bf16 --slow-bf16   # only these two
 
 transformers is not an s2s dependency: when it cannot be imported, the script
 installs it into its own directory (benchmarks/.hf-env, ``pip --target``) that only
@@ -93,10 +95,11 @@ def matmul_peak_gflops(dtype: torch.dtype, repeats: int = 10) -> float:
 
 
 def cpu_has_native_bf16() -> bool:
-    """AVX-512 BF16 or AMX (lscpu's avx512_bf16 / amx_bf16).  oneDNN also "supports" bf16 on plain
-    AVX-512 (torch.ops.mkldnn._is_mkldnn_bf16_supported() is true there) by converting to fp32,
-    far slower than fp32 itself."""
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    """AVX-512 BF16 or AMX (lscpu's avx512_bf16 / amx_bf16): what ``train.precision: auto``
+    picks bf16 for (s2s.precision.auto_precision)."""
+    from s2s.precision import auto_precision
+
+    return auto_precision(torch.device("cpu"))[0] == "bf16"
 
 
 # --------------------------------------------------------------------------- #
@@ -258,6 +261,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--slow-bf16", action="store_true",
                     help="time s2s bf16 even on a CPU without native bf16 matmuls (2 updates, minutes)")
+    ap.add_argument("--engines", default=",".join(ENGINES),
+                    help="the engines to time, comma-separated (default: all); ratios need hf_fp32")
     ap.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)
     ap.add_argument("--batches", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--site", default="", help=argparse.SUPPRESS)
@@ -276,8 +281,12 @@ def main() -> None:
     native_bf16 = cpu_has_native_bf16() or torch.cuda.is_available()
     # without native bf16 matmuls (AVX-512 BF16 / AMX) a bf16 update takes about a minute on a CPU:
     # bf16 is left out (its keys null) unless --slow-bf16 asks for 2 timed updates anyway
-    engines = [e for e in ENGINES if e != "s2s_bf16" or native_bf16 or args.slow_bf16]
-    if args.threads < 2:
+    chosen = args.engines.split(",")
+    unknown = sorted(set(chosen) - set(ENGINES))
+    if unknown:
+        sys.exit(f"train_speed: --engines: {', '.join(unknown)} not among {', '.join(ENGINES)}")
+    engines = [e for e in ENGINES if e in chosen and (e != "s2s_bf16" or native_bf16 or args.slow_bf16)]
+    if args.threads < 2 and "s2s_fp32_2x1" in engines:
         engines.remove("s2s_fp32_2x1")
     count = {e: args.updates for e in ENGINES}
     if not native_bf16:
@@ -312,7 +321,7 @@ def main() -> None:
     rates = {e: sorted(tokens[e] / s for s in seconds[e]) if e in engines else [nan] for e in ENGINES}
     rate = {e: float(np.median(rates[e])) for e in ENGINES}
     mfu = {e: rate[e] * flops[e] / tokens[e] / 1e9 / peak[PRECISION[e]] if e in engines else nan for e in ENGINES}
-    hf = rate["hf_fp32"]
+    hf = rate["hf_fp32"]  # NaN when not timed: the ratios are null
     result = {}
     for e in ENGINES:
         result.update({f"{e}_tok_s": num(rate[e]), f"{e}_tok_s_min": num(rates[e][0]),
@@ -333,8 +342,9 @@ def main() -> None:
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for e in engines:
         split = f"{n_procs[e]} x {args.threads // n_procs[e]}"
+        vs_hf = "-" if hf != hf else f"{rate[e] / hf:.2f}x"
         print(f"| {e} | {PRECISION[e]} | {split} | {rate[e]:,.0f} | {rates[e][0]:,.0f} - {rates[e][-1]:,.0f} | "
-              f"{rate[e] * tgt_tokens[e] / tokens[e]:,.0f} | {mfu[e]:.0%} | {rate[e] / hf:.2f}x |")
+              f"{rate[e] * tgt_tokens[e] / tokens[e]:,.0f} | {mfu[e]:.0%} | {vs_hf} |")
     print(json.dumps(result))
 
 

@@ -219,13 +219,15 @@ class TrainConfig:
     max_steps: int = 100_000  # 0: no limit
     max_epochs: int = 0  # 0: no limit
     max_time: str = ""  # wall-clock budget: "900", "15m", "1h"; "" no limit
-    precision: Literal["fp32", "bf16"] = "fp32"
+    # bf16: a bf16 copy of the fp32 master weights made once per update (s2s.precision.Bf16Copy);
+    # auto: bf16 where the device multiplies bf16 natively (AVX-512 BF16, AMX, a CUDA GPU with bf16), else fp32
+    precision: Literal["fp32", "bf16", "auto"] = "fp32"
     threads: int = 0  # torch intra-op threads (per process); 0: torch's default, or cores / procs
     # data-parallel processes on this machine (s2s.distributed.launch_local); an update takes
     # procs * update_freq batches.  auto: one per core (train.threads each), fewer if memory is short
     # (s2s.distributed.auto_procs); one per GPU on CUDA.  Ignored under torchrun.
     procs: int | Literal["auto"] = 1
-    compile: bool = False  # train through torch.compile(model) (compiles on the first batches)
+    compile: bool = False  # each batch's forward pass and loss through torch.compile (backward compiled with it)
     device: str = "auto"  # auto (the GPU when torch sees one) | cpu | cuda | cuda:N | mps; dev BLEU too
     log_every: int = 50
     validate_every: int = 1000  # steps between dev loss/BLEU (and checkpoints)

@@ -501,8 +501,19 @@ class Batch:
     def __len__(self) -> int:
         return self.src.size(0)
 
-    def to(self, device: torch.device) -> "Batch":
-        return Batch(self.src.to(device), self.tgt_in.to(device), self.tgt_out.to(device),
+    def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
+        """On ``device``; ``non_blocking``: from page-locked memory (:meth:`pinned`) the copy
+        to a GPU runs while the host goes on (elsewhere it is an ordinary copy)."""
+        return Batch(self.src.to(device, non_blocking=non_blocking),
+                     self.tgt_in.to(device, non_blocking=non_blocking),
+                     self.tgt_out.to(device, non_blocking=non_blocking),
+                     self.n_src_tokens, self.n_tgt_tokens, self.pad_id)
+
+    def pinned(self, pin: bool = True) -> "Batch":
+        """In page-locked host memory (with ``pin``; else this batch as it is)."""
+        if not pin:
+            return self
+        return Batch(self.src.pin_memory(), self.tgt_in.pin_memory(), self.tgt_out.pin_memory(),
                      self.n_src_tokens, self.n_tgt_tokens, self.pad_id)
 
     def halves(self) -> tuple["Batch", "Batch"]:

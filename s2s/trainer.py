@@ -37,7 +37,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from s2s.checkpoint import (
     TrainState,
@@ -67,6 +67,7 @@ from s2s.modeldir import (
     write_config,
 )
 from s2s.outdir import check_run_dir, lock_run_dir
+from s2s.precision import Bf16Copy, resolve_precision
 from s2s.runlog import LogWindow, MetricsLog, Progress, write_env
 from s2s.textio import read_lines
 from s2s.tokenizer import PAD_ID, Tokenizer, resolve_tokenizer_config
@@ -174,15 +175,39 @@ def check_prepared(cfg: ExperimentConfig) -> None:
 
 def setup_environment(tc: TrainConfig) -> tuple[World, torch.device]:
     """This process's rank and device (s2s.distributed; train.device) and torch's threads
-    (train.threads); warns when bf16 is asked of a CPU without native bf16 matmuls."""
+    (train.threads)."""
     world, device = init_world(tc.device)
     if tc.threads:
         torch.set_num_threads(tc.threads)
-    if (tc.precision == "bf16" and device.type == "cpu"
-            and not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-        log.warning("train.precision: this CPU has no native bf16 matmul (AVX-512 BF16 or AMX); "
-                    "bf16 will run much slower than fp32")
     return world, device
+
+
+def skips_on_device(device: torch.device) -> bool:
+    """Whether a non-finite update is skipped by the optimizer on the device (fused AdamW's
+    found_inf) instead of by the host: on a GPU, where reading the finiteness back after
+    every update would stall the queue of kernels.  The host then learns of skipped updates
+    at the next log line (see :meth:`Trainer.check_skipped`)."""
+    return device.type == "cuda"
+
+
+def batch_objective(model: nn.Module, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, pad_id: int,
+                    epsilon: float, coverage_weight: float = 0.0, teacher_scores: Optional[Tensor] = None,
+                    kd_lambda: float = 0.0, kd_temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """One batch's forward pass and (L, L + lambda L_cov): L the label-smoothed NLL summed over
+    the real target positions, or with ``teacher_scores`` (n, V) the distillation loss.  The
+    step train.compile runs through torch.compile (with its backward)."""
+    keep = tgt_out != pad_id  # (B, T): scores only at real targets
+    target = tgt_out[keep]  # (n,)
+    if coverage_weight:
+        logits, a = model(src, tgt_in, return_attention=True, keep=keep)  # (n, V), a (B, T, S)
+    else:
+        logits = model(src, tgt_in, keep=keep)  # (n, V)
+    if teacher_scores is None:
+        loss = label_smoothed_nll(logits, target, epsilon, pad_id)
+    else:
+        loss = distillation_loss(logits, teacher_scores, target, kd_lambda, kd_temperature, epsilon, pad_id)
+    objective = loss + coverage_weight * coverage_loss(a.float(), keep) if coverage_weight else loss
+    return loss, objective
 
 
 def load_teacher(cfg: ExperimentConfig, data_dir: Path, device: torch.device) -> S2SModel:
@@ -301,12 +326,21 @@ class Trainer:
         self.show_progress = show_progress and world.is_main
         self.tok, self.train_data, self.dev_data = tok, train_data, dev_data
         self.model, self.teacher = model, teacher
-        # the module that trains: the model itself, or its torch.compile'd graph (same parameters)
-        self.train_model = torch.compile(model, dynamic=True) if self.tc.compile else model
-        fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        self.precision = resolve_precision(self.tc.precision, device, "train.precision")
+        # the weights the passes run on: the model's own (fp32), or their bf16 copy made once per
+        # update, whose gradients flow back into the model's fp32 ones (the optimizer's master weights)
+        self.bf16 = Bf16Copy(model) if self.precision == "bf16" else None
+        self.work = model if self.bf16 is None else self.bf16.module
+        # one batch's forward pass and loss: as written, or through torch.compile (train.compile)
+        self.objective = torch.compile(batch_objective, dynamic=True) if self.tc.compile else batch_objective
+        self.skip_on_device = skips_on_device(device)
+        fused = {"fused": True} if self.skip_on_device else {"foreach": True}
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=self.tc.lr, betas=(self.tc.adam_beta1, self.tc.adam_beta2),
             eps=self.tc.adam_eps, weight_decay=self.tc.weight_decay, **fused)
+        # updates skipped on the device (skip_on_device): in all, and in a row at the last one
+        self.skipped = torch.zeros((), device=device)
+        self.skipped_in_a_row = torch.zeros((), device=device)
         self.state = TrainState()
         self.metrics = MetricsLog(run_dir)
         self._signal: Optional[int] = None
@@ -337,7 +371,8 @@ class Trainer:
         update's batches are built on a thread while this one trains."""
         st = self.state
         per_update = self.tc.update_freq * self.world.size
-        prefetch = Prefetcher(lambda epoch, group: [self.train_data.batch(idx, epoch=epoch)
+        pin = self.device.type == "cuda"  # page-locked: copied to the GPU without waiting (non_blocking)
+        prefetch = Prefetcher(lambda epoch, group: [self.train_data.batch(idx, epoch=epoch).pinned(pin)
                                                     for idx in shard(group, self.world)])
         order = self.epoch_batches(st.epoch)
         try:
@@ -357,8 +392,8 @@ class Trainer:
             prefetch.close()
 
     def autocast(self):
-        return torch.autocast(self.device.type, dtype=torch.bfloat16,
-                              enabled=self.tc.precision == "bf16")
+        """bf16 autocast for the passes without gradients (the teacher, the dev loss) in bf16 runs."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
 
     # ---- one update -------------------------------------------------- #
     def train_step(self, batches: list[Batch]) -> tuple[Tensor, bool, tuple[int, int]]:
@@ -366,16 +401,21 @@ class Trainer:
 
         Returns the summed label-smoothed loss, whether the update was applied
         (a non-finite loss or gradient skips it), and the update's (target,
-        source + target) token counts; over all ranks when data-parallel.
+        source + target) token counts; over all ranks when data-parallel.  Where the
+        device skips non-finite updates itself (:func:`skips_on_device`) nothing is read
+        back: the update counts as applied here and :meth:`check_skipped` tells later.
         """
+        if self.bf16 is not None:
+            self.bf16.refresh()  # theta_16 = bf16(theta), once per update
         self.model.train()
+        self.work.train()
         n_tgt = sum(b.n_tgt_tokens for b in batches)
         n_all = n_tgt + sum(b.n_src_tokens for b in batches)
         total = torch.zeros((), device=self.device)
         # one process: gradients of L / n_tokens; data-parallel: of L, divided after the all-reduce
         scale = n_tgt if self.world.size == 1 else 1
         for b in batches:
-            total += self.forward_backward(b.to(self.device), scale)
+            total += self.forward_backward(b.to(self.device, non_blocking=True), scale)
         if self.world.size > 1:
             summed = all_reduce_update(self.model.parameters(),
                                        torch.stack([total, torch.tensor(float(n_tgt)), torch.tensor(float(n_all))]))
@@ -388,11 +428,34 @@ class Trainer:
             group["lr"] = lr
         max_norm = self.tc.clip_norm if self.tc.clip_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        ok = bool(torch.isfinite(grad_norm + total))  # loss and gradient, one host sync
+        finite = torch.isfinite(grad_norm + total)  # loss and gradient
+        if self.skip_on_device:
+            bad = (~finite).float()
+            self.optimizer.found_inf = bad  # fused AdamW leaves weights and moments as they are
+            self.optimizer.step()
+            self.skipped += bad
+            self.skipped_in_a_row = (self.skipped_in_a_row + 1) * bad
+            self.optimizer.zero_grad(set_to_none=True)
+            return torch.where(finite, total, 0.0), True, (n_tgt, n_all)
+        ok = bool(finite)  # one host sync (free on a CPU, which computes synchronously)
         if ok:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total, ok, (n_tgt, n_all)
+
+    def check_skipped(self, reported: int) -> int:
+        """Updates the device skipped (non-finite loss or gradient) since ``reported`` of them were
+        warned about: one warning; an error after MAX_BAD_UPDATES in a row.  Returns the count
+        so far.  (A host sync: called at log lines and validations only.)"""
+        skipped, in_a_row = int(self.skipped), int(self.skipped_in_a_row)
+        if skipped > reported:
+            log.warning("step %d: %d update(s) with a non-finite loss or gradient skipped since the last "
+                        "report (%d in all)", self.state.step, skipped - reported, skipped)
+        if in_a_row >= MAX_BAD_UPDATES:
+            raise S2SError(f"{self.run_dir}: {in_a_row} non-finite updates in a row up to step "
+                           f"{self.state.step}; lower train.lr or check the data, "
+                           f"then {restart_advice(self.run_dir)}")
+        return skipped
 
     def forward_backward(self, b: Batch, n_tokens: int) -> Tensor:
         """Loss and gradients of one batch (gradients scaled by 1/n_tokens of the update).
@@ -401,29 +464,24 @@ class Trainer:
         naming its size (recursively; one sentence that does not fit is an error).
         """
         try:
-            lam = self.tc.coverage_weight
-            keep = b.tgt_out != self.tok.pad_id  # (B, T): scores only at real targets
-            target = b.tgt_out[keep]  # (n,)
-            with self.autocast():
-                if lam:
-                    logits, a = self.train_model(b.src, b.tgt_in, return_attention=True, keep=keep)  # a (B, T, S)
-                else:
-                    logits = self.train_model(b.src, b.tgt_in, keep=keep)  # (n, V)
-            if self.teacher is None:
-                loss = label_smoothed_nll(logits, target, self.tc.label_smoothing, self.tok.pad_id)
-            else:
+            pad, kd = self.tok.pad_id, self.tc.distill
+            teacher_scores = None
+            if self.teacher is not None:
                 with torch.no_grad(), self.autocast():
-                    teacher_logits = self.teacher(b.src, b.tgt_in, keep=keep)
-                kd = self.tc.distill
-                loss = distillation_loss(logits, teacher_logits, target, kd.lambda_, kd.temperature,
-                                         self.tc.label_smoothing, self.tok.pad_id)
-            objective = loss + lam * coverage_loss(a.float(), keep) if lam else loss
+                    teacher_scores = self.teacher(b.src, b.tgt_in, keep=b.tgt_out != pad)  # (n, V)
+            loss, objective = self.objective(self.work, b.src, b.tgt_in, b.tgt_out, pad, self.tc.label_smoothing,
+                                             self.tc.coverage_weight, teacher_scores, kd.lambda_, kd.temperature)
             (objective / n_tokens).backward()
+            if self.bf16 is not None:
+                self.bf16.accumulate_grads()  # grad theta += fp32(grad theta_16)
             return loss.detach()
         except RuntimeError as e:  # torch.OutOfMemoryError on a GPU; a failed allocation on the CPU
             if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
                 raise
-            logits = a = loss = objective = None  # drop the references before retrying
+            teacher_scores = loss = objective = None  # drop the references before retrying
+            if self.bf16 is not None:
+                for p in self.work.parameters():
+                    p.grad = None  # the failed pass's partial gradients
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             shape = f"{len(b)} sentences x {b.src.size(1)} source / {b.tgt_in.size(1)} target tokens"
@@ -440,14 +498,14 @@ class Trainer:
     def dev_loss(self) -> float:
         """Mean token NLL (no smoothing) over the dev split."""
         self.model.eval()
-        nll, n = 0.0, 0
+        nll, n = torch.zeros((), device=self.device), 0  # summed on the device, read once
         for idx in token_batches(self.dev_data.src_lens, self.dev_data.tgt_lens, self.tc.max_tokens):
             b = self.dev_data.batch(idx, epoch=0).to(self.device)  # the same batches (and noise) every time
             with self.autocast():
                 logits = self.model(b.src, b.tgt_in)
-            nll += float(label_smoothed_nll(logits, b.tgt_out, 0.0, self.tok.pad_id))
+            nll += label_smoothed_nll(logits, b.tgt_out, 0.0, self.tok.pad_id)
             n += b.n_tgt_tokens
-        return nll / max(n, 1)
+        return float(nll) / max(n, 1)
 
     def dev_bleu(self) -> Optional[float]:
         k = self.tc.dev_bleu_sentences
@@ -564,6 +622,7 @@ class Trainer:
             log.warning("%s: nothing to train: %s", self.run_dir, self.limit_reached(last_val))
         window = LogWindow()
         bad_steps = 0
+        skipped = 0  # updates the device skipped that were reported (skip_on_device)
         validated_at = st.validations[-1]["step"] if st.validations else -1
         updates = self.updates(lambda: self.should_stop(last_val))
         try:
@@ -583,6 +642,8 @@ class Trainer:
                     st.step += 1
                     window.add(loss, *counts)
                     progress.step(st.step, self.elapsed(), lambda loss=loss, n=counts[0]: float(loss) / max(n, 1))
+                    if self.skip_on_device and (st.step % tc.log_every == 0 or st.step % tc.validate_every == 0):
+                        skipped = self.check_skipped(skipped)
                     if st.step % tc.log_every == 0:
                         if main:
                             self.log_progress(window, progress)
@@ -592,6 +653,8 @@ class Trainer:
                             last_val = self.validate()["seconds"]
                             self.checkpoint()
                         validated_at = st.step
+                if self.skip_on_device:
+                    skipped = self.check_skipped(skipped)
                 if main:
                     if self._signal is None and validated_at != st.step:
                         self.validate()

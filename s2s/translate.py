@@ -25,6 +25,7 @@ from s2s.data import pad_sequences, teacher_forcing_input, tokenizer_fingerprint
 from s2s.errors import ConfigError, S2SError
 from s2s.glossary import Glossary, load_glossary
 from s2s.model import S2SModel, Seq2SeqTransformer
+from s2s.precision import auto_precision, resolve_precision  # noqa: F401 (auto_precision: importable from here too)
 from s2s.search import EnsembleDecoder, Hypothesis, ModelDecoder, SpecialIds, ensemble_log_weights, search
 from s2s.shortlist import Shortlist, load_shortlist, subset_positions, subset_search_ids
 from s2s.tokenizer import BOS_ID, Tokenizer
@@ -105,32 +106,6 @@ def max_output_lengths(src_lens: torch.Tensor, a: float, b: int, cap: Optional[i
     """max_len(x) = floor(a * |x| + b), capped by decode.max_output_tokens and the model's position limit."""
     out = (a * src_lens.float() + b).floor().long().clamp(min=1)
     return out.clamp(max=cap) if cap is not None else out
-
-
-def cpu_flags() -> set[str]:
-    """The CPU feature flags of /proc/cpuinfo (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def auto_precision(device: torch.device, flags: Optional[set[str]] = None) -> tuple[str, str]:
-    """The precision ``--precision auto`` picks, and why: bf16 on a GPU that has it and on
-    a CPU with native bf16 matmuls (AVX-512 BF16 or AMX-BF16), else fp32.  (Dynamic int8
-    was measured slower than fp32 on an AVX-512 CPU without VNNI: README, decode speed.)"""
-    if device.type == "cuda":
-        return ("bf16", "the GPU has bf16") if torch.cuda.is_bf16_supported() else ("fp32", "no bf16 on this GPU")
-    if device.type != "cpu":
-        return "fp32", f"device {device.type}"
-    native = sorted((cpu_flags() if flags is None else flags) & {"avx512_bf16", "amx_bf16"})
-    if native:
-        return "bf16", "CPU flags " + " ".join(native)
-    return "fp32", "no avx512_bf16/amx_bf16 among the CPU flags"
 
 
 def compile_decode_step(model: S2SModel) -> None:
@@ -318,15 +293,9 @@ class Translator:
             raise S2SError(f"--precision: {precision!r} is not fp32, bf16 or auto")
         if quantize not in (None, "int8"):
             raise S2SError(f"--quantize: {quantize!r} is not int8")
-        if precision == "auto":
-            precision, why = auto_precision(self.device)
-            log.info("--precision auto: %s (%s)", precision, why)
+        precision = resolve_precision(precision, self.device, "--precision")
         if quantize == "int8" and precision == "bf16":
             raise S2SError("--quantize int8 quantizes fp32 weights: use it with --precision fp32")
-        if (precision == "bf16" and self.device.type == "cpu"
-                and not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-            log.warning("--precision bf16: this CPU has no native bf16 matmul (AVX-512 BF16 or AMX); "
-                        "expect it to be much slower than fp32")
         self.precision = precision
         if precision == "bf16":
             self.to_bf16()

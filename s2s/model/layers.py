@@ -45,11 +45,36 @@ class FeedForward(nn.Module):
         self.act = ACTIVATIONS[activation]
         self.dropout = nn.Dropout(dropout)
 
+        self.w_13: Optional[nn.Linear] = None  # [W_1; W_3] in one matrix: see fuse_matmuls
+        self.fused_from: dict[str, tuple[str, ...]] = {}
+
     def forward(self, x: Tensor) -> Tensor:
-        h = self.act(self.w_1(x))
-        if self.w_3 is not None:
-            h = h * self.w_3(x)
+        if self.w_13 is not None:
+            a, g = self.w_13(x).chunk(2, dim=-1)  # 2 x (B, L, d_ff)
+            h = self.act(a) * g
+        else:
+            h = self.act(self.w_1(x))
+            if self.w_3 is not None:
+                h = h * self.w_3(x)
         return self.w_2(self.dropout(h))
+
+    def fuse_matmuls(self) -> None:
+        """Gated: W_1 x and W_3 x as one matmul, [W_1; W_3] x (2 d_ff outputs), for a training
+        copy of the model (s2s.precision.Bf16Copy, which keeps ``fused_from`` in step with the
+        model's w_1 and w_3).  The model itself, and its state-dict keys, keep w_1 and w_3."""
+        if self.w_3 is None or self.w_13 is not None:
+            return
+        w_1, w_3 = self.w_1, self.w_3
+        fused = nn.Linear(w_1.in_features, 2 * w_1.out_features, bias=w_1.bias is not None,
+                          device=w_1.weight.device, dtype=w_1.weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([w_1.weight, w_3.weight]))  # (2 d_ff, d_model)
+            if w_1.bias is not None:
+                fused.bias.copy_(torch.cat([w_1.bias, w_3.bias]))
+        self.w_13, self.w_1, self.w_3 = fused, None, None
+        self.fused_from = {"w_13.weight": ("w_1.weight", "w_3.weight")}
+        if fused.bias is not None:
+            self.fused_from["w_13.bias"] = ("w_1.bias", "w_3.bias")
 
 
 def _attention(cfg: ModelConfig, cross: bool = False) -> MultiHeadAttention:

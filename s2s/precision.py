@@ -1,0 +1,147 @@
+"""Arithmetic precision: which one a device does fast, and bf16 training with fp32 master weights.
+
+``auto`` (``--precision auto`` in translate, ``train.precision: auto``) picks bf16
+where the hardware multiplies bf16 natively and fp32 elsewhere:
+
+    CUDA    bf16 when torch.cuda.is_bf16_supported() (Ampere and later)
+    CPU     bf16 with AVX-512 BF16 or AMX-BF16 (the CPU flags avx512_bf16, amx_bf16;
+            torch.cpu._is_avx512_bf16_supported / _is_amx_tile_supported), else fp32
+
+oneDNN "supports" bf16 on plain AVX-512 too (torch.ops.mkldnn._is_mkldnn_bf16_supported()
+is true there) by converting to fp32, many times slower than fp32 itself: that check
+says nothing about speed and is not used.
+
+Training in bf16 (:class:`Bf16Copy`): the optimizer keeps the fp32 weights (the master
+weights theta).  Once per update they are rounded into a working copy,
+    theta_16 = bf16(theta),
+the forward and backward passes run on theta_16 (activations bf16; softmax, layer-norm
+statistics and the loss accumulate in fp32 inside their kernels and in
+s2s.trainer.label_smoothed_nll), and each batch's gradients flow back into theta's
+fp32 gradients,
+    grad theta += fp32(grad theta_16),
+where clipping and AdamW work on them as in fp32 training.  The working copy may
+fuse matrices the model keeps apart (a gated FFN's W_1 and W_3 into one matmul):
+the model, its state-dict keys and its checkpoints are unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+log = logging.getLogger("s2s")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def native_bf16_cpu(flags: Optional[set[str] | frozenset[str]] = None) -> list[str]:
+    """Why this CPU multiplies bf16 natively: the flags among avx512_bf16, amx_bf16 it has
+    (from ``flags``, else /proc/cpuinfo and torch's own CPU probe); [] when it does not."""
+    if flags is not None:
+        return sorted(set(flags) & {"avx512_bf16", "amx_bf16"})
+    found = set(cpu_flags()) & {"avx512_bf16", "amx_bf16"}
+    if torch.cpu._is_avx512_bf16_supported():
+        found.add("avx512_bf16")
+    if torch.cpu._is_amx_tile_supported():
+        found.add("amx_bf16")
+    return sorted(found)
+
+
+def auto_precision(device: torch.device, flags: Optional[set[str] | frozenset[str]] = None) -> tuple[str, str]:
+    """The precision ``auto`` picks on ``device``, and why: bf16 on a GPU that has it and on
+    a CPU with native bf16 matmuls (AVX-512 BF16 or AMX-BF16), else fp32.  (Dynamic int8
+    was measured slower than fp32 on an AVX-512 CPU without VNNI: README, decode speed.)"""
+    if device.type == "cuda":
+        return ("bf16", "the GPU has bf16") if torch.cuda.is_bf16_supported() else ("fp32", "no bf16 on this GPU")
+    if device.type != "cpu":
+        return "fp32", f"device {device.type}"
+    native = native_bf16_cpu(flags)
+    if native:
+        return "bf16", "CPU flags " + " ".join(native)
+    return "fp32", "no avx512_bf16/amx_bf16 among the CPU flags"
+
+
+def resolve_precision(asked: str, device: torch.device, key: str) -> str:
+    """fp32 or bf16 for ``asked`` (fp32, bf16, auto) on ``device``: auto is logged with the
+    reason for its choice; bf16 on a CPU without native bf16 matmuls gets a warning.
+    ``key`` (--precision, train.precision) names the setting in both."""
+    picked, why = auto_precision(device)
+    if asked == "auto":
+        log.info("%s auto: %s (%s)", key, picked, why)
+        return picked
+    if asked == "bf16" and device.type == "cpu" and picked != "bf16":
+        log.warning("%s bf16: this CPU has no native bf16 matmul (AVX-512 BF16 or AMX; %s); "
+                    "expect it to be much slower than fp32", key, why)
+    return asked
+
+
+# --------------------------------------------------------------------------- #
+# bf16 training with fp32 master weights
+# --------------------------------------------------------------------------- #
+
+class Bf16Copy:
+    """theta_16 = bf16(theta) made once per update (:meth:`refresh`), and
+    grad theta += fp32(grad theta_16) after each backward pass (:meth:`accumulate_grads`).
+
+    ``model`` holds the fp32 master weights theta (the optimizer's); :attr:`module` is the
+    working copy the forward and backward passes run on.  Tied parameters stay tied in
+    the copy.  Each working tensor is made of one master tensor, or of several stacked
+    along dim 0 (a fused matrix: a module's ``fuse_matmuls`` makes it and names its
+    parts in ``fused_from``): ``slots`` pairs them.
+    """
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16):
+        self.model = model
+        self.module = copy.deepcopy(model).to(dtype)
+        for m in self.module.modules():  # matrices the copy multiplies as one (s2s.model's fuse_matmuls)
+            if hasattr(m, "fuse_matmuls"):
+                m.fuse_matmuls()
+        masters = dict(model.named_parameters())
+        fused: dict[str, list[str]] = {}  # a fused working tensor's name -> its masters' names
+        for prefix, m in self.module.named_modules():
+            at = f"{prefix}." if prefix else ""
+            for local, parts in getattr(m, "fused_from", {}).items():
+                fused[at + local] = [at + part for part in parts]
+        # (working tensor, its master tensors stacked along dim 0)
+        self.slots: list[tuple[Tensor, list[Tensor]]] = [
+            (p, [masters[n] for n in fused.get(name, [name])]) for name, p in self.module.named_parameters()]
+        covered = {id(m) for _, ms in self.slots for m in ms}
+        missing = [n for n, m in masters.items() if id(m) not in covered]
+        if missing:
+            raise ValueError(f"Bf16Copy: no working tensor for {', '.join(missing)}")
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """theta_16 <- bf16(theta) (after the optimizer changed theta; once per update)."""
+        for work, masters in self.slots:
+            work.copy_(masters[0] if len(masters) == 1 else torch.cat(masters))
+        for work_buf, master_buf in zip(self.module.buffers(), self.model.buffers()):
+            work_buf.copy_(master_buf)
+
+    @torch.no_grad()
+    def accumulate_grads(self) -> None:
+        """grad theta += fp32(grad theta_16); the working gradients are cleared."""
+        for work, masters in self.slots:
+            if work.grad is None:
+                continue
+            g = work.grad.float()
+            parts = [g] if len(masters) == 1 else g.split([m.size(0) for m in masters])
+            for m, g_m in zip(masters, parts):
+                m.grad = g_m if m.grad is None else m.grad.add_(g_m)
+            work.grad = None
