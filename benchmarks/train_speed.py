@@ -28,8 +28,9 @@ same run (best of several 4096x1024x1024 matmuls on all ``--threads`` cores).
 Prints a table and, last, one JSON line with "<engine>_tok_s" (median),
 "<engine>_tok_s_min"/"_max", "mfu_<engine>", "matmul_peak_gflops_fp32"/"_bf16" and the
 ratios to MarianMTModel.  On a CPU without native bf16 matmuls (no AVX-512 BF16 or AMX)
-a bf16 update takes about a minute, so bf16 is left out there (its keys null) unless
-``--slow-bf16`` times 2 updates.
+bf16 trains slower than fp32 (oneDNN converts it to fp32; the bf16 matmul peak measured here
+is low) and takes long, so bf16 is left out there (its keys null) unless ``--slow-bf16``
+times 2 updates.
 
     python benchmarks/train_speed.py            # 3 rounds of 20 timed updates per engine
     python benchmarks/train_speed.py --quick    # one round of 8: a smoke test, not a measurement

@@ -87,7 +87,7 @@ def resolve_precision(asked: str, device: torch.device, key: str) -> str:
         return picked
     if asked == "bf16" and device.type == "cpu" and picked != "bf16":
         log.warning("%s bf16: this CPU has no native bf16 matmul (AVX-512 BF16 or AMX; %s); "
-                    "expect it to be much slower than fp32", key, why)
+                    "expect it to be slower than fp32", key, why)
     return asked
 
 
