@@ -1,6 +1,6 @@
 """Soak test: nothing lost over a long stream, nothing lost over many crashes.
 
-Two checks, run against the real ``s2s`` command in subprocesses (not a timed
+Three checks, run against the real ``s2s`` command in subprocesses (not a timed
 test; it takes minutes):
 
   stream   200,000 lines (the 1,000 test sentences with some edge cases,
@@ -13,11 +13,16 @@ test; it takes minutes):
            default), resumed with --resume after each kill, then run to the
            end: its final weights must equal, bit for bit, those of the same
            run never interrupted.
+  bulk     ``s2s translate -i FILE -o OUT --resume`` on 20,000 of those lines,
+           killed with SIGKILL at random moments (--kills times), resumed
+           after each kill, then run to the end: OUT must equal, byte for
+           byte, the output of the same command never interrupted and of
+           one without --resume (whose time it also reports).
 
 With no --model, a tiny model is trained first on the shipped ddtp-en-de data
 (the check is about streaming, not quality).  Exits non-zero when a check fails.
 
-    python benchmarks/soak.py                   # both checks, ~15 min on 2 cores
+    python benchmarks/soak.py                   # all three checks, ~20 min on 2 cores
     python benchmarks/soak.py --lines 20000 --kills 3      # a shorter run
     python benchmarks/soak.py --model exp/quickstart --skip-crash
 """
@@ -175,6 +180,45 @@ def soak_crash(cfg: Path, work: Path, kills: int, seed: int) -> dict:
             "identical_to_uninterrupted": identical, "ok": identical}
 
 
+# --------------------------------------------------------------------------- #
+def soak_bulk(model: Path, n_lines: int, work: Path, kills: int, seed: int) -> dict:
+    """`translate --resume` killed with SIGKILL at random moments (the whole process group, as
+    a power cut would), resumed after each kill, then run to the end: its output must equal,
+    byte for byte, that of the same command never interrupted."""
+    pool = gz_lines(DATA / "test.en.gz", 1000)
+    pool = pool[:1000 - len(EDGE_LINES)] + EDGE_LINES
+    rng = random.Random(seed)
+    src = work / "bulk.en"
+    src.write_text("".join(pool[rng.randrange(len(pool))] + "\n" for _ in range(n_lines)), encoding="utf-8")
+    timed = {}
+    for name, extra in (("plain", []), ("resume", ["--resume"])):
+        print(f"bulk: {n_lines:,} lines, uninterrupted, {name} ...", file=sys.stderr)
+        t0 = time.time()
+        cli("translate", "-m", model, "-i", src, "-o", work / f"bulk-{name}.de", *extra)
+        timed[name] = time.time() - t0
+    out = work / "bulk.de"
+    command = S2S + ["translate", "-m", str(model), "-i", str(src), "-o", str(out), "--resume"]
+    saved, state = [], work / ".bulk.de.s2s-partial" / "state.json"
+    for k in range(kills):  # each run stops before it could end: the kills share the straight run's time
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        time.sleep(rng.uniform(0.5, timed["resume"] / (kills + 1)))
+        if proc.poll() is None:  # (one that ended first has removed its state: the next begins anew)
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        saved.append(json.loads(state.read_text())["lines_done"] if state.exists() else 0)
+        print(f"bulk: kill {k + 1}/{kills}: {saved[-1]:,} lines saved", file=sys.stderr)
+    r = subprocess.run(command, capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"soak: the final --resume failed:\n{r.stderr}")
+    straight = (work / "bulk-plain.de").read_bytes()
+    identical = out.read_bytes() == straight == (work / "bulk-resume.de").read_bytes()
+    return {"lines": n_lines, "kills": kills, "lines_saved_after_each_kill": saved,
+            "seconds_plain": round(timed["plain"], 1), "seconds_resume": round(timed["resume"], 1),
+            "identical_to_uninterrupted": identical, "partial_removed": not state.parent.exists(),
+            "ok": identical and not state.parent.exists()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, help="a trained model directory for the stream check")
@@ -184,19 +228,24 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--skip-stream", action="store_true")
     ap.add_argument("--skip-crash", action="store_true")
+    ap.add_argument("--bulk-lines", type=int, default=20_000)
+    ap.add_argument("--skip-bulk", action="store_true")
     args = ap.parse_args()
     report = {}
     with tempfile.TemporaryDirectory(prefix="s2s-soak-") as tmp:
         work = Path(tmp)
         cfg = make_experiment(work, args.steps) if not (args.model and args.skip_crash) else None
+        model = args.model
+        if model is None and not (args.skip_stream and args.skip_bulk):
+            print("training the tiny model ...", file=sys.stderr)
+            cli("train", cfg, "-o", work / "model")
+            model = work / "model"
         if not args.skip_stream:
-            model = args.model
-            if model is None:
-                print("stream: training the tiny model ...", file=sys.stderr)
-                cli("train", cfg, "-o", work / "model")
-                model = work / "model"
             report["stream"] = soak_stream(model, args.lines, work, args.seed)
             print(json.dumps(report["stream"]), file=sys.stderr)
+        if not args.skip_bulk:
+            report["bulk"] = soak_bulk(model, args.bulk_lines, work, args.kills, args.seed)
+            print(json.dumps(report["bulk"]), file=sys.stderr)
         if not args.skip_crash:
             crash_cfg = work / "crash.yaml"
             crash_cfg.write_text(cfg.read_text().replace(f"max_steps: {args.steps}", "max_steps: 120")

@@ -327,6 +327,11 @@ def _decode_command(name: str, defaults: dict):
         input: Annotated[str, typer.Option("--input", "-i", help="Input file; - reads stdin.")] = "-",
         output: Annotated[Optional[Path], typer.Option(
             "--output", "-o", help="Write here (complete files only) instead of stdout.")] = None,
+        resume: Annotated[bool, typer.Option(
+            "--resume", help="Save the progress beside -o OUT chunk by chunk; the same command after a kill "
+                             "continues where it stopped (needs -i FILE).")] = False,
+        chunk_lines: Annotated[Optional[int], typer.Option(
+            min=1, help="--resume: lines per saved chunk (default 1000).")] = None,
         set_: DecodeSetOption = None,
         beam: Annotated[Optional[int], _decode_flag("beam", "--beam", "-b")] = None,
         alpha: Annotated[Optional[float], _decode_flag("alpha")] = None,
@@ -387,29 +392,41 @@ def _decode_command(name: str, defaults: dict):
         spec = TranslatorSpec(tuple(str(m) for m in model), overrides, defaults, device, precision, quantize,
                               alignments, nbest_rows="nbest" in overrides, threads=threads,
                               weights=None if weights is None else tuple(weights))
-        translate_file(spec, input, output, prefix_file, errors, unbuffered, workers)
+        translate_file(spec, input, output, prefix_file, errors, unbuffered, workers, resume, chunk_lines, name)
 
     command.__name__ = name
     return command
 
 
 def translate_file(spec, input: str, output: Optional[Path], prefix_file: Optional[Path], errors: str,
-                   unbuffered: bool, workers: int) -> None:
-    """Translate the lines of ``input`` (- for stdin) into ``output`` (None: stdout) as ``spec`` says."""
+                   unbuffered: bool, workers: int, resume: bool = False, chunk_lines: Optional[int] = None,
+                   command: str = "translate") -> None:
+    """Translate the lines of ``input`` (- for stdin) into ``output`` (None: stdout) as ``spec`` says;
+    ``resume``: saving the progress beside ``output`` (s2s.bulk)."""
+    from s2s.bulk import check_resumable, translate_resumable
     from s2s.textio import atomic_write, read_lines
     from s2s.workers import TranslateProgress, translate_stream
 
     if errors not in ("strict", "replace"):
         raise S2SError(f"--errors: {errors!r} is not strict or replace")
+    if chunk_lines is not None and not resume:
+        raise S2SError("--chunk-lines: only with --resume")
     spec.check()
     if input != "-" and not Path(input).exists():
         raise S2SError(f"{input}: no such file")
+    if resume:
+        check_resumable(input, output, unbuffered)
     interactive = unbuffered or (input == "-" and sys.stdin.isatty())
     lines = read_lines(input, errors)
     prefixes = None if prefix_file is None else read_lines(prefix_file, errors)
     progress = None if interactive else TranslateProgress()  # shows only when stderr is a terminal
+    if progress is not None and input != "-":
+        progress.count_lines_of(input)  # for the ETA
     try:
-        if output is not None:
+        if resume:
+            translate_resumable(spec, Path(input), output, prefix_file, errors, workers, progress, chunk_lines,
+                                command)
+        elif output is not None:
             with atomic_write(output) as f:
                 translate_stream(spec, lines, f, workers, interactive, prefixes, progress)
         else:

@@ -26,7 +26,7 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Iterator, Optional, TextIO
+from typing import Any, Callable, Iterable, Iterator, Optional, TextIO
 
 from s2s.errors import S2SError
 
@@ -132,24 +132,76 @@ def output_tokens(t) -> int:
     return len(t.hypotheses[0].tokens) + 1 if t.hypotheses else 0
 
 
+def eta_seconds(done: int, total: int, rate: float) -> Optional[float]:
+    """Time left at the present pace: ETA = (total - done) / rate, rate in lines/s
+    (None while no line has been timed)."""
+    return (total - done) / rate if rate > 0 else None
+
+
+def format_duration(seconds: float) -> str:
+    """H:MM:SS, or M:SS under an hour."""
+    s = int(round(seconds))
+    h, m = divmod(s, 3600)
+    return f"{h}:{m // 60:02d}:{m % 60:02d}" if h else f"{m // 60}:{m % 60:02d}"
+
+
+def progress_bar(done: int, total: int, width: int = 20) -> str:
+    """``width`` cells, done/total of them filled."""
+    filled = min(width, width * done // total) if total else width
+    return "█" * filled + "░" * (width - filled)
+
+
 class TranslateProgress:
     """Lines/s and output tokens/s on stderr while translating (when stderr is a
-    terminal; in a pipe or a log file, nothing), updated at most 4 times a second."""
+    terminal; in a pipe or a log file, nothing), updated at most 4 times a second.
+    With the input's line count (:meth:`count_lines_of`, a file) also a bar, the
+    percentage done and the ETA."""
 
     def __init__(self, console=None):
         from rich.console import Console
 
         self.console = console or Console(stderr=True)
         self.lines = self.tokens = 0
+        self.total: Optional[int] = None  # the input's lines, once counted
+        self.earlier = 0  # lines an earlier run translated (--resume): done, but not timed
         self.started = self.shown = time.time()
         self._status = self.console.status("translating", spinner="dots") if self.console.is_terminal else None
         if self._status is not None:
             self._status.start()
 
+    def count_lines_of(self, path) -> None:
+        """Count the lines of the input file ``path`` in a background thread (so that
+        translating starts at once); nothing when nothing is shown."""
+        if self._status is None or not os.path.isfile(path):  # never read a pipe: its lines are the input
+            return
+        import threading
+
+        from s2s.textio import count_lines
+
+        def count() -> None:
+            try:
+                self.total = count_lines(path)
+            except (S2SError, OSError, EOFError):  # the reader names the problem; the bar just has no total
+                pass
+
+        threading.Thread(target=count, name="s2s-count-lines", daemon=True).start()
+
+    def resumed(self, lines: int) -> None:
+        """``lines`` were translated by an earlier run (--resume): shown as done, not in lines/s."""
+        self.lines += lines
+        self.earlier += lines
+
     def text(self) -> str:
         dt = max(time.time() - self.started, 1e-9)
-        return (f"{self.lines:,} lines | {self.lines / dt:,.1f} lines/s | "
-                f"{self.tokens / dt:,.0f} tokens/s")
+        rate = (self.lines - self.earlier) / dt
+        speed = f"{rate:,.1f} lines/s | {self.tokens / dt:,.0f} tokens/s"
+        total = self.total
+        if total is None or total < self.lines:
+            return f"{self.lines:,} lines | {speed}"
+        eta = eta_seconds(self.lines, total, rate)
+        return (f"{progress_bar(self.lines, total)} {self.lines:,}/{total:,} lines "
+                f"({100 * self.lines // max(total, 1)}%) | {speed} | "
+                f"ETA {'?' if eta is None else format_duration(eta)}")
 
     def update(self, t) -> None:
         """Count one Translation."""
@@ -172,13 +224,17 @@ class TranslateProgress:
 # --------------------------------------------------------------------------- #
 def translate_stream(spec: TranslatorSpec, lines: Iterable[str], out: TextIO, workers: int = 0,
                      line_by_line: bool = False, prefixes: Optional[Iterable[str]] = None,
-                     progress: Optional[TranslateProgress] = None, chunk_lines: int = CHUNK_LINES) -> int:
+                     progress: Optional[TranslateProgress] = None, chunk_lines: int = CHUNK_LINES,
+                     first_line_no: int = 1, on_chunk: Optional[Callable[[int], None]] = None) -> int:
     """Translate ``lines`` into ``out`` (the format of ``s2s.translate.write_translations``)
     with ``workers`` processes; returns the number of processes used.
 
     ``workers`` 0 (auto): one single-thread worker per core on the CPU (see
     :func:`auto_workers`), but one process when the whole input fits in one chunk.
     ``line_by_line`` (--unbuffered) always runs in this one process.
+    ``first_line_no``: the number of the first line (n-best rows, messages) when ``lines``
+    continue an input; ``on_chunk(n_lines)`` is called after each chunk of ``chunk_lines``
+    lines is written whole to ``out``, in input order (s2s.bulk saves its progress there).
     """
     if workers < 0:
         raise S2SError(f"--workers: {workers} is negative")
@@ -188,12 +244,15 @@ def translate_stream(spec: TranslatorSpec, lines: Iterable[str], out: TextIO, wo
         if workers > 1:
             log.info("--unbuffered: translating line by line in one process (--workers %d not used)", workers)
         n = 1
-    items: Iterator[Any] = iter(lines) if prefixes is None else paired_lines(lines, prefixes)
+    items: Iterator[Any] = iter(lines) if prefixes is None else paired_lines(lines, prefixes, first_line_no)
     if n > 1 and not workers:  # auto: a short input is not worth starting processes for
         head = list(itertools.islice(items, chunk_lines + 1))
         if len(head) <= chunk_lines:
             n = 1
         items = itertools.chain(head, items)
+    if n == 1 and (on_chunk is not None or first_line_no != 1):
+        _translate_here(spec, items, out, prefixes is not None, progress, chunk_lines, first_line_no, on_chunk)
+        return 1
     if n == 1:
         from s2s.translate import write_translations
 
@@ -203,8 +262,34 @@ def translate_stream(spec: TranslatorSpec, lines: Iterable[str], out: TextIO, wo
                            prefix_lines, progress)
         return 1
     spec = replace(spec, threads=threads_per_worker(n, cores, spec.threads))
-    _translate_parallel(spec, items, out, n, prefixes is not None, progress, chunk_lines)
+    _translate_parallel(spec, items, out, n, prefixes is not None, progress, chunk_lines, first_line_no, on_chunk)
     return n
+
+
+def translate_task(translator, nbest: bool, first_line_no: int, lines: list[str],
+                   prefixes: Optional[list[str]]) -> tuple[str, int, int]:
+    """One chunk: (its output text, its lines, its output tokens), in a worker or in this process."""
+    from s2s.translate import format_translation
+
+    found = translator.translate_chunk(lines, first_line_no, prefixes)
+    text = "".join(format_translation(t, nbest, translator.alignments) for t in found)
+    return text, len(found), sum(output_tokens(t) for t in found)
+
+
+def _translate_here(spec: TranslatorSpec, items: Iterator[Any], out: TextIO, paired: bool,
+                    progress: Optional[TranslateProgress], chunk_lines: int, first_line_no: int,
+                    on_chunk: Optional[Callable[[int], None]]) -> None:
+    """One process, chunk by chunk as the workers' chunks: each written whole, then reported."""
+    translator = spec.build()
+    nbest = spec.shows_nbest(translator)
+    for line_no, lines, prefixes in _chunks(items, chunk_lines, paired, first_line_no):
+        text, n_lines, n_tokens = translate_task(translator, nbest, line_no, lines, prefixes)
+        out.write(text)
+        out.flush()
+        if progress is not None:
+            progress.add(n_lines, n_tokens)
+        if on_chunk is not None:
+            on_chunk(n_lines)
 
 
 def _unzip(pairs: Iterator[tuple[str, str]]) -> tuple[Iterator[str], Iterator[str]]:
@@ -213,19 +298,22 @@ def _unzip(pairs: Iterator[tuple[str, str]]) -> tuple[Iterator[str], Iterator[st
     return (x for x, _ in a), (p for _, p in b)
 
 
-def paired_lines(lines: Iterable[str], prefixes: Iterable[str]) -> Iterator[tuple[str, str]]:
-    """(line, prefix) pairs; an error when one stream ends before the other."""
+def paired_lines(lines: Iterable[str], prefixes: Iterable[str],
+                 first_line_no: int = 1) -> Iterator[tuple[str, str]]:
+    """(line, prefix) pairs; an error when one stream ends before the other (lines numbered
+    from ``first_line_no``)."""
     sentinel = object()
-    for n, (line, prefix) in enumerate(itertools.zip_longest(lines, prefixes, fillvalue=sentinel), 1):
+    for n, (line, prefix) in enumerate(itertools.zip_longest(lines, prefixes, fillvalue=sentinel), first_line_no):
         if line is sentinel or prefix is sentinel:
             short = "the input" if line is sentinel else "the prefix file"
             raise S2SError(f"--prefix-file: {short} ends at line {n - 1}, the other goes on")
         yield line, prefix
 
 
-def _chunks(items: Iterator[Any], k: int, paired: bool) -> Iterator[tuple[int, list, Optional[list]]]:
+def _chunks(items: Iterator[Any], k: int, paired: bool,
+            first_line_no: int = 1) -> Iterator[tuple[int, list, Optional[list]]]:
     """(first line number, lines, prefixes or None) of each run of ``k`` items."""
-    line_no = 1
+    line_no = first_line_no
     while chunk := list(itertools.islice(items, k)):
         if paired:
             yield line_no, [x for x, _ in chunk], [p for _, p in chunk]
@@ -248,7 +336,8 @@ def _died(i: int, n: int, code: int) -> S2SError:
 
 
 def _translate_parallel(spec: TranslatorSpec, items: Iterator[Any], out: TextIO, n: int, paired: bool,
-                        progress: Optional[TranslateProgress], chunk_lines: int) -> None:
+                        progress: Optional[TranslateProgress], chunk_lines: int, first_line_no: int = 1,
+                        on_chunk: Optional[Callable[[int], None]] = None) -> None:
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")  # fork would copy torch's threads and locks
@@ -258,7 +347,7 @@ def _translate_parallel(spec: TranslatorSpec, items: Iterator[Any], out: TextIO,
     _start(procs)
     clean = False
     try:
-        chunks = _chunks(items, chunk_lines, paired)
+        chunks = _chunks(items, chunk_lines, paired, first_line_no)
         sent = written = 0
         done: dict[int, tuple] = {}
         reading, read_error, startup_logged = True, None, False
@@ -296,6 +385,8 @@ def _translate_parallel(spec: TranslatorSpec, items: Iterator[Any], out: TextIO,
                 out.flush()
                 if progress is not None:
                     progress.add(n_lines, n_tokens)
+                if on_chunk is not None:
+                    on_chunk(n_lines)
                 written += 1
         if read_error is not None:
             raise read_error
@@ -372,6 +463,23 @@ class _Collect(logging.Handler):
         return taken
 
 
+def _next_task(tasks, results) -> Optional[tuple]:
+    """The next task, or None: the parent asked the worker to stop, or the parent is gone
+    (killed with SIGKILL, which it cannot pass on), so that no orphan waits forever holding
+    a model in memory."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    while True:
+        if parent is not None and not parent.is_alive():  # also before each queued task: none is wasted
+            results.cancel_join_thread()  # nobody reads the results now: exit without flushing them
+            return None
+        try:
+            return tasks.get(timeout=1.0)
+        except queue.Empty:
+            pass
+
+
 def _worker(spec: TranslatorSpec, tasks, results, log_level: int) -> None:
     """A decoding process: build the translator once, then translate chunks until None.
     SIGINT stays ignored (see :func:`_start`): Ctrl-C is the parent's to handle."""
@@ -383,16 +491,13 @@ def _worker(spec: TranslatorSpec, tasks, results, log_level: int) -> None:
     s2s_log.propagate = False
     logging.getLogger().setLevel(logging.ERROR)  # other libraries: the parent shows their warnings once
     try:
-        from s2s.translate import format_translation
-
         translator = spec.build()
         nbest = spec.shows_nbest(translator)
         results.put(("ready", collect.take()))
-        while (task := tasks.get()) is not None:
+        while (task := _next_task(tasks, results)) is not None:
             index, first_line_no, lines, prefixes = task
-            found = translator.translate_chunk(lines, first_line_no, prefixes)
-            text = "".join(format_translation(t, nbest, translator.alignments) for t in found)
-            results.put(("done", index, text, len(found), sum(output_tokens(t) for t in found), collect.take()))
+            results.put(("done", index, *translate_task(translator, nbest, first_line_no, lines, prefixes),
+                         collect.take()))
     except S2SError as e:
         results.put(("error", "s2s", str(e)))
     except Exception:  # a bug: the parent shows the worker's traceback
