@@ -14,10 +14,11 @@ test; it takes minutes):
            end: its final weights must equal, bit for bit, those of the same
            run never interrupted.
   bulk     ``s2s translate -i FILE -o OUT --resume`` on 20,000 of those lines,
-           killed with SIGKILL at random moments (--kills times), resumed
-           after each kill, then run to the end: OUT must equal, byte for
-           byte, the output of the same command never interrupted and of
-           one without --resume (whose time it also reports).
+           killed with SIGKILL (its process group) at a random moment after
+           each newly saved chunk (--kills times), resumed after each kill,
+           then run to the end: OUT must equal, byte for byte, the output of
+           the same command never interrupted and of one without --resume
+           (whose time it also reports).
 
 With no --model, a tiny model is trained first on the shipped ddtp-en-de data
 (the check is about streaming, not quality).  Exits non-zero when a check fails.
@@ -25,6 +26,7 @@ With no --model, a tiny model is trained first on the shipped ddtp-en-de data
     python benchmarks/soak.py                   # all three checks, ~20 min on 2 cores
     python benchmarks/soak.py --lines 20000 --kills 3      # a shorter run
     python benchmarks/soak.py --model exp/quickstart --skip-crash
+    python benchmarks/soak.py --model exp/quickstart --skip-stream --skip-crash --bulk-lines 1000 --bulk-chunk-lines 100
 """
 
 from __future__ import annotations
@@ -181,7 +183,7 @@ def soak_crash(cfg: Path, work: Path, kills: int, seed: int) -> dict:
 
 
 # --------------------------------------------------------------------------- #
-def soak_bulk(model: Path, n_lines: int, work: Path, kills: int, seed: int) -> dict:
+def soak_bulk(model: Path, n_lines: int, work: Path, kills: int, seed: int, chunk_lines: int) -> dict:
     """`translate --resume` killed with SIGKILL at random moments (the whole process group, as
     a power cut would), resumed after each kill, then run to the end: its output must equal,
     byte for byte, that of the same command never interrupted."""
@@ -191,22 +193,37 @@ def soak_bulk(model: Path, n_lines: int, work: Path, kills: int, seed: int) -> d
     src = work / "bulk.en"
     src.write_text("".join(pool[rng.randrange(len(pool))] + "\n" for _ in range(n_lines)), encoding="utf-8")
     timed = {}
-    for name, extra in (("plain", []), ("resume", ["--resume"])):
+    chunk = ["--chunk-lines", str(chunk_lines)]
+    for name, extra in (("plain", []), ("resume", ["--resume", *chunk])):
         print(f"bulk: {n_lines:,} lines, uninterrupted, {name} ...", file=sys.stderr)
         t0 = time.time()
         cli("translate", "-m", model, "-i", src, "-o", work / f"bulk-{name}.de", *extra)
         timed[name] = time.time() - t0
     out = work / "bulk.de"
-    command = S2S + ["translate", "-m", str(model), "-i", str(src), "-o", str(out), "--resume"]
-    saved, state = [], work / ".bulk.de.s2s-partial" / "state.json"
-    for k in range(kills):  # each run stops before it could end: the kills share the straight run's time
+    command = S2S + ["translate", "-m", str(model), "-i", str(src), "-o", str(out), "--resume", *chunk]
+    state = work / ".bulk.de.s2s-partial" / "state.json"
+
+    def lines_saved() -> int:
+        try:
+            return json.loads(state.read_text())["lines_done"]
+        except (OSError, ValueError, KeyError):
+            return 0
+
+    chunk_secs = timed["resume"] * min(1.0, chunk_lines / n_lines)
+    saved: list[int] = []
+    for k in range(kills):  # each run is killed after it saved one more chunk, at a random moment of the next
+        before = lines_saved()
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
-        time.sleep(rng.uniform(0.5, timed["resume"] / (kills + 1)))
-        if proc.poll() is None:  # (one that ended first has removed its state: the next begins anew)
-            os.killpg(proc.pid, signal.SIGKILL)
+        while proc.poll() is None and lines_saved() <= before:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0, chunk_secs))
+        if proc.poll() is not None:
+            print(f"bulk: run {k + 1} ended before its kill", file=sys.stderr)
+            break
+        os.killpg(proc.pid, signal.SIGKILL)  # the process group: the workers too, as a power cut
         proc.wait()
-        saved.append(json.loads(state.read_text())["lines_done"] if state.exists() else 0)
+        saved.append(lines_saved())
         print(f"bulk: kill {k + 1}/{kills}: {saved[-1]:,} lines saved", file=sys.stderr)
     r = subprocess.run(command, capture_output=True, text=True)
     if r.returncode:
@@ -229,6 +246,7 @@ def main() -> None:
     ap.add_argument("--skip-stream", action="store_true")
     ap.add_argument("--skip-crash", action="store_true")
     ap.add_argument("--bulk-lines", type=int, default=20_000)
+    ap.add_argument("--bulk-chunk-lines", type=int, default=1000, help="translate --chunk-lines in the bulk check")
     ap.add_argument("--skip-bulk", action="store_true")
     args = ap.parse_args()
     report = {}
@@ -244,7 +262,7 @@ def main() -> None:
             report["stream"] = soak_stream(model, args.lines, work, args.seed)
             print(json.dumps(report["stream"]), file=sys.stderr)
         if not args.skip_bulk:
-            report["bulk"] = soak_bulk(model, args.bulk_lines, work, args.kills, args.seed)
+            report["bulk"] = soak_bulk(model, args.bulk_lines, work, args.kills, args.seed, args.bulk_chunk_lines)
             print(json.dumps(report["bulk"]), file=sys.stderr)
         if not args.skip_crash:
             crash_cfg = work / "crash.yaml"

@@ -47,7 +47,7 @@ PART = "output.part"
 LOCK = "lock"
 STATE_FORMAT = 1
 # the parts of a job, in the order a change is reported (the s2s version explains any other)
-JOB_KEYS = ("s2s_version", "command", "input", "prefix_file", "models", "settings", "chunk_lines")
+JOB_KEYS = ("s2s_version", "command", "input", "prefix_file", "glossary", "models", "settings", "chunk_lines")
 # TranslatorSpec fields that do not change a line's translation (threads: cores/N per worker)
 NOT_OUTPUT_SETTINGS = ("models", "threads")
 # the names a user knows TranslatorSpec's fields by (any other: "the setting NAME")
@@ -121,11 +121,13 @@ def model_identity(model: str) -> str:
 
 def job_identity(spec, input: Path, prefix_file: Optional[Path], chunk_lines: int, command: str) -> dict:
     """Everything the output depends on, as JSON values: the command, the s2s version, the
-    input's (and prefix file's) bytes, each model's files, every setting of ``spec`` (a
+    input's (prefix file's, glossary's) bytes, each model's files, every setting of ``spec`` (a
     TranslatorSpec) but the threads, and the chunk size (it decides the batches)."""
     settings = {k: v for k, v in dataclasses.asdict(spec).items() if k not in NOT_OUTPUT_SETTINGS}
+    glossary = spec.overrides.get("glossary")  # --glossary FILE (decode.glossary)
     job = {"s2s_version": __version__, "command": command, "input": file_identity(input),
            "prefix_file": None if prefix_file is None else file_identity(prefix_file),
+           "glossary": None if not glossary else file_identity(Path(glossary)),  # its terms, not only its name
            "models": [model_identity(m) for m in spec.models], "settings": settings, "chunk_lines": chunk_lines}
     return json.loads(json.dumps(job, sort_keys=True, default=str))  # as state.json will give it back
 
@@ -156,6 +158,8 @@ def job_change(saved: dict, now: dict, models: tuple[str, ...]) -> Optional[str]
             return _file_change("the input file", old, new)
         if key == "prefix_file":
             return _file_change("--prefix-file", old, new)
+        if key == "glossary":
+            return _file_change("the glossary (--glossary)", old, new)
         if key == "models" and isinstance(old, list) and len(old) == len(new):
             i = next(i for i, (a, b) in enumerate(zip(old, new)) if a != b)
             return f"the model {models[i]} changed (its weights, config or tokenizer)"
