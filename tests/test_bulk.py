@@ -309,3 +309,18 @@ def test_progress_shows_a_bar_and_an_eta_on_a_terminal_only(tmp_path):
     time.sleep(0.1)
     assert quiet.total is None  # nothing shown, nothing counted
     quiet.close()
+
+
+def test_a_job_is_its_glossary_s_terms_not_only_its_name(models, src, tmp_path):
+    from s2s.bulk import job_change, job_identity
+    from s2s.workers import TranslatorSpec
+
+    glossary = tmp_path / "terms.tsv"
+    glossary.write_text("port scanner\tPortscanner\n")
+    spec = TranslatorSpec((str(models[0]),), {"glossary": str(glossary)}, device="cpu")
+    before = job_identity(spec, src, None, 8, "translate")
+    assert job_change(before, job_identity(spec, src, None, 8, "translate"), spec.models) is None
+    old_size = glossary.stat().st_size
+    glossary.write_text("port scanner\tPort-Scanner\n")
+    assert job_change(before, job_identity(spec, src, None, 8, "translate"), spec.models) == (
+        f"the glossary (--glossary) changed ({old_size} bytes then, {old_size + 1} now)")
