@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Iterator, Optional, TextIO
 
 from s2s.errors import S2SError
+from s2s.output import OutputFormat, check_format, format_translation
 
 log = logging.getLogger("s2s")
 
@@ -73,11 +74,14 @@ class TranslatorSpec:
     nbest_rows: bool = False  # print `LINE ||| TEXT ||| SCORE` rows even for one hypothesis (--nbest 1)
     threads: int = 0  # torch threads of the process that builds it (0: torch's default)
     weights: Optional[tuple[float, ...]] = None  # ensemble weights, one per model
+    scores: bool = False  # --scores: each row ends in TAB and its confidence (s2s.output)
+    output_format: str = "text"  # --format: text | jsonl (s2s.output)
 
     def check(self) -> None:
         """The settings' errors, before any model loads."""
         check_translator_options(len(self.models), self.device, self.weights, self.precision, self.quantize,
                                  self.threads)
+        check_format(self.output_format)
         if self.overrides.get("glossary"):  # a bad file names its line now, not once per worker
             from s2s.glossary import load_glossary
 
@@ -91,8 +95,10 @@ class TranslatorSpec:
                                     decode_defaults=self.defaults, precision=self.precision,
                                     quantize=self.quantize, alignments=self.alignments, threads=self.threads)
 
-    def shows_nbest(self, translator) -> bool:
-        return translator.decode.nbest > 1 or self.nbest_rows
+    def output(self, translator) -> OutputFormat:
+        """How the translator's output is written (see s2s.output)."""
+        return OutputFormat(nbest=translator.decode.nbest > 1 or self.nbest_rows, alignments=translator.alignments,
+                            scores=self.scores, format=self.output_format)
 
 
 def usable_cores() -> int:
@@ -199,8 +205,7 @@ def translate_stream(spec: TranslatorSpec, lines: Iterable[str], out: TextIO, wo
 
         translator = spec.build()
         sources, prefix_lines = (items, None) if prefixes is None else _unzip(items)
-        write_translations(translator, sources, out, spec.shows_nbest(translator), line_by_line,
-                           prefix_lines, progress)
+        write_translations(translator, sources, out, spec.output(translator), line_by_line, prefix_lines, progress)
         return 1
     spec = replace(spec, threads=threads_per_worker(n, cores, spec.threads))
     _translate_parallel(spec, items, out, n, prefixes is not None, progress, chunk_lines)
@@ -383,15 +388,13 @@ def _worker(spec: TranslatorSpec, tasks, results, log_level: int) -> None:
     s2s_log.propagate = False
     logging.getLogger().setLevel(logging.ERROR)  # other libraries: the parent shows their warnings once
     try:
-        from s2s.translate import format_translation
-
         translator = spec.build()
-        nbest = spec.shows_nbest(translator)
+        fmt = spec.output(translator)
         results.put(("ready", collect.take()))
         while (task := tasks.get()) is not None:
             index, first_line_no, lines, prefixes = task
             found = translator.translate_chunk(lines, first_line_no, prefixes)
-            text = "".join(format_translation(t, nbest, translator.alignments) for t in found)
+            text = "".join(format_translation(t, fmt) for t in found)
             results.put(("done", index, text, len(found), sum(output_tokens(t) for t in found), collect.take()))
     except S2SError as e:
         results.put(("error", "s2s", str(e)))
