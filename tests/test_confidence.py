@@ -183,3 +183,23 @@ def test_jsonl_keeps_utf8_and_rows_keep_their_fields():
     assert format_translation(t, OutputFormat(format="jsonl")) == '{"text": "é 🙂", "score": -0.5}\n'
     assert format_translation(t, OutputFormat(alignments=True, scores=True)) == "é 🙂 ||| 0-0 1-1\t-0.5000\n"
     assert format_translation(t, OutputFormat(nbest=True, scores=True)) == "2 ||| é 🙂 ||| -1.5000\t-0.5000\n"
+
+
+def test_benchmark_ranks_spearman_and_tenths():
+    """benchmarks/confidence.py's statistics, from their formulas."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "confidence.py"
+    spec = importlib.util.spec_from_file_location("confidence_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.ranks([3.0, 1.0, 3.0, 2.0]) == [3.5, 1.0, 3.5, 2.0]  # the tie shares ranks 3 and 4
+    x = [0.1, 0.5, 0.2, 0.9, 0.4]
+    assert bench.spearman(x, [v ** 3 for v in x]) == pytest.approx(1.0)  # any increasing map: 1
+    assert bench.spearman(x, [-v for v in x]) == pytest.approx(-1.0)
+    # ranks (1, 2, 3) and (1, 3, 2): sum of centred products 1 / sqrt(2 * 2) = 0.5 = 1 - 6 * 2 / (3 * 8)
+    assert bench.spearman([1.0, 2.0, 3.0], [10.0, 30.0, 20.0]) == pytest.approx(0.5)
+    assert bench.spearman([1.0, 1.0], [1.0, 2.0]) == 0.0
+    score = [float(i) for i in range(20)]  # line i scores i
+    quality = [100.0 if i >= 18 else 0.0 if i < 2 else 50.0 for i in range(20)]
+    assert bench.tenths(score, quality) == (100.0, 0.0, 50.0)
