@@ -47,8 +47,9 @@ def mean_log_prob(log_prob: float, m: int) -> float:
 
 def confidence(h: Optional["Hypothesis"]) -> float:
     """The score ``--scores`` prints for a hypothesis: :func:`mean_log_prob` of its
-    m = len(tokens) + 1 tokens (</s> counted); 0.0 (log 1) for an empty input's None."""
-    return 0.0 if h is None else mean_log_prob(h.log_prob, len(h.tokens) + 1)
+    m = len(tokens) + 1 tokens (</s> counted; h.m where set: a line of several sentences
+    counts each one's </s>); 0.0 (log 1) for an empty input's None."""
+    return 0.0 if h is None else mean_log_prob(h.log_prob, h.m or len(h.tokens) + 1)
 
 
 def check_format(name: str) -> None:

@@ -51,6 +51,8 @@ def test_mean_log_prob_is_the_formula():
     h = Hypothesis(tokens=[7, 8, 9], score=-9.0, log_prob=-2.0)  # m = 4 with </s>
     assert confidence(h) == pytest.approx(-0.5)
     assert confidence(None) == 0.0  # an empty input: the empty output, log 1
+    joined = Hypothesis(tokens=[7, 8, 9, 10], score=-9.0, log_prob=-3.0, m=6)  # two sentences: 4 + 2 </s>
+    assert confidence(joined) == pytest.approx(-0.5)
 
 
 def test_score_is_the_searchs_own_recomputed_by_teacher_forcing(model_dir):
@@ -82,6 +84,21 @@ def test_score_is_the_searchs_own_recomputed_by_teacher_forcing(model_dir):
             checked += 1
         assert t.confidence == confidence(t.hypotheses[0])
     assert checked >= 10
+
+
+def test_a_line_of_several_sentences_counts_each_ones_end(model_dir):
+    """--split-sentences: a line's confidence is its sentences' log p over all their tokens,
+    each sentence's </s> included: (sum_i log p_i) / (sum_i m_i)."""
+    from s2s.translate import Translator
+
+    line = "Clipboard management. Port scanner for discovering services."
+    tr = Translator.from_dir(model_dir, "cpu", beam=2, split_sentences=True, **CAP)
+    joined = tr.translate_chunk([line])[0]
+    sentences = Translator.from_dir(model_dir, "cpu", beam=2, **CAP).translate_chunk(
+        ["Clipboard management.", "Port scanner for discovering services."])
+    best = [t.hypotheses[0] for t in sentences]
+    assert joined.hypotheses[0].m == sum(len(h.tokens) + 1 for h in best)
+    assert joined.confidence == pytest.approx(sum(h.log_prob for h in best) / sum(len(h.tokens) + 1 for h in best))
 
 
 def test_scores_rows_cut_f1_is_the_plain_output(model_dir):
