@@ -371,6 +371,12 @@ def _decode_command(name: str, defaults: dict):
                  "back where the alignment puts their words (decode.markup).")] = False,
         alignments: Annotated[bool, typer.Option(
             "--alignments", help="Append ` ||| j-t ...`: source subword j aligned to target subword t.")] = False,
+        scores: Annotated[bool, typer.Option(
+            "--scores", help="End each row in a TAB and its hypothesis's mean log-probability per token, "
+                             "(1/m) sum_t log p(y_t), </s> counted (docs/model.md (51)); `cut -f1` drops it.")] = False,
+        output_format: Annotated[str, typer.Option(
+            "--format", help="text, or jsonl: one JSON object per input line with text, score, "
+                             "alignment (--alignments) and nbest (--nbest), as `s2s serve` answers.")] = "text",
         errors: Annotated[str, typer.Option(help="Invalid UTF-8 input: strict (error) or replace.")] = "strict",
         workers: Annotated[int, typer.Option(help="Decoding processes, each with cores/N threads (0: one per core "
                                                   "on the CPU for inputs over 200 lines, one on a GPU; "
@@ -391,7 +397,8 @@ def _decode_command(name: str, defaults: dict):
         weights = parse_weights(ensemble_weights, len(model))
         spec = TranslatorSpec(tuple(str(m) for m in model), overrides, defaults, device, precision, quantize,
                               alignments, nbest_rows="nbest" in overrides, threads=threads,
-                              weights=None if weights is None else tuple(weights))
+                              weights=None if weights is None else tuple(weights),
+                              scores=scores, output_format=output_format)
         translate_file(spec, input, output, prefix_file, errors, unbuffered, workers, resume, chunk_lines, name)
 
     command.__name__ = name

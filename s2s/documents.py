@@ -458,6 +458,6 @@ def join_paragraph(translator: "Translator", p: Paragraph, sentences: Sequence["
             projected = project_markup(p.elements, p.src_spans, alignment, len(tokens))
             text = render_markup(text, markup_to_chars(projected, tgt_spans, len(text)))
         score = h.score if len(sentences) == 1 else log_prob / length_penalty(m, decode.alpha, decode.length_penalty)
-        hyps.append(Hypothesis(tokens, score, log_prob, alignment if translator.alignments else None))
+        hyps.append(Hypothesis(tokens, score, log_prob, alignment if translator.alignments else None, m=m))
         texts.append(text)
     return Translation(p.line_no, hyps, texts)

@@ -53,6 +53,7 @@ class Hypothesis:
     score: float  # length-normalized: log_prob / lp(m)
     log_prob: float  # sum of log p over the m tokens, </s> included
     alignment: Optional[list[tuple[int, int]]] = None  # (source index, target index) pairs, on request
+    m: Optional[int] = None  # tokens scored, if not len(tokens) + 1 (a line joined from sentences: one </s> each)
 
 
 @dataclass(frozen=True)

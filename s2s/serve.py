@@ -47,7 +47,7 @@ from s2s.config import DecodeConfig, replace
 from s2s.config import decode_overrides as parse_decode_overrides
 from s2s.errors import ConfigError, S2SError
 from s2s.glossary import Glossary, check_entry
-from s2s.search import Hypothesis
+from s2s.output import translation_json as output_json
 from s2s.translate import Translation, Translator
 
 log = logging.getLogger("s2s")
@@ -185,24 +185,10 @@ def parse_glossary(value: Any, decode: DecodeConfig) -> tuple[tuple[str, str], .
     return tuple(pairs)
 
 
-def hypothesis_json(text: str, h: Optional[Hypothesis], scores: bool, alignments: bool) -> dict:
-    """One hypothesis; an empty input's is empty text scored 0 (log 1), as `translate --nbest` prints."""
-    out: dict[str, Any] = {"text": text}
-    if scores:
-        out["score"] = h.score if h is not None else 0.0
-    if alignments:
-        out["alignment"] = [[j, t] for j, t in (h.alignment or [])] if h is not None else []
-    return out
-
-
 def translation_json(t: Translation, request: TranslateRequest) -> dict:
-    """The best hypothesis's fields, and with nbest > 1 all of them best first under "nbest"."""
-    hyps = list(zip(t.texts, t.hypotheses)) or [("", None)]
-    scores, alignments = request.scores, request.search.alignments
-    out = hypothesis_json(*hyps[0], scores, alignments)
-    if request.search.nbest > 1:
-        out["nbest"] = [hypothesis_json(text, h, scores, alignments) for text, h in hyps]
-    return out
+    """A text's answer: `translate --format jsonl`'s object (s2s.output.translation_json), the score
+    on request; "nbest", all hypotheses best first, when nbest > 1."""
+    return output_json(t, request.search.nbest > 1, request.scores, request.search.alignments)
 
 
 # --------------------------------------------------------------------------- #

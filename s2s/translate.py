@@ -25,6 +25,7 @@ from s2s.data import pad_sequences, teacher_forcing_input, tokenizer_fingerprint
 from s2s.errors import ConfigError, S2SError
 from s2s.glossary import Glossary, load_glossary
 from s2s.model import S2SModel, Seq2SeqTransformer
+from s2s.output import OutputFormat, confidence, format_translation
 from s2s.precision import auto_precision, resolve_precision  # noqa: F401 (auto_precision: importable from here too)
 from s2s.search import EnsembleDecoder, Hypothesis, ModelDecoder, SpecialIds, ensemble_log_weights, search
 from s2s.shortlist import Shortlist, load_shortlist, subset_positions, subset_search_ids
@@ -48,6 +49,11 @@ class Translation:
     @property
     def text(self) -> str:
         return self.texts[0] if self.texts else ""
+
+    @property
+    def confidence(self) -> float:
+        """The best hypothesis's confidence, the score ``--scores`` prints (s2s.output.confidence)."""
+        return confidence(self.hypotheses[0] if self.hypotheses else None)
 
 
 @torch.inference_mode()
@@ -534,38 +540,23 @@ def _line_numbers(first_line_no: int | Sequence[int], n: int) -> Sequence[int]:
     return range(first_line_no, first_line_no + n) if isinstance(first_line_no, int) else first_line_no
 
 
-def write_translations(translator: Translator, lines: Iterable[str], out: TextIO, nbest: bool = False,
-                       line_by_line: bool = False, prefixes: Optional[Iterable[str]] = None,
+def write_translations(translator: Translator, lines: Iterable[str], out: TextIO,
+                       fmt: Optional[OutputFormat] = None, line_by_line: bool = False,
+                       prefixes: Optional[Iterable[str]] = None,
                        progress: Optional[TranslateProgress] = None) -> None:
-    """Translate ``lines`` into ``out``: one line per input line, or with ``nbest``
-    the hypotheses as ``LINE ||| TEXT ||| SCORE`` (LINE from 0, as Moses n-best
-    lists; an empty input line gives one empty hypothesis scored 0, log 1).
-    With ``translator.alignments`` each line ends in `` ||| j-t ...``: source
-    subword j aligned to target subword t (Pharaoh format, 0-based).
+    """Translate ``lines`` into ``out`` as ``fmt`` says (see :mod:`s2s.output`; default: one
+    line per input line, with ``translator.alignments`` ending in `` ||| j-t ...``: source
+    subword j aligned to target subword t, Pharaoh format, 0-based).
     Flushed after every chunk, or every line with ``line_by_line``."""
+    fmt = fmt or OutputFormat(alignments=translator.alignments)
     chunk = 1 if line_by_line else 1000
     for t in translator.translate_lines(lines, chunk_lines=chunk, prefixes=prefixes):
         if progress is not None:
             progress.update(t)
-        out.write(format_translation(t, nbest, translator.alignments))
+        out.write(format_translation(t, fmt))
         if t.line_no % chunk == 0:
             out.flush()
     out.flush()
-
-
-def format_translation(t: Translation, nbest: bool = False, alignments: bool = False) -> str:
-    """The output line(s) of one input line, each ending in a newline (see :func:`write_translations`)."""
-    def aligned(h: Optional[Hypothesis]) -> str:  # " ||| 0-0 1-2 ..." with --alignments
-        if not alignments:
-            return ""
-        return " ||| " + " ".join(f"{j}-{t}" for j, t in (h.alignment or [] if h else []))
-
-    if not nbest:
-        return t.text + aligned(t.hypotheses[0] if t.hypotheses else None) + "\n"
-    if t.hypotheses:
-        return "".join(f"{t.line_no - 1} ||| {text} ||| {h.score:.4f}{aligned(h)}\n"
-                       for text, h in zip(t.texts, t.hypotheses))
-    return f"{t.line_no - 1} |||  ||| 0.0000{aligned(None)}\n"
 
 
 def distill_corpus(teacher: str | Path, cfg: ExperimentConfig, out_prefix: str | Path,

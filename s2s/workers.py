@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator, Optional, TextIO
 
 from s2s.errors import S2SError
+from s2s.output import OutputFormat, check_format, format_translation
 
 log = logging.getLogger("s2s")
 
@@ -73,11 +74,14 @@ class TranslatorSpec:
     nbest_rows: bool = False  # print `LINE ||| TEXT ||| SCORE` rows even for one hypothesis (--nbest 1)
     threads: int = 0  # torch threads of the process that builds it (0: torch's default)
     weights: Optional[tuple[float, ...]] = None  # ensemble weights, one per model
+    scores: bool = False  # --scores: each row ends in TAB and its confidence (s2s.output)
+    output_format: str = "text"  # --format: text | jsonl (s2s.output)
 
     def check(self) -> None:
         """The settings' errors, before any model loads."""
         check_translator_options(len(self.models), self.device, self.weights, self.precision, self.quantize,
                                  self.threads)
+        check_format(self.output_format)
         if self.overrides.get("glossary"):  # a bad file names its line now, not once per worker
             from s2s.glossary import load_glossary
 
@@ -91,8 +95,10 @@ class TranslatorSpec:
                                     decode_defaults=self.defaults, precision=self.precision,
                                     quantize=self.quantize, alignments=self.alignments, threads=self.threads)
 
-    def shows_nbest(self, translator) -> bool:
-        return translator.decode.nbest > 1 or self.nbest_rows
+    def output(self, translator) -> OutputFormat:
+        """How the translator's output is written (see s2s.output)."""
+        return OutputFormat(nbest=translator.decode.nbest > 1 or self.nbest_rows, alignments=translator.alignments,
+                            scores=self.scores, format=self.output_format)
 
 
 def usable_cores() -> int:
@@ -258,21 +264,18 @@ def translate_stream(spec: TranslatorSpec, lines: Iterable[str], out: TextIO, wo
 
         translator = spec.build()
         sources, prefix_lines = (items, None) if prefixes is None else _unzip(items)
-        write_translations(translator, sources, out, spec.shows_nbest(translator), line_by_line,
-                           prefix_lines, progress)
+        write_translations(translator, sources, out, spec.output(translator), line_by_line, prefix_lines, progress)
         return 1
     spec = replace(spec, threads=threads_per_worker(n, cores, spec.threads))
     _translate_parallel(spec, items, out, n, prefixes is not None, progress, chunk_lines, first_line_no, on_chunk)
     return n
 
 
-def translate_task(translator, nbest: bool, first_line_no: int, lines: list[str],
+def translate_task(translator, fmt: OutputFormat, first_line_no: int, lines: list[str],
                    prefixes: Optional[list[str]]) -> tuple[str, int, int]:
     """One chunk: (its output text, its lines, its output tokens), in a worker or in this process."""
-    from s2s.translate import format_translation
-
     found = translator.translate_chunk(lines, first_line_no, prefixes)
-    text = "".join(format_translation(t, nbest, translator.alignments) for t in found)
+    text = "".join(format_translation(t, fmt) for t in found)
     return text, len(found), sum(output_tokens(t) for t in found)
 
 
@@ -281,9 +284,9 @@ def _translate_here(spec: TranslatorSpec, items: Iterator[Any], out: TextIO, pai
                     on_chunk: Optional[Callable[[int], None]]) -> None:
     """One process, chunk by chunk as the workers' chunks: each written whole, then reported."""
     translator = spec.build()
-    nbest = spec.shows_nbest(translator)
+    fmt = spec.output(translator)
     for line_no, lines, prefixes in _chunks(items, chunk_lines, paired, first_line_no):
-        text, n_lines, n_tokens = translate_task(translator, nbest, line_no, lines, prefixes)
+        text, n_lines, n_tokens = translate_task(translator, fmt, line_no, lines, prefixes)
         out.write(text)
         out.flush()
         if progress is not None:
@@ -492,11 +495,11 @@ def _worker(spec: TranslatorSpec, tasks, results, log_level: int) -> None:
     logging.getLogger().setLevel(logging.ERROR)  # other libraries: the parent shows their warnings once
     try:
         translator = spec.build()
-        nbest = spec.shows_nbest(translator)
+        fmt = spec.output(translator)
         results.put(("ready", collect.take()))
         while (task := _next_task(tasks, results)) is not None:
             index, first_line_no, lines, prefixes = task
-            results.put(("done", index, *translate_task(translator, nbest, first_line_no, lines, prefixes),
+            results.put(("done", index, *translate_task(translator, fmt, first_line_no, lines, prefixes),
                          collect.take()))
     except S2SError as e:
         results.put(("error", "s2s", str(e)))

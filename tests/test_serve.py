@@ -19,6 +19,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from s2s.errors import S2SError  # noqa: E402
+from s2s.output import confidence  # noqa: E402
 from s2s.serve import ServeLimits, build_app, decode_overrides, listen_socket, uvicorn_server  # noqa: E402
 from s2s.translate import Translator  # noqa: E402
 
@@ -104,7 +105,7 @@ def test_nbest_scores_and_alignments_equal_the_translators(server, model_dir, de
     got = translate(url, texts=lines, beam=3, nbest=2, scores=True, alignments=True)
     assert len(got) == len(lines)
     for t, g in zip(want[:5], got[:5]):
-        hyps = [{"text": text, "score": h.score, "alignment": [list(a) for a in h.alignment]}
+        hyps = [{"text": text, "score": round(confidence(h), 4), "alignment": [list(a) for a in h.alignment]}
                 for text, h in zip(t.texts, t.hypotheses)]
         assert g == {**hyps[0], "nbest": hyps}
     assert got[5] == {"text": "", "score": 0.0, "alignment": [], "nbest": [{"text": "", "score": 0.0, "alignment": []}]}
