@@ -302,6 +302,8 @@ DECODE_FLAGS = {
     "coverage_penalty": "beta of the coverage penalty (beam search; at --beam 1 a 1-beam search).",
     "seed": "Sampling: the same seed draws the same outputs.",
     "batch_tokens": "Source tokens per batch.",
+    "tgt_lang": "Target language of a multilingual model: de for <2de>, >>de<<, __de__ or de_DE, "
+                "or the model's exact token (`s2s info MODEL` lists them).",
 }
 
 
@@ -344,6 +346,7 @@ def _decode_command(name: str, defaults: dict):
             "--sampling", help="Sample each token instead of searching (beam 1; decode.sampling).")] = False,
         seed: Annotated[Optional[int], _decode_flag("seed")] = None,
         batch_tokens: Annotated[Optional[int], _decode_flag("batch_tokens")] = None,
+        tgt_lang: Annotated[Optional[str], _decode_flag("tgt_lang", "--tgt-lang")] = None,
         prefix_file: Annotated[Optional[Path], typer.Option(
             help="Force each output to start with the same line of this file.")] = None,
         glossary: Annotated[Optional[Path], typer.Option(
@@ -386,7 +389,8 @@ def _decode_command(name: str, defaults: dict):
         from s2s.workers import TranslatorSpec
 
         flags = dict(beam=beam, alpha=alpha, nbest=nbest, max_len_a=max_len_a, max_len_b=max_len_b,
-                     min_len=min_len, coverage_penalty=coverage_penalty, seed=seed, batch_tokens=batch_tokens)
+                     min_len=min_len, coverage_penalty=coverage_penalty, seed=seed, batch_tokens=batch_tokens,
+                     tgt_lang=tgt_lang)
         overrides = {**decode_overrides(set_, name), **{k: v for k, v in flags.items() if v is not None}}
         for key, on in (("sampling", sampling), ("compile", compile), ("shortlist", shortlist),
                         ("split_sentences", split_sentences), ("markup", markup)):

@@ -65,6 +65,13 @@ class TokenizerConfig:
     # ids just past the SentencePiece pieces decode as <extra_id_N>, the last one <extra_id_0>
     # (transformers' T5Tokenizer: an imported T5 has 100); ids past those decode to nothing
     extra_ids: int = 0
+    # How the model is told its target language (s2s.langs): none; target_tag, a target-language
+    # token first in the source (s2s's <2de>, Marian's >>de<<); mbart, the source ends with
+    # </s> and its language code, the output starts with the target's; m2m100, the source starts
+    # with its language code, the output with the target's (M2M100, NLLB, mBART-50).
+    lang_scheme: Literal["none", "target_tag", "mbart", "m2m100"] = "none"
+    lang_tokens: tuple[str, ...] = ()  # the target-language tokens, kept whole in any input
+    src_lang_token: str = ""  # mbart, m2m100: the source language's token, put in every source
 
     def __post_init__(self) -> None:
         _check(self.type != "byte_bpe" or (self.vocab_file and self.joint), "tokenizer.type",
@@ -81,6 +88,32 @@ class TokenizerConfig:
                "must be in [0.9, 1.0]")
         _check(self.sentinels >= 0, "tokenizer.sentinels", "must be >= 0")
         _check(self.max_sentences > 0, "tokenizer.max_sentences", "must be > 0")
+        _check(self.lang_scheme == "none" or bool(self.lang_tokens), "tokenizer.lang_tokens",
+               f"lang_scheme {self.lang_scheme} needs the model's language tokens")
+        _check(len(set(self.lang_tokens)) == len(self.lang_tokens) and all(t.strip() == t and t
+                                                                           for t in self.lang_tokens),
+               "tokenizer.lang_tokens", "must be distinct non-empty tokens without spaces around them")
+
+
+_LANG_CODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+
+
+@dataclass(frozen=True)
+class PairConfig:
+    """One language pair of ``data.pairs``: files ``{prefix}.{src_lang}`` and ``{prefix}.{tgt_lang}``."""
+
+    src_lang: str = ""
+    tgt_lang: str = ""
+    train: str = ""
+    dev: str = ""
+    test: str = ""
+
+    def __post_init__(self) -> None:
+        for key in ("src_lang", "tgt_lang"):
+            _check(bool(_LANG_CODE.match(getattr(self, key))), key,
+                   f"{getattr(self, key)!r} is not a language code (letters, digits, _ and -)")
+        _check(self.src_lang != self.tgt_lang, "tgt_lang", "must differ from src_lang (file suffixes would collide)")
+        _check(bool(self.train), "train", "each pair needs its training corpus prefix")
 
 
 @dataclass(frozen=True)
@@ -102,8 +135,17 @@ class DataConfig:
     max_length_ratio: float = 3.0  # drop train pairs with len ratio above this (0: keep all)
     max_src_tokens: int = 0  # truncate sources to this many tokens, </s> included (0: never)
     dedupe: bool = True
+    # several language pairs in one run (instead of src_lang/tgt_lang/train/dev/test): each source
+    # is prefixed with its target language's tag <2xx>, a piece the (joint) tokenizer reserves
+    pairs: tuple[PairConfig, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.pairs:
+            _check(not (self.train or self.dev or self.test), "data.pairs",
+                   "give the corpora either in data.pairs or in data.train/dev/test, not both")
+            seen = [(p.src_lang, p.tgt_lang) for p in self.pairs]
+            twice = next((p for i, p in enumerate(seen) if p in seen[:i]), None)
+            _check(twice is None, "data.pairs", f"the pair {twice and '-'.join(twice)} is listed twice")
         _check(bool(self.src_lang) and bool(self.tgt_lang), "data.src_lang",
                "src_lang and tgt_lang must be non-empty")
         _check(self.src_lang != self.tgt_lang, "data.tgt_lang",
@@ -113,6 +155,19 @@ class DataConfig:
                "must be >= 1 (or 0: no ratio filter)")
         _check(self.max_src_tokens == 0 or self.max_src_tokens >= 2, "data.max_src_tokens",
                "must be 0 (no truncation) or >= 2")
+
+    def split_corpora(self, split: str) -> list[tuple[str, str, str]]:
+        """(prefix, src_lang, tgt_lang) of each corpus of ``split`` (train, dev or test):
+        those of data.pairs that have one, else the single pair's, if configured."""
+        if self.pairs:
+            return [(getattr(p, split), p.src_lang, p.tgt_lang) for p in self.pairs if getattr(p, split)]
+        prefix = getattr(self, split)
+        return [(prefix, self.src_lang, self.tgt_lang)] if prefix else []
+
+    @property
+    def target_langs(self) -> tuple[str, ...]:
+        """The target languages of data.pairs, in order of first appearance (none without pairs)."""
+        return tuple(dict.fromkeys(p.tgt_lang for p in self.pairs))
 
 
 @dataclass(frozen=True)
@@ -294,6 +349,7 @@ class DecodeConfig:
     glossary: str = ""  # a file of `source term<TAB>target term` lines the outputs must keep (s2s.glossary)
     split_sentences: bool = False  # a line is a paragraph: its sentences translated, rejoined on one line
     markup: bool = False  # inline tags (<b>..</b>, <br/>) taken out and put back through the alignment
+    tgt_lang: str = ""  # the target language of a multilingual model (s2s.langs); "": the model's own
 
     def __post_init__(self) -> None:
         _check(self.beam >= 1, "decode.beam", "must be >= 1")
@@ -376,11 +432,14 @@ class ExperimentConfig:
         check_arch_supports(self.model, self.decode)
         _check(self.train.coverage_weight == 0 or self.model.arch == "encoder_decoder", "train.coverage_weight",
                f"the coverage loss needs cross-attention; model.arch {self.model.arch} has none")
-        if self.train.early_stopping and not self.data.dev:
+        if self.train.early_stopping and not self.data.split_corpora("dev"):
             raise ConfigError("train.early_stopping: needs a dev split (data.dev)")
         if self.model.share_embeddings and not (self.tokenizer.joint or self.tokenizer.vocab_file):
             raise ConfigError("model.share_embeddings: needs a joint vocabulary "
                               "(tokenizer.joint: true) or share_embeddings: false")
+        if self.data.pairs and not self.tokenizer.joint:
+            raise ConfigError("data.pairs: several language pairs need one joint vocabulary "
+                              "(tokenizer.joint: true)")
 
 
 # --------------------------------------------------------------------------- #
@@ -477,9 +536,20 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, value, f"{full}.")
+        elif typing.get_origin(tp) is tuple:  # tuple[X, ...]: a YAML list
+            if not isinstance(value, (list, tuple)):
+                raise ConfigError(f"{full}: expected a list, got {value!r}")
+            item = typing.get_args(tp)[0]
+            kwargs[name] = tuple(_build(item, v, f"{full}[{i}].") if dataclasses.is_dataclass(item)
+                                 else _coerce(v, item, f"{full}[{i}]") for i, v in enumerate(value))
         else:
             kwargs[name] = _coerce(value, tp, full)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        if prefix.endswith("]."):  # an item of a list: its checks name keys relative to it
+            raise ConfigError(f"{prefix}{e}") from None
+        raise
 
 
 def _yaml_name(cls: type, field_name: str) -> str:
@@ -595,9 +665,13 @@ def load_training_config(path: str | Path, overrides: Optional[list[str]] = None
 
 
 def to_dict(cfg: Any) -> dict:
-    """The config as plain nested dicts, keys named as in YAML."""
-    return {_yaml_name(type(cfg), f.name): to_dict(v) if dataclasses.is_dataclass(v := getattr(cfg, f.name))
-            else v for f in dataclasses.fields(cfg)}
+    """The config as plain nested dicts (and lists), keys named as in YAML."""
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v):
+            return to_dict(v)
+        return [plain(x) for x in v] if isinstance(v, tuple) else v
+
+    return {_yaml_name(type(cfg), f.name): plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
 
 
 def to_yaml(cfg: ExperimentConfig) -> str:

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from s2s.config import ExperimentConfig
 from s2s.errors import S2SError
+from s2s.langs import target_tag
 from s2s.textio import atomic_write, file_sha256, read_lines, resolve_corpus
 from s2s.tokenizer import BOS_ID, PAD_ID, Tokenizer, resolve_tokenizer_config
 
@@ -331,9 +332,8 @@ def data_signature(cfg: ExperimentConfig) -> str:
     parts = [json.dumps(dataclasses.asdict(cfg.data), sort_keys=True),
              cfg.model.positions, str(cfg.model.max_positions)]
     for split in SPLITS:
-        prefix = getattr(cfg.data, split)
-        for lang in (cfg.data.src_lang, cfg.data.tgt_lang):
-            if prefix:
+        for prefix, src_lang, tgt_lang in cfg.data.split_corpora(split):
+            for lang in (src_lang, tgt_lang):
                 with contextlib.suppress(S2SError, OSError):
                     parts.append(str(resolve_corpus(prefix, lang).stat().st_size))
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
@@ -349,10 +349,11 @@ def prepare(cfg: ExperimentConfig, workers: int = 0) -> dict[str, CleanStats]:
     per distinct training pair).
     """
     out = Path(cfg.data.dir)
-    if not cfg.data.train:
+    if not cfg.data.split_corpora("train"):
         raise S2SError("data.train: no training corpus configured")
-    corpora = {split: (resolve_corpus(prefix, cfg.data.src_lang), resolve_corpus(prefix, cfg.data.tgt_lang))
-               for split in SPLITS if (prefix := getattr(cfg.data, split))}
+    corpora = {split: [(resolve_corpus(prefix, src), resolve_corpus(prefix, tgt), tgt)
+                       for prefix, src, tgt in cfg.data.split_corpora(split)]
+               for split in SPLITS if cfg.data.split_corpora(split)}
     cfg = resolve_tokenizer_config(cfg)
     tok = Tokenizer.load(out, cfg.tokenizer, cfg.data)
     (out / "meta.json").unlink(missing_ok=True)  # written last: its presence means complete
@@ -362,21 +363,32 @@ def prepare(cfg: ExperimentConfig, workers: int = 0) -> dict[str, CleanStats]:
         pool = None
         if workers > 1:
             pool = pool_scope.enter_context(multiprocessing.Pool(workers, _init_worker, (out, cfg)))
-        for split, (src_path, tgt_path) in corpora.items():
+        for split, files in corpora.items():
             if split == "train":
                 rules = CleanRules(cfg.data.max_tokens_per_sentence, cfg.data.max_length_ratio or None,
                                    cfg.data.dedupe, cfg.data.max_src_tokens)
             else:  # evaluation splits keep every non-empty pair the model can take
                 limit = cfg.model.max_positions if cfg.model.positions == "learned" else None
                 rules = CleanRules(limit, None, False, cfg.data.max_src_tokens)
-            pairs = ((s.strip(), t.strip()) for s, t in read_parallel(src_path, tgt_path))
-            all_stats[split] = prepare_split(pairs, rules, tok, out, split, pool, workers, src_path)
+            tagged = bool(cfg.data.pairs)
+            pairs = itertools.chain.from_iterable(split_pairs(src, tgt, lang if tagged else None)
+                                                  for src, tgt, lang in files)
+            all_stats[split] = prepare_split(pairs, rules, tok, out, split, pool, workers, files[0][0])
     meta = {"splits": {split: st.kept for split, st in all_stats.items()},
             "src_vocab": tok.src_vocab_size, "tgt_vocab": tok.tgt_vocab_size,
             "tokenizer": tokenizer_fingerprint(cfg, out), "data": data_signature(cfg)}
     with atomic_write(out / "meta.json") as f:
         json.dump(meta, f, indent=2)
     return all_stats
+
+
+def split_pairs(src_path: Path, tgt_path: Path, tgt_lang: Optional[str]) -> Iterator[tuple[str, str]]:
+    """The stripped (source, target) lines of one corpus; with ``tgt_lang`` (data.pairs) each
+    non-empty source starts with the target language's tag: '<2de> Hello' (Johnson et al. 2017)."""
+    tag = f"{target_tag(tgt_lang)} " if tgt_lang else ""
+    for s, t in read_parallel(src_path, tgt_path):
+        s = s.strip()
+        yield (tag + s if s else s), t.strip()
 
 
 def prepare_split(pairs: Iterator[tuple[str, str]], rules: CleanRules, tok: Tokenizer, out: Path,

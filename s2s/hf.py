@@ -1,4 +1,4 @@
-"""Hugging Face transformers checkpoints in and out: MarianMT, BART/mBART and T5.
+"""Hugging Face transformers checkpoints in and out: MarianMT, BART/mBART, T5 and M2M100/NLLB (in only).
 
     s2s import hf PATH -o MODEL_DIR      a local Hugging Face directory -> an s2s model directory
     s2s export hf -m MODEL_DIR -o PATH   an s2s model of one of those families -> a directory
@@ -13,6 +13,16 @@ Each family is a translation of names and settings into s2s's one model:
     bart     post-norm       LayerNorm + on embeds   learned, offset 2      act            logits bias
     mbart    pre-norm        LayerNorm + on embeds   learned, offset 2      act            logits bias, final norms
     t5       pre-norm        RMSNorm, no bias        relative bias          relu or gated  no 1/sqrt(d_k), no biases
+    m2m_100  pre-norm        LayerNorm               fairseq sinusoid at    act            x sqrt(d), final norms
+                                                     p + pad + 1 (a fixed
+                                                     learned-position table)
+
+M2M100 (and NLLB-200, the same architecture) computes its sinusoid, with
+frequencies 10000^(-i/(d/2 - 1)), instead of storing it: the import writes
+those values into a learned position table, which reads the same numbers
+(and which fine-tuning then trains).  Language tokens (Marian's >>de<<,
+mBART's de_DE, M2M100's __de__, NLLB's deu_Latn) become tokenizer.lang_*
+(see s2s.langs); ``export hf`` writes no M2M100.
 
 The ids stay the checkpoint's (``tokenizer.pad_id``... in the s2s config), so
 token for token the two implementations see the same inputs.
@@ -32,17 +42,29 @@ from safetensors.torch import save_file
 
 from s2s.config import ExperimentConfig, config_from_dict, to_dict
 from s2s.errors import S2SError
+from s2s.langs import LANG_TOKEN, Languages
 from s2s.model import Seq2SeqTransformer
+from s2s.model.positions import fairseq_sinusoid
 from s2s.outdir import check_output_dir, output_dir
 
 log = logging.getLogger("s2s")
 
-FAMILIES = ("marian", "bart", "mbart", "t5")
+FAMILIES = ("marian", "bart", "mbart", "t5", "m2m_100")
 # Hugging Face activation names <-> model.activation
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
                "silu": "silu", "swish": "silu"}
 TO_HF_ACTIVATION = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_new", "silu": "swish"}
 BART_POSITION_OFFSET = 2  # BartLearnedPositionalEmbedding reads row p + 2
+# The languages of M2M100's dictionary (tokenizer_config.json's language_codes), in the order of
+# their tokens __xx__ after vocab.json: the 100 of the M2M100 paper, alphabetical, and the 8 of
+# the WMT21 models
+M2M100_LANGUAGES = {
+    "m2m100": ("af am ar ast az ba be bg bn br bs ca ceb cs cy da de el en es et fa ff fi fr fy ga gd gl gu "
+               "ha he hi hr ht hu hy id ig ilo is it ja jv ka kk km kn ko lb lg ln lo lt lv mg mk ml mn mr ms "
+               "my ne nl no ns oc or pa pl ps pt ro ru sd si sk sl so sq sr ss su sv sw ta th tl tn tr uk ur uz "
+               "vi wo xh yi yo zh zu").split(),
+    "wmt21": "en ha is ja cs ru zh de".split(),
+}
 
 
 # --------------------------------------------------------------------------- #
@@ -139,16 +161,18 @@ def s2s_config(hf: dict) -> dict:
         start = hf.get("decoder_start_token_id")
         ids = dict(pad_id=pad, eos_id=eos, unk_id=2, bos_id=pad if start is None else start)
     else:
-        pre = family == "mbart"
+        pre = family in ("mbart", "m2m_100")
+        pad = hf.get("pad_token_id", 1)
         model = dict(
             d_model=hf["d_model"], heads=_same(hf, "encoder_attention_heads", "decoder_attention_heads"),
             d_ff=_same(hf, "encoder_ffn_dim", "decoder_ffn_dim"), enc_layers=hf["encoder_layers"],
             dec_layers=hf["decoder_layers"], activation=_activation(hf.get("activation_function", "gelu")),
             norm="pre" if pre else "post", scale_embeddings=bool(hf.get("scale_embedding", False)),
-            embed_norm=family != "marian", output_bias=True,
+            embed_norm=family in ("bart", "mbart"), output_bias=family != "m2m_100",
             positions="sinusoidal" if family == "marian" else "learned",
             max_positions=hf.get("max_position_embeddings", 1024),
-            position_offset=0 if family == "marian" else BART_POSITION_OFFSET,
+            # M2M100's position ids start at pad + 1 (fairseq's make_positions)
+            position_offset={"marian": 0, "m2m_100": pad + 1}.get(family, BART_POSITION_OFFSET),
             share_embeddings=bool(hf.get("share_encoder_decoder_embeddings", True)),
             tie_output=hf.get("tie_word_embeddings", True) is not False,
             dropout=hf.get("dropout", 0.1), attention_dropout=hf.get("attention_dropout", 0.0),
@@ -156,7 +180,6 @@ def s2s_config(hf: dict) -> dict:
         if family == "marian" and hf.get("decoder_vocab_size", vocab) != vocab:
             raise S2SError(f"config.json: decoder_vocab_size={hf['decoder_vocab_size']} differs from "
                            f"vocab_size={vocab}; s2s needs one size for both vocabularies")
-        pad = hf.get("pad_token_id", 1)
         eos = hf.get("eos_token_id", 2)
         # the decoder's first input: decoder_start_token_id, else (as generate does) bos_token_id
         start = next((hf[k] for k in ("decoder_start_token_id", "bos_token_id") if hf.get(k) is not None),
@@ -249,14 +272,15 @@ def _bart_names(model: Seq2SeqTransformer, family: str) -> NameMap:
                  ("tgt_embed.weight", ["model.decoder.embed_tokens.weight"])]
     if model.output_proj is not None:
         names.append(("output_proj.weight", ["lm_head.weight"]))
-    names.append(("output_bias", ["final_logits_bias"]))
+    if family != "m2m_100":
+        names.append(("output_bias", ["final_logits_bias"]))
     for side, stack, n in (("enc", "encoder", model.cfg.enc_layers), ("dec", "decoder", model.cfg.dec_layers)):
         p = f"model.{stack}"
-        if family != "marian":
+        if family in ("bart", "mbart"):  # (M2M100's positions are computed: see model_from_hf)
             names += [(f"{side}_positions.table.weight", [f"{p}.embed_positions.weight"]),
                       (f"{side}_embed_norm.weight", [f"{p}.layernorm_embedding.weight"]),
                       (f"{side}_embed_norm.bias", [f"{p}.layernorm_embedding.bias"])]
-        if family == "mbart":
+        if family in ("mbart", "m2m_100"):
             names += [(f"{side}_final_norm.weight", [f"{p}.layer_norm.weight"]),
                       (f"{side}_final_norm.bias", [f"{p}.layer_norm.bias"])]
         for i in range(n):
@@ -309,7 +333,7 @@ def _t5_names(model: Seq2SeqTransformer, family: str) -> NameMap:
 
 
 NAME_MAPS: dict[str, Callable[[Seq2SeqTransformer, str], NameMap]] = {
-    "marian": _bart_names, "bart": _bart_names, "mbart": _bart_names, "t5": _t5_names}
+    "marian": _bart_names, "bart": _bart_names, "mbart": _bart_names, "t5": _t5_names, "m2m_100": _bart_names}
 
 # names a checkpoint may hold under another spelling (tied copies), tried in order
 ALIASES = {"model.shared.weight": ["model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight"],
@@ -354,6 +378,10 @@ def model_from_hf(path: str | Path) -> tuple[Seq2SeqTransformer, dict]:
             continue
         t = torch.cat([_get(weights, n, path) for n in hf_names], dim=0)
         state[s2s_name] = t.reshape(-1) if s2s_name == "output_bias" else t
+    if family == "m2m_100":  # the sinusoid M2M100 computes, as the table s2s reads at p + offset
+        m = cfg.model
+        table = fairseq_sinusoid(m.max_positions + m.position_offset, m.d_model, cfg.tokenizer.pad_id)
+        state["enc_positions.table.weight"] = state["dec_positions.table.weight"] = table
     expected = model.state_dict()
     for name, t in state.items():
         if name not in expected:
@@ -405,6 +433,9 @@ def _import_tokenizer(path: Path, family: str, out: Path, sections: dict) -> dic
     """Copy the SentencePiece model(s) into ``out``; return the config's tokenizer and data sections."""
     tok = sections["tokenizer"]
     settings = _json_object(path / "tokenizer_config.json")
+    special = _json_object(path / "special_tokens_map.json")  # where older savers list the language codes
+    if family in ("mbart", "m2m_100") and not _additional_tokens(settings):
+        settings["additional_special_tokens"] = _additional_tokens(special)
     src_lang = settings.get("source_lang") or "src"
     tgt_lang = settings.get("target_lang") or "tgt"
     if src_lang == tgt_lang:
@@ -445,15 +476,91 @@ def _import_tokenizer(path: Path, family: str, out: Path, sections: dict) -> dic
         pieces = json.loads(vocab.read_text(encoding="utf-8"))
         tok.update(type="byte_bpe", joint=True, vocab_file="vocab.json", vocab_size=len(pieces),
                    unk_id=pieces.get("<unk>", tok["unk_id"]), prefix_id=pieces.get("<s>", -1))
-    else:
+    else:  # mbart; m2m100 (M2M100Tokenizer: vocab.json; NllbTokenizer: mBART's dictionary)
         spm_path = path / "sentencepiece.bpe.model"
         if not spm_path.is_file():
-            raise S2SError(f"{spm_path}: not found (mBART's tokenizer is a SentencePiece model)")
+            raise S2SError(f"{spm_path}: not found ({family}'s tokenizer is a SentencePiece model)")
         shutil.copyfile(spm_path, out / "spm.model")
-        vocab = _fairseq_vocab(spm_path, settings)
+        if family == "m2m_100" and (path / "vocab.json").is_file():
+            if not _additional_tokens(settings) and settings.get("language_codes", "m2m100") in M2M100_LANGUAGES:
+                # transformers 5 saves M2M100Tokenizer without its language tokens: they are its codes list's
+                codes = M2M100_LANGUAGES[settings.get("language_codes", "m2m100")]
+                settings["additional_special_tokens"] = [f"__{c}__" for c in codes]
+            vocab = _m2m100_vocab(path / "vocab.json", settings)
+        else:
+            vocab = _fairseq_vocab(spm_path, settings)
         (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
         tok.update(joint=True, vocab_file="vocab.json", vocab_size=len(vocab))
+    if tok.get("vocab_file"):
+        vocab = json.loads((out / tok["vocab_file"]).read_text(encoding="utf-8"))
+        sections["decode"] = _import_languages(family, settings, vocab, tok)
     return data
+
+
+def _import_languages(family: str, settings: dict, vocab: dict[str, int], tok: dict) -> dict:
+    """The tokenizer.lang_* settings of an imported vocabulary (in ``tok``), and the decode
+    settings: tokenizer_config.json's tgt_lang, if it names one of the languages, as decode.tgt_lang."""
+    if family not in ("marian", "mbart", "m2m_100"):
+        return {}
+    listed = {*_additional_tokens(settings), *_added_tokens(settings)}  # the tokenizer's special tokens
+    tokens = tuple(t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1]) if LANG_TOKEN.match(t)
+                   and (t.startswith(">>") if family == "marian" else t in listed))
+    if not tokens:
+        return {}
+    tokenizer_class = str(settings.get("tokenizer_class") or "")
+    if family == "marian":
+        scheme = "target_tag"  # >>de<< first in the source
+    elif family == "mbart" and not tokenizer_class.startswith("MBart50"):
+        scheme = "mbart"  # x </s> en_XX; the output starts with the target's code
+    else:  # mBART-50, M2M100, NLLB: en_XX x </s> (NLLB's legacy_behaviour: as mBART)
+        scheme = "mbart" if settings.get("legacy_behaviour") else "m2m100"
+    langs = Languages(scheme, tokens)
+    chosen = {}
+    for key in ("src_lang", "tgt_lang"):
+        value = settings.get(key)
+        if isinstance(value, str) and value:
+            try:
+                chosen[key] = langs.resolve(value, f"tokenizer_config.json: {key}")
+            except S2SError as e:
+                log.warning("%s; not used", e)
+    src_token = chosen.get("src_lang", "") if scheme != "target_tag" else ""
+    tok.update(lang_scheme=scheme, lang_tokens=list(tokens), src_lang_token=src_token)
+    return {"tgt_lang": chosen["tgt_lang"]} if "tgt_lang" in chosen else {}
+
+
+def _added_tokens(settings: dict) -> dict[str, int]:
+    """The ids tokenizer_config.json's added_tokens_decoder records (transformers >= 4.34)."""
+    decoder = settings.get("added_tokens_decoder")
+    added = {}
+    for i, entry in (decoder.items() if isinstance(decoder, dict) else []):
+        content = entry.get("content") if isinstance(entry, dict) else None
+        if isinstance(content, str) and str(i).isdigit():
+            added[content] = int(i)
+    return added
+
+
+def _m2m100_vocab(path: Path, settings: dict) -> dict[str, int]:
+    """M2M100's ids: vocab.json, then its language tokens __xx__ (the added tokens' recorded
+    ids, else in tokenizer_config.json's additional_special_tokens order after vocab.json's)."""
+    vocab = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(vocab, dict):
+        raise S2SError(f"{path}: expected a JSON object mapping pieces to ids")
+    for token, i in _added_tokens(settings).items():
+        vocab.setdefault(token, i)
+    for token in _additional_tokens(settings):
+        if token not in vocab:
+            vocab[token] = max(vocab.values()) + 1
+    return vocab
+
+
+def _additional_tokens(settings: dict) -> list[str]:
+    """additional_special_tokens (transformers 5: extra_special_tokens), as strings or as
+    {"content": ...} entries."""
+    tokens = settings.get("additional_special_tokens") or settings.get("extra_special_tokens") or []
+    if not isinstance(tokens, list):
+        return []
+    contents = (t.get("content") if isinstance(t, dict) else t for t in tokens)
+    return [t for t in contents if isinstance(t, str)]
 
 
 def _json_object(path: Path) -> dict:
@@ -477,10 +584,11 @@ def _fairseq_vocab(spm_path: Path, settings: dict) -> dict[str, int]:
     vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
     for i in range(3, proc.get_piece_size()):
         vocab.setdefault(proc.id_to_piece(i), i + 1)
-    for code in settings.get("additional_special_tokens") or []:
-        if isinstance(code, str):
-            vocab.setdefault(code, len(vocab))
-    vocab.setdefault("<mask>", len(vocab))
+    for token, i in _added_tokens(settings).items():  # the ids transformers recorded win
+        vocab.setdefault(token, i)
+    for code in _additional_tokens(settings):
+        vocab.setdefault(code, max(vocab.values()) + 1)
+    vocab.setdefault("<mask>", max(vocab.values()) + 1)
     return vocab
 
 
@@ -502,7 +610,7 @@ def import_hf(path: str | Path, out: str | Path, force: bool = False) -> Path:
         raw = {"name": f"{family}-import", "tokenizer": sections["tokenizer"], "data": data,
                "model": sections["model"],
                "decode": {"length_penalty": "power", "stop": "early", "alpha": 1.0, "beam": 4, "max_len_a": 0.0,
-                          "max_len_b": 256}}
+                          "max_len_b": 256, **sections.get("decode", {})}}
         raw["tokenizer"].setdefault("joint", True)
         cfg = config_from_dict(raw, f"{path}/config.json")
         save_model_dir(tmp, model, cfg, tmp, {"imported_from": str(path), "family": family})

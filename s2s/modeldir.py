@@ -176,6 +176,8 @@ def save_model_dir(directory: Path, model: torch.nn.Module, cfg: ExperimentConfi
     try:
         digest = save_weights(model, new_weights)
         meta = {"format": FORMAT_VERSION, "s2s_version": __version__, "sha256": digest, **(info or {})}
+        if cfg.tokenizer.lang_scheme != "none":  # a multilingual model (s2s.langs) says which languages
+            meta["languages"] = language_record(cfg)
         if getattr(cfg, "decode_keys", None) is not None:  # see s2s.config.load_training_config
             meta["decode_keys"] = sorted(cfg.decode_keys)
         with open(new_meta, "w", encoding="utf-8") as f:
@@ -329,11 +331,37 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
         ("budget 12·N_enc·d² + 16·N_dec·d² + V·d" if m.arch == "encoder_decoder"
          else "budget 12·(N_enc + N_dec)·d² + V·d", f"{budget:,}  (actual/budget = {n / budget:.3f})"),
     ]
+    rows += language_rows(cfg)
     if meta and meta.get("imported_from"):
         rows.append(("imported", f"{meta.get('family')} checkpoint {meta['imported_from']}"))
     if meta and "step" in meta:
         rows.append(("trained", ", ".join(f"{k} {v}" for k, v in meta.items()
                                           if k in ("step", "dev_bleu", "dev_loss"))))
+    return rows
+
+
+def language_record(cfg: ExperimentConfig) -> dict:
+    """model.json's "languages" of a multilingual model: pairs, scheme, target tokens, source token."""
+    t = cfg.tokenizer
+    return {"pairs": [f"{p.src_lang}-{p.tgt_lang}" for p in cfg.data.pairs], "scheme": t.lang_scheme,
+            "tokens": list(t.lang_tokens), "src_token": t.src_lang_token}
+
+
+def language_rows(cfg: ExperimentConfig) -> list[tuple[str, str]]:
+    """`s2s info` rows of a multilingual model: its pairs (data.pairs) and its language tokens."""
+    from s2s.langs import Languages
+
+    rows = []
+    if cfg.data.pairs:
+        rows.append(("language pairs", ", ".join(f"{p.src_lang}-{p.tgt_lang}" for p in cfg.data.pairs)))
+    t = cfg.tokenizer
+    if t.lang_scheme != "none":
+        langs = Languages(t.lang_scheme, t.lang_tokens, t.src_lang_token)
+        rows.append((f"target languages ({t.lang_scheme})", langs.describe()))
+        if t.src_lang_token:
+            rows.append(("source language token", t.src_lang_token))
+    if cfg.decode.tgt_lang:
+        rows.append(("default --tgt-lang", cfg.decode.tgt_lang))
     return rows
 
 

@@ -47,12 +47,13 @@ from s2s.config import DecodeConfig, replace
 from s2s.config import decode_overrides as parse_decode_overrides
 from s2s.errors import ConfigError, S2SError
 from s2s.glossary import Glossary, check_entry
+from s2s.langs import Languages, language_ids
 from s2s.output import translation_json as output_json
 from s2s.translate import Translation, Translator
 
 log = logging.getLogger("s2s")
 
-REQUEST_KEYS = ("texts", "beam", "nbest", "alignments", "scores", "glossary")
+REQUEST_KEYS = ("texts", "beam", "nbest", "alignments", "scores", "glossary", "tgt_lang")
 
 
 class RequestError(S2SError):
@@ -101,6 +102,7 @@ class SearchRequest:
     nbest: int
     alignments: bool
     glossary: tuple[tuple[str, str], ...] = ()  # (source term, target term): added to decode.glossary's
+    tgt_lang: str = ""  # decode.tgt_lang (s2s.langs)
 
 
 @dataclass(frozen=True)
@@ -116,8 +118,9 @@ def _type_name(value: Any) -> str:
 
 
 def parse_request(body: bytes, decode: DecodeConfig, limits: ServeLimits,
-                  can_align: bool = True) -> TranslateRequest:
-    """Check a POST /translate body; ``decode`` gives the defaults of beam and nbest."""
+                  can_align: bool = True, languages: Optional[Languages] = None) -> TranslateRequest:
+    """Check a POST /translate body; ``decode`` gives the defaults of beam, nbest and tgt_lang;
+    ``languages``: the model's (s2s.langs), which tgt_lang is checked against."""
     try:
         data = json.loads(body)
     except ValueError as e:  # UnicodeDecodeError too
@@ -164,7 +167,9 @@ def parse_request(body: bytes, decode: DecodeConfig, limits: ServeLimits,
     alignments = data.get("alignments", False)
     if alignments and not can_align:
         raise RequestError(422, "alignments: this model has no cross-attention to align with")
-    return TranslateRequest(texts, SearchRequest(beam, nbest, alignments, glossary), data.get("scores", False))
+    search = SearchRequest(beam, nbest, alignments, glossary, request_language(data, texts, decode,
+                                                                             languages or Languages()))
+    return TranslateRequest(texts, search, data.get("scores", False))
 
 
 def parse_glossary(value: Any, decode: DecodeConfig) -> tuple[tuple[str, str], ...]:
@@ -183,6 +188,22 @@ def parse_glossary(value: Any, decode: DecodeConfig) -> tuple[tuple[str, str], .
         except S2SError as e:
             raise RequestError(422, str(e)) from None
     return tuple(pairs)
+
+
+def request_language(data: dict, texts: list[str], decode: DecodeConfig, languages: Languages) -> str:
+    """The request's tgt_lang (default decode.tgt_lang), checked against the model's languages."""
+    tgt_lang = data.get("tgt_lang")
+    if tgt_lang is not None and not isinstance(tgt_lang, str):
+        raise RequestError(422, f"tgt_lang: expected a string, got {_type_name(tgt_lang)}")
+    tgt_lang = tgt_lang or decode.tgt_lang
+    try:
+        ids = language_ids(languages, lambda _token: 0, tgt_lang, "tgt_lang")
+        for i, text in enumerate(texts):
+            if text.strip():
+                ids.check_line(text.strip(), f"texts[{i}]", "tgt_lang")
+    except S2SError as e:
+        raise RequestError(422, str(e)) from None
+    return tgt_lang
 
 
 def translation_json(t: Translation, request: TranslateRequest) -> dict:
@@ -318,7 +339,8 @@ class BatchingQueue:
         try:
             if live:
                 search = group[0].search
-                self.translator.decode = replace(self.base_decode, "decode.", beam=search.beam, nbest=search.nbest)
+                self.translator.decode = replace(self.base_decode, "decode.", beam=search.beam, nbest=search.nbest,
+                                                 tgt_lang=search.tgt_lang)
                 self.translator.alignments = search.alignments
                 found = self.translator.translate_chunk([t for job in live for t in job.texts],
                                                         glossary=self._glossary(search))
@@ -352,11 +374,12 @@ def _require_server_libraries() -> None:
 
 def model_info(directory: str | Path) -> dict:
     """A model directory's description: ``s2s info``'s rows, its model.json, its languages."""
-    from s2s.modeldir import describe, load_spec, read_meta
+    from s2s.modeldir import describe, language_record, load_spec, read_meta
 
     d = Path(directory)
     cfg, _ = load_spec(d)
     return {"model": str(d), "src_lang": cfg.data.src_lang, "tgt_lang": cfg.data.tgt_lang,
+            "languages": language_record(cfg),
             "description": dict(describe(d)), "model_json": read_meta(d)}
 
 
@@ -415,7 +438,7 @@ def build_app(translator: Translator, limits: ServeLimits = ServeLimits(), info:
     @app.post("/translate")
     async def translate(request: Request):
         body = await _read_body(request, limits.max_body_bytes)
-        req = parse_request(body, queue.base_decode, limits, can_align)
+        req = parse_request(body, queue.base_decode, limits, can_align, translator.tok.languages)
         found = await asyncio.wrap_future(queue.submit(req.texts, req.search))
         return {"translations": [translation_json(t, req) for t in found]}
 

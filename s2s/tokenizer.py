@@ -14,7 +14,8 @@ import io
 import json
 import logging
 import random
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
@@ -22,6 +23,7 @@ import sentencepiece as spm
 
 from s2s.config import DataConfig, ExperimentConfig, TokenizerConfig, config_from_dict, to_dict
 from s2s.errors import S2SError
+from s2s.langs import Languages, target_tag
 from s2s.textio import atomic_write, read_lines, resolve_corpus
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -51,14 +53,44 @@ class Tokenizer:
     vocab: Optional[dict[str, int]] = None
     prefix_id: int = -1  # put before every sequence (BART's <s>); -1: none
     extra_ids: int = 0  # sentinel ids past the SentencePiece pieces (an imported T5: 100)
+    languages: Languages = field(default_factory=Languages)  # the model's language tokens (s2s.langs)
 
     def __post_init__(self) -> None:
         self._pieces = {i: p for p, i in self.vocab.items()} if self.vocab is not None else None
         self._prefix = [self.prefix_id] if self.prefix_id >= 0 else []
+        self.whole = self.whole_tokens()
+        self._lang_ids = {self.whole[t] for t in (*self.languages.tokens, self.languages.src_token) if t}
+        alternatives = "|".join(map(re.escape, sorted(self.whole, key=len, reverse=True)))
+        self._whole_re = re.compile(f"({alternatives})") if self.whole else None
+
+    def token_id(self, token: str) -> int:
+        """The model id of a token of the vocabulary (a language token, a sentinel), or -1."""
+        if self.vocab is not None:
+            return self.vocab.get(token, -1)
+        i = self.src.piece_to_id(token)
+        return -1 if i == self.src.unk_id() and token != self.src.id_to_piece(i) else i
+
+    def whole_tokens(self) -> dict[str, int]:
+        """Tokens kept whole wherever they are typed, each one id (transformers' added tokens):
+        the language tokens, <mask> of a vocabulary that has one, an imported T5's sentinels
+        (SentencePiece itself keeps the symbols `s2s tokenizer train` reserves whole)."""
+        whole = {}
+        for t in (*self.languages.tokens, self.languages.src_token):
+            if t:
+                whole[t] = self.token_id(t)
+                if whole[t] < 0:
+                    raise S2SError(f"tokenizer.lang_tokens: {t} is not a token of this tokenizer")
+        if self.vocab is not None and "<mask>" in self.vocab:
+            whole["<mask>"] = self.vocab["<mask>"]
+        if self.extra_ids and self.vocab is None:
+            n = self.src.get_piece_size()
+            whole.update({sentinel(k): n + self.extra_ids - 1 - k for k in range(self.extra_ids)})
+        return whole
 
     @property
     def specials(self) -> set[int]:
-        return {self.pad_id, self.bos_id, self.eos_id, *self._prefix}
+        """Ids that are no text: dropped when decoding (language tokens too)."""
+        return {self.pad_id, self.bos_id, self.eos_id, *self._prefix, *self._lang_ids}
 
     @property
     def src_vocab_size(self) -> int:
@@ -68,12 +100,33 @@ class Tokenizer:
     def tgt_vocab_size(self) -> int:
         return max(self.vocab.values()) + 1 if self.vocab is not None else self.tgt.get_piece_size()
 
-    def _encode(self, proc: spm.SentencePieceProcessor, lines: Sequence[str]) -> list[list[int]]:
+    def _pieces_ids(self, proc: spm.SentencePieceProcessor, lines: list[str]) -> list[list[int]]:
         if self.vocab is None:
-            return [self._prefix + ids + [self.eos_id] for ids in proc.encode(list(lines))]
+            return proc.encode(lines)
         get, unk = self.vocab.get, self.unk_id
-        return [self._prefix + [get(p, unk) for p in pieces] + [self.eos_id]
-                for pieces in proc.encode(list(lines), out_type=str)]
+        return [[get(p, unk) for p in pieces] for pieces in proc.encode(lines, out_type=str)]
+
+    def _encode(self, proc: spm.SentencePieceProcessor, lines: Sequence[str]) -> list[list[int]]:
+        """Ids of each line: the tokens of :meth:`whole_tokens` where they are typed, the text
+        between them (stripped) in pieces; a line without such tokens is encoded as it is."""
+        lines = list(lines)
+        if self._whole_re is None or not any(self._whole_re.search(line) for line in lines):
+            return [self._prefix + ids + [self.eos_id] for ids in self._pieces_ids(proc, lines)]
+        plans: list[list[tuple[bool, int]]] = []  # per line: (True, a whole token's id), (False, text index)
+        texts: list[str] = []
+        for line in lines:
+            parts = self._whole_re.split(line)  # odd items: the captured tokens
+            plan = []
+            for k, part in enumerate(parts):
+                if k % 2:
+                    plan.append((True, self.whole[part]))
+                elif part.strip() or len(parts) == 1:
+                    plan.append((False, len(texts)))
+                    texts.append(part if len(parts) == 1 else part.strip())
+            plans.append(plan)
+        encoded = self._pieces_ids(proc, texts)
+        return [self._prefix + [i for is_id, v in plan for i in ([v] if is_id else encoded[v])] + [self.eos_id]
+                for plan in plans]
 
     def encode_src(self, lines: Sequence[str]) -> list[list[int]]:
         """Source ids end with </s> (the encoder sees where the input stops)."""
@@ -159,7 +212,8 @@ class Tokenizer:
             tgt = src if tok.joint else _load_model(tgt_path, tok, check_ids=vocab is None)
         return cls(src=src, tgt=tgt, joint=tok.joint, pad_id=tok.pad_id, unk_id=tok.unk_id,
                    bos_id=tok.bos_id, eos_id=tok.eos_id, vocab=vocab, prefix_id=tok.prefix_id,
-                   extra_ids=tok.extra_ids)
+                   extra_ids=tok.extra_ids,
+                   languages=Languages(tok.lang_scheme, tok.lang_tokens, tok.src_lang_token))
 
 
 class ByteLevelBPE:
@@ -268,7 +322,7 @@ def _train_one(sentences: list[str], out: Path, cfg: TokenizerConfig) -> int:
                 remove_extra_whitespaces=cfg.normalization != "identity",
                 pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
                 pad_piece="<pad>", unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>",
-                user_defined_symbols=[sentinel(i) for i in range(cfg.sentinels)],
+                user_defined_symbols=[sentinel(i) for i in range(cfg.sentinels)] + list(cfg.lang_tokens),
                 hard_vocab_limit=False, num_threads=2, minloglevel=2,
                 max_sentence_length=1 << 16, shuffle_input_sentence=True,
             )
@@ -283,18 +337,29 @@ def train_tokenizer(tok: TokenizerConfig, data: DataConfig, out_dir: Optional[st
                     seed: int = 1) -> list[Path]:
     """Train SentencePiece on the training corpus; return the model files written."""
     out = Path(out_dir or data.dir)
-    if not data.train:
+    corpora = data.split_corpora("train")
+    if not corpora:
         raise S2SError("data.train: no training corpus configured")
-    src_file = resolve_corpus(data.train, data.src_lang)
-    tgt_file = resolve_corpus(data.train, data.tgt_lang)
-    src_lines, n_src = _sample(read_lines(src_file), tok.max_sentences, seed)
-    tgt_lines, n_tgt = _sample(read_lines(tgt_file), tok.max_sentences, seed + 1)
-    if n_src != n_tgt:
-        raise S2SError(f"{src_file} has {n_src} lines but {tgt_file} has {n_tgt}: "
-                       "a parallel corpus needs one line per sentence on both sides")
-    for path, lines in ((src_file, src_lines), (tgt_file, tgt_lines)):
-        if not lines:
-            raise S2SError(f"{path}: no text to train the tokenizer on (the file is empty)")
+    src_lines, tgt_lines = [], []
+    for prefix, src_lang, tgt_lang in corpora:  # several pairs: an equal share of sentences each
+        src_file, tgt_file = resolve_corpus(prefix, src_lang), resolve_corpus(prefix, tgt_lang)
+        limit = max(1, tok.max_sentences // len(corpora))
+        src_sample, n_src = _sample(read_lines(src_file), limit, seed)
+        tgt_sample, n_tgt = _sample(read_lines(tgt_file), limit, seed + 1)
+        if n_src != n_tgt:
+            raise S2SError(f"{src_file} has {n_src} lines but {tgt_file} has {n_tgt}: "
+                           "a parallel corpus needs one line per sentence on both sides")
+        for path, lines in ((src_file, src_sample), (tgt_file, tgt_sample)):
+            if not lines:
+                raise S2SError(f"{path}: no text to train the tokenizer on (the file is empty)")
+        src_lines += src_sample
+        tgt_lines += tgt_sample
+    if tok.lang_scheme != "none" or tok.lang_tokens or tok.src_lang_token:
+        raise S2SError("tokenizer.lang_scheme: s2s tokenizer train reserves language tags from data.pairs "
+                       "itself; leave tokenizer.lang_scheme, lang_tokens and src_lang_token at their defaults")
+    if data.pairs:  # the target-language tags <2xx>, one id each (Johnson et al. 2017)
+        tok = dataclasses.replace(tok, lang_scheme="target_tag",
+                                  lang_tokens=tuple(target_tag(t) for t in data.target_langs))
     src_path, tgt_path = Tokenizer.files(out, data, tok.joint)
     reserved = (tok.pad_id, tok.unk_id, tok.bos_id, tok.eos_id, tok.vocab_file, tok.prefix_id)
     if reserved != (PAD_ID, UNK_ID, BOS_ID, EOS_ID, "", -1) or tok.type == "byte_bpe":

@@ -155,7 +155,7 @@ def coverage_loss(a: Tensor, tgt_mask: Tensor) -> Tensor:
 
 def check_prepared(cfg: ExperimentConfig) -> None:
     """data.dir holds data prepared from this config's data settings with its tokenizer."""
-    if not cfg.data.train:
+    if not cfg.data.split_corpora("train"):
         raise S2SError("data.train: no training corpus configured")
     data_dir = Path(cfg.data.dir)
     meta_path = data_dir / "meta.json"
@@ -231,7 +231,8 @@ def prepared_datasets(cfg: ExperimentConfig, tok: Tokenizer) -> tuple[TrainingDa
     """The prepared train and dev splits of data.dir (no dev split without data.dev)."""
     ids = {"pad_id": tok.pad_id, "bos_id": tok.bos_id}
     data_dir = Path(cfg.data.dir)
-    return BinDataset(data_dir, "train", **ids), BinDataset(data_dir, "dev", **ids) if cfg.data.dev else None
+    dev = BinDataset(data_dir, "dev", **ids) if cfg.data.split_corpora("dev") else None
+    return BinDataset(data_dir, "train", **ids), dev
 
 
 Datasets = Callable[[ExperimentConfig, Tokenizer], tuple[TrainingData, Optional[TrainingData]]]

@@ -24,6 +24,7 @@ from s2s.constraints import pad_constraints, room_for_constraints, unmet_constra
 from s2s.data import pad_sequences, teacher_forcing_input, tokenizer_fingerprint, truncate
 from s2s.errors import ConfigError, S2SError
 from s2s.glossary import Glossary, load_glossary
+from s2s.langs import language_ids, with_forced
 from s2s.model import S2SModel, Seq2SeqTransformer
 from s2s.output import OutputFormat, confidence, format_translation
 from s2s.precision import auto_precision, resolve_precision  # noqa: F401 (auto_precision: importable from here too)
@@ -92,7 +93,8 @@ def attention_map(translator: "Translator", src: str, tgt: Optional[str] = None,
     tok = translator.tok
     src_ids = translator.encode_lines([src], 1)[0]
     if tgt is None:
-        tgt_ids = translator.search_sorted([src_ids])[0][0].tokens + [tok.eos_id]
+        forced = with_forced(translator.lang.tgt_first, None, 1)  # a target language's token
+        tgt_ids = translator.search_sorted([src_ids], forced)[0][0].tokens + [tok.eos_id]
     else:
         tgt_ids = tok.encode_tgt([tgt.strip()])[0]
     on = translator.device
@@ -231,6 +233,7 @@ class Translator:
             from s2s.documents import require_splitter
 
             require_splitter()
+        self.lang = language_ids(self.tok.languages, self.tok.token_id, decode.tgt_lang)  # s2s.langs
         self._decode = decode
 
     def output_cap(self, decode: DecodeConfig) -> int:
@@ -462,16 +465,19 @@ class Translator:
         line_nos = _line_numbers(first_line_no, len(lines))
         stripped = [line.strip() for line in lines]
         nonempty = [i for i, s in enumerate(stripped) if s]
+        for i in nonempty:  # a multilingual model must be told its target language
+            self.lang.check_line(stripped[i], f"line {line_nos[i]}")
         encoded = self.tok.encode_src([stripped[i] for i in nonempty])
         out: list[Optional[list[int]]] = [None] * len(lines)
         for i, ids in zip(nonempty, encoded):
             if self.trained_src_tokens:
                 ids = truncate(ids, self.trained_src_tokens)
-            if len(ids) > self.max_input:
+            limit = self.max_input - self.lang.extra  # room for the language tokens (s2s.langs)
+            if len(ids) > limit:
                 log.warning("line %d: %d tokens, truncated to the model's limit of %d",
-                            line_nos[i], len(ids), self.max_input)
-                ids = truncate(ids, self.max_input)
-            out[i] = ids
+                            line_nos[i], len(ids) + self.lang.extra, self.max_input)
+                ids = truncate(ids, limit)
+            out[i] = self.lang.wrap(ids, stripped[i])
         return out
 
     def translate_chunk(self, lines: Sequence[str], first_line_no: int = 1,
@@ -499,6 +505,7 @@ class Translator:
         if prefixes is not None:  # target pieces without </s>; an empty prefix forces nothing
             wanted = [prefixes[i].strip() for i in todo]
             prefix_ids = [x[:-1] if p else [] for x, p in zip(self.tok.encode_tgt(wanted), wanted)]
+        prefix_ids = with_forced(self.lang.tgt_first, prefix_ids, len(todo))  # a target language's token
         glossary = glossary if glossary is not None else self.glossary()
         terms, constraint_ids = self.constraint_ids([lines[i] for i in todo], glossary) if glossary else (None, None)
         found = self.search_sorted([ids[i] for i in todo], prefix_ids, constraint_ids)

@@ -211,7 +211,7 @@ def test_tokenizer_ids_match_transformers(pair, tmp_path, corpus):
     hf, _, _, path = pair
     family = hf.config.model_type
     if family == "mbart":
-        pytest.skip("mBART's tokenizer adds language codes, which s2s leaves to the user")
+        pytest.skip("mBART: its language codes are tested in tests/test_hf_langs.py (MBartTokenizer adds them)")
     import_hf(path, tmp_path / "s2s")
     _, tok = load_spec(tmp_path / "s2s")
     theirs = transformers.AutoTokenizer.from_pretrained(path) if family != "marian" else \

@@ -172,7 +172,8 @@ BAD = [
     ({"texts": "hello"}, 422, "texts: expected a list of strings, got a string"),
     ({"texts": ["a", 3]}, 422, "texts[1]: expected a string, got an integer"),
     ({"texts": []}, 422, "texts: empty list"),
-    ({"texts": ["a"], "tgt_lang": "de"}, 422, "tgt_lang: unknown key (valid keys: texts, beam"),
+    ({"texts": ["a"], "colour": "red"}, 422, "colour: unknown key (valid keys: texts, beam"),
+    ({"texts": ["a"], "tgt_lang": "de"}, 422, "tgt_lang: 'de': this model has no language tokens"),
     ({"texts": ["a"], "glossary": [["a", "b"]]}, 422, "glossary: expected an object {source term: target term}, "
                                                       "got a list"),
     ({"texts": ["a"], "glossary": {"a": 3}}, 422, "glossary['a']: expected a string, got an integer"),

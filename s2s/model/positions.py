@@ -26,6 +26,20 @@ def sinusoidal_table(positions: Tensor, d_model: int) -> Tensor:
     return table
 
 
+def fairseq_sinusoid(rows: int, d_model: int, pad_row: int) -> Tensor:
+    """fairseq's (and M2M100's) table: row p = [sin(p w_i)]_{i<d/2} ++ [cos(p w_i)]_{i<d/2},
+    w_i = 10000^(-i/(d/2 - 1)) (note d/2 - 1, where :func:`sinusoidal_table` has d/2),
+    an odd d padded with a zero column, the row ``pad_row`` all zeros.  -> (rows, d_model)."""
+    half = d_model // 2
+    w = torch.exp(torch.arange(half, dtype=torch.float32) * -(math.log(10000.0) / (half - 1)))  # (d/2,)
+    angles = torch.arange(rows, dtype=torch.float32)[:, None] * w[None, :]  # (rows, d/2)
+    table = torch.cat([angles.sin(), angles.cos()], dim=-1)
+    if d_model % 2:
+        table = torch.nn.functional.pad(table, (0, 1))
+    table[pad_row] = 0
+    return table
+
+
 class SinusoidalPositions(nn.Module):
     def __init__(self, d_model: int):
         super().__init__()
