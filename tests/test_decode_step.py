@@ -44,6 +44,25 @@ def test_preallocated_cache_equals_concatenation():
     assert cache.k_buf.size(2) == 2 * CACHE_BUCKET  # grew once, a bucket at a time
 
 
+def test_rows_that_stay_are_not_copied_and_the_moved_ones_hold_their_sources():
+    """select_rows with ``moved``: beams that keep their row stay put, the others are written
+    in place; the result equals index_select's, also when a row's source is itself moved."""
+    g = torch.Generator().manual_seed(1)
+    cache = LayerCache(cross_k=None, cross_v=None)
+    B = 8
+    ref_k, ref_v = cache.append(torch.randn(B, 2, 3, 4, generator=g), torch.randn(B, 2, 3, 4, generator=g))
+    ref_k, ref_v = ref_k.clone(), ref_v.clone()
+    for index in ([0, 1, 2, 3, 4, 5, 6, 7], [1, 0, 2, 3, 4, 5, 6, 7], [0, 0, 2, 2, 4, 5, 7, 6],
+                  [7, 6, 5, 4, 3, 2, 1, 0]):  # none, 2, 3 moved (in place); 8 moved (spare buffers)
+        index = torch.tensor(index)
+        moved = (index != torch.arange(B)).nonzero().flatten()
+        buf = cache.k_buf
+        cache.select_rows(index, moved)
+        assert (cache.k_buf is buf) == (2 * moved.numel() <= B)
+        ref_k, ref_v = ref_k[index], ref_v[index]
+        assert torch.equal(cache.self_k, ref_k) and torch.equal(cache.self_v, ref_v)
+
+
 def test_auto_precision_reads_the_cpu_flags():
     cpu = torch.device("cpu")
     assert auto_precision(cpu, {"avx512f", "avx512_bf16"})[0] == "bf16"

@@ -79,12 +79,23 @@ class LayerCache:
         self.length = t + n
         return self.self_k, self.self_v
 
-    def select_rows(self, index: Tensor) -> None:
+    def select_rows(self, index: Tensor, moved: Optional[Tensor] = None) -> None:
         """Keep self-attention rows ``index``: gathered into the spare buffers, which then
-        swap places with the live ones (the gathered rows cannot be written in place)."""
+        swap places with the live ones (the gathered rows cannot be written in place).
+        ``moved`` (when the row count stays): the rows r with index[r] != r; when they are
+        at most half the rows, only they are rewritten, in place (their sources gathered
+        first), and the rows that stay are not copied at all."""
         if self.k_buf is None:
             return
         B, t = index.numel(), self.length
+        if (moved is not None and B == self.batch and 2 * moved.numel() <= B
+                and not (torch.is_grad_enabled() and self.k_buf.requires_grad)):
+            if moved.numel():
+                sources = index.index_select(0, moved)
+                k_moved, v_moved = self.self_k.index_select(0, sources), self.self_v.index_select(0, sources)
+                self.self_k.index_copy_(0, moved, k_moved)  # self_k is a view: writes k_buf's rows
+                self.self_v.index_copy_(0, moved, v_moved)
+            return
         if B > self.k_buf.size(0):  # more rows than ever (beams made from a prefix): new buffers
             self.k_buf = self._with_capacity(self.self_k.index_select(0, index))
             self.v_buf = self._with_capacity(self.self_v.index_select(0, index))
@@ -132,24 +143,30 @@ class DecoderCache:
         rows of one sentence; rows index[g*G : (g+1)*G] must all come from one
         sentence (the beams that survive a step; a sentence's beams made from
         its one row).  The cross-attention K/V keep sentences index[::G] // G_old,
-        and are not touched when those are the same sentences in the same order.
+        and are not touched when those are the same sentences in the same order; nor
+        are the rows kept per sentence (source mask, ids, H_enc, lengths) when, besides,
+        each sentence keeps its G rows (beams reordered within their sentences).
         """
-        G_old = self.group
+        G_old, rows = self.group, self.batch_size
         self.group = G_old if group is None else group
         sentences = index[::self.group] // G_old
         n_sent = self.batch_size // G_old
         same = sentences.numel() == n_sent and bool(
             (sentences == torch.arange(n_sent, device=index.device)).all())
-        self.src_mask = self.src_mask.index_select(0, index)
-        if self.src is not None:
-            self.src = self.src.index_select(0, index)
-            self.h_enc = self.h_enc.index_select(0, index)
-        if self.src_len is not None:
-            self.src_len = self.src_len.index_select(0, index)
+        moved = None  # the same number of rows: which ones take another row's state
+        if index.numel() == rows:
+            moved = (index != torch.arange(rows, device=index.device)).nonzero().flatten()
+        if not (same and self.group == G_old and moved is not None):
+            self.src_mask = self.src_mask.index_select(0, index)
+            if self.src is not None:
+                self.src = self.src.index_select(0, index)
+                self.h_enc = self.h_enc.index_select(0, index)
+            if self.src_len is not None:
+                self.src_len = self.src_len.index_select(0, index)
         for layer in self.layers:
             if layer.cross_k is not None and not same:
                 layer.cross_k = layer.cross_k.index_select(0, sentences)
                 layer.cross_v = layer.cross_v.index_select(0, sentences)
-            layer.select_rows(index)
+            layer.select_rows(index, moved)
             if layer.coverage is not None:
                 layer.coverage = layer.coverage.index_select(0, index)
