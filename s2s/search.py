@@ -284,7 +284,7 @@ def greedy_search(decoder: StepDecoder, max_len: Tensor, s: DecodeConfig, ids: S
             keep = (~done).nonzero().flatten()
             if keep.numel() == 0:
                 break
-            decoder.select(keep)
+            decoder.select(keep, group=1)  # rows leave one by one: no longer K per sentence
             active, row_max, tokens = active[keep], row_max[keep], tokens[keep]
             log_prob, y_t = log_prob[keep], y_t[keep]
         y = y_t[:, None]
