@@ -79,23 +79,12 @@ class LayerCache:
         self.length = t + n
         return self.self_k, self.self_v
 
-    def select_rows(self, index: Tensor, moved: Optional[Tensor] = None) -> None:
+    def select_rows(self, index: Tensor) -> None:
         """Keep self-attention rows ``index``: gathered into the spare buffers, which then
-        swap places with the live ones (the gathered rows cannot be written in place).
-        ``moved`` (when the row count stays): the rows r with index[r] != r; when they are
-        at most half the rows, only they are rewritten, in place (their sources gathered
-        first), and the rows that stay are not copied at all."""
+        swap places with the live ones (the gathered rows cannot be written in place)."""
         if self.k_buf is None:
             return
         B, t = index.numel(), self.length
-        if (moved is not None and B == self.batch and 2 * moved.numel() <= B
-                and not (torch.is_grad_enabled() and self.k_buf.requires_grad)):
-            if moved.numel():
-                sources = index.index_select(0, moved)
-                k_moved, v_moved = self.self_k.index_select(0, sources), self.self_v.index_select(0, sources)
-                self.self_k.index_copy_(0, moved, k_moved)  # self_k is a view: writes k_buf's rows
-                self.self_v.index_copy_(0, moved, v_moved)
-            return
         if B > self.k_buf.size(0):  # more rows than ever (beams made from a prefix): new buffers
             self.k_buf = self._with_capacity(self.self_k.index_select(0, index))
             self.v_buf = self._with_capacity(self.self_v.index_select(0, index))
@@ -153,10 +142,7 @@ class DecoderCache:
         n_sent = self.batch_size // G_old
         same = sentences.numel() == n_sent and bool(
             (sentences == torch.arange(n_sent, device=index.device)).all())
-        moved = None  # the same number of rows: which ones take another row's state
-        if index.numel() == rows:
-            moved = (index != torch.arange(rows, device=index.device)).nonzero().flatten()
-        if not (same and self.group == G_old and moved is not None):
+        if not (same and self.group == G_old and index.numel() == rows):
             self.src_mask = self.src_mask.index_select(0, index)
             if self.src is not None:
                 self.src = self.src.index_select(0, index)
@@ -167,6 +153,6 @@ class DecoderCache:
             if layer.cross_k is not None and not same:
                 layer.cross_k = layer.cross_k.index_select(0, sentences)
                 layer.cross_v = layer.cross_v.index_select(0, sentences)
-            layer.select_rows(index, moved)
+            layer.select_rows(index)
             if layer.coverage is not None:
                 layer.coverage = layer.coverage.index_select(0, index)
