@@ -263,9 +263,10 @@ def greedy_search(decoder: StepDecoder, max_len: Tensor, s: DecodeConfig, ids: S
     tokens = torch.empty((B * K, 0), dtype=torch.long, device=device)
     log_prob = torch.zeros(B * K, device=device)
     gen = torch.Generator(device=device).manual_seed(s.seed) if s.sampling else None
+    row_max = max_len  # (N,) max_len of each active row, narrowed as rows leave
     for t in range(int(max_len.max())):
-        logp = constrain(decoder.step(y), t, max_len[active], s, ids, tokens,
-                         forced_tokens(prefix, t, torch.div(active, K, rounding_mode="floor")))  # (N, V)
+        forced = None if prefix is None else forced_tokens(prefix, t, torch.div(active, K, rounding_mode="floor"))
+        logp = constrain(decoder.step(y), t, row_max, s, ids, tokens, forced)  # (N, V)
         if gen is None:
             best_lp, y_t = logp.max(dim=-1)  # (N,)
         else:
@@ -284,8 +285,9 @@ def greedy_search(decoder: StepDecoder, max_len: Tensor, s: DecodeConfig, ids: S
             keep = (~done).nonzero().flatten()
             if keep.numel() == 0:
                 break
-            decoder.select(keep)
-            active, tokens, log_prob, y_t = active[keep], tokens[keep], log_prob[keep], y_t[keep]
+            decoder.select(keep, group=1)  # rows leave one by one: no longer K per sentence
+            active, row_max, tokens = active[keep], row_max[keep], tokens[keep]
+            log_prob, y_t = log_prob[keep], y_t[keep]
         y = y_t[:, None]
     return [sorted((h for h in rows_out[b * K:(b + 1) * K] if h is not None), key=lambda h: -h.score)
             for b in range(B)]
@@ -317,22 +319,25 @@ def beam_search(decoder: StepDecoder, max_len: Tensor, s: DecodeConfig, ids: Spe
     y = torch.full((B * K, 1), ids.bos_id, dtype=torch.long, device=device)
     beta = s.coverage_penalty
     attn_sum: Optional[Tensor] = None  # (N*K, S) attention received so far, per row
+    # per-sentence and per-row state that changes only when sentences leave (not every step)
+    sent_max = max_len  # (N,) max_len of each active sentence
+    row_max = max_len.repeat_interleave(K)  # (N*K,) max_len of each row's sentence
+    first_row = (torch.arange(B, device=device) * K)[:, None]  # (B, 1): row n*K, sentence n's first beam
 
     for t in range(L):
         N = active.size(0)
-        sent_max = max_len[active]  # (N,)
-        logp = constrain(decoder.step(y), t, sent_max.repeat_interleave(K), s, ids, tokens,
-                         forced_tokens(prefix, t, active.repeat_interleave(K)))  # (N*K, V)
+        forced = None if prefix is None else forced_tokens(prefix, t, active.repeat_interleave(K))
+        logp = constrain(decoder.step(y), t, row_max, s, ids, tokens, forced)  # (N*K, V)
         if beta:
             a = decoder.attention()  # (N*K, S): this step's attention of each row
             attn_sum = a if attn_sum is None else attn_sum + a
             cp_row = coverage_penalty(attn_sum, decoder.source_mask(), beta)  # (N*K,)
         V = logp.size(-1)
-        cand = (scores.view(N * K, 1) + logp).view(N, K * V)
+        cand = logp.add_(scores.view(N * K, 1)).view(N, K * V)  # in place: no second (N*K, V) tensor
         cand_scores, cand_idx = cand.topk(2 * K, dim=-1)  # (N, 2K), best first
         cand_beam = torch.div(cand_idx, V, rounding_mode="floor")  # (N, 2K)
         cand_tok = cand_idx % V
-        cand_row = cand_beam + (torch.arange(N, device=device) * K)[:, None]  # rows in N*K
+        cand_row = cand_beam + first_row[:N]  # rows in N*K
         m = t + 1  # length of a hypothesis ending at this step, </s> included
 
         # 1. finish: </s> among the top-K candidates joins the sentence's finished set
@@ -381,7 +386,7 @@ def beam_search(decoder: StepDecoder, max_len: Tensor, s: DecodeConfig, ids: Spe
                 break
             keep_rows = (keep[:, None] * K + torch.arange(K, device=device)).flatten()
             decoder.select(keep_rows)
-            active, scores = active[keep], scores[keep]
+            active, scores, sent_max, row_max = active[keep], scores[keep], sent_max[keep], row_max[keep_rows]
             fin_scores, fin_logp, fin_len = fin_scores[keep], fin_logp[keep], fin_len[keep]
             fin_tokens = fin_tokens[keep]
             tokens, y_t = tokens[keep_rows], y_t[keep_rows]

@@ -44,6 +44,30 @@ def test_preallocated_cache_equals_concatenation():
     assert cache.k_buf.size(2) == 2 * CACHE_BUCKET  # grew once, a bucket at a time
 
 
+@torch.no_grad()
+def test_beams_reordered_within_their_sentences_keep_the_per_sentence_rows():
+    """select: a beam reorder (each sentence keeps its K rows) leaves the source mask as it
+    was, and the next step equals a cache whose rows were gathered from scratch."""
+    model = make_model()
+    src = right_pad([tokens(5, seed=2), tokens(3, seed=3)])  # (2, 5), the second padded
+    fast, ref = (model.start_decoding(model.encode(src)) for _ in range(2))
+    expand = torch.tensor([0, 0, 0, 1, 1, 1])
+    fast.select(expand, group=3)
+    ref.select(expand, group=3)
+    y = tokens(6, 1, seed=4)
+    model.decode_step(y, fast), model.decode_step(y, ref)
+    mask = fast.src_mask
+    reorder = torch.tensor([2, 0, 0, 5, 3, 4])
+    fast.select(reorder)
+    assert fast.src_mask is mask  # not gathered again
+    ref.src_mask = ref.src_mask.index_select(0, reorder)
+    for layer in ref.layers:
+        layer.select_rows(reorder)
+    assert torch.equal(model.decode_step(y, fast)[0], model.decode_step(y, ref)[0])
+    fast.select(torch.tensor([3, 4, 5]), group=3)  # the first sentence leaves
+    assert torch.equal(fast.src_mask, mask[3:])
+
+
 def test_auto_precision_reads_the_cpu_flags():
     cpu = torch.device("cpu")
     assert auto_precision(cpu, {"avx512f", "avx512_bf16"})[0] == "bf16"

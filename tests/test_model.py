@@ -548,3 +548,11 @@ def test_each_dropout_setting_reaches_its_place():
     assert layer.dropout.p == 0.1
     assert layer.self_attn.dropout == 0.2
     assert make_model().encoder_layers[0].ffn.dropout.p == 0.0
+
+
+def test_sinusoidal_positions_table_rows_equal_the_formula_bit_for_bit():
+    """The decoder reads PE(t) from the module's table: the very values computed for t alone."""
+    pe = SinusoidalPositions(256)
+    for t in range(0, 300, 7):
+        assert torch.equal(pe(1, start=t), sinusoidal_table(torch.arange(t, t + 1), 256))
+    assert torch.equal(pe(5, start=1000), sinusoidal_table(torch.arange(1000, 1005), 256))  # grown

@@ -461,3 +461,24 @@ def test_ensemble_weights_interpolate_probabilities():
     torch.testing.assert_close(scaled.step(y), got)
     with pytest.raises(ValueError):
         EnsembleDecoder([ModelDecoder(a, src), ModelDecoder(b, src)], [1.0, 0.0])
+
+
+def test_sampling_nbest_on_a_model_scores_each_sample_by_its_own_sentence():
+    """nbest samples of a real model: samples finish at different steps (rows leave one at
+    a time, not a sentence's K together), and each sample's log p is the model's log p of
+    its tokens given its own source (teacher forcing)."""
+    model = _tiny_model(2)
+    src = torch.randint(4, 40, (3, 7))
+    src[:, -1] = EOS
+    s = settings(beam=1, nbest=4, sampling=True, seed=3, temperature=2.0)
+    with torch.no_grad():
+        hyps = search(ModelDecoder(model, src), torch.tensor([9, 4, 7]), s, IDS)
+        assert [len(h) for h in hyps] == [4, 4, 4]
+        assert len({len(h.tokens) for sent in hyps for h in sent}) > 1  # rows left at different steps
+        for i, sent in enumerate(hyps):
+            for h in sent:
+                y = [BOS, *h.tokens, EOS]
+                logits, _ = model.decode(torch.tensor([y[:-1]]), model.encode(src[i:i + 1]))
+                logp = torch.log_softmax(logits[0].float(), -1)
+                want = sum(float(logp[t, tok]) for t, tok in enumerate(y[1:]))
+                assert h.log_prob == pytest.approx(want, abs=1e-4)

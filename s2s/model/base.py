@@ -64,7 +64,7 @@ class ModelBase(nn.Module):
             x = x + P.to(x.dtype)
         if norm is not None:
             x = norm(x)
-        return self.dropout(x)
+        return self.dropout(x) if self.training else x
 
     def logits(self, h: Tensor, subset: Optional[VocabSubset] = None) -> Tensor:
         """z_t = (s_U h_t) W_U + b_U, W_U = E^T when tied.   (..., d_model) -> (..., V);

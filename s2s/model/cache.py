@@ -132,20 +132,23 @@ class DecoderCache:
         rows of one sentence; rows index[g*G : (g+1)*G] must all come from one
         sentence (the beams that survive a step; a sentence's beams made from
         its one row).  The cross-attention K/V keep sentences index[::G] // G_old,
-        and are not touched when those are the same sentences in the same order.
+        and are not touched when those are the same sentences in the same order; nor
+        are the rows kept per sentence (source mask, ids, H_enc, lengths) when, besides,
+        each sentence keeps its G rows (beams reordered within their sentences).
         """
-        G_old = self.group
+        G_old, rows = self.group, self.batch_size
         self.group = G_old if group is None else group
         sentences = index[::self.group] // G_old
         n_sent = self.batch_size // G_old
         same = sentences.numel() == n_sent and bool(
             (sentences == torch.arange(n_sent, device=index.device)).all())
-        self.src_mask = self.src_mask.index_select(0, index)
-        if self.src is not None:
-            self.src = self.src.index_select(0, index)
-            self.h_enc = self.h_enc.index_select(0, index)
-        if self.src_len is not None:
-            self.src_len = self.src_len.index_select(0, index)
+        if not (same and self.group == G_old and index.numel() == rows):
+            self.src_mask = self.src_mask.index_select(0, index)
+            if self.src is not None:
+                self.src = self.src.index_select(0, index)
+                self.h_enc = self.h_enc.index_select(0, index)
+            if self.src_len is not None:
+                self.src_len = self.src_len.index_select(0, index)
         for layer in self.layers:
             if layer.cross_k is not None and not same:
                 layer.cross_k = layer.cross_k.index_select(0, sentences)

@@ -25,6 +25,11 @@ ACTIVATIONS = {
 }
 
 
+def identity(x: Tensor) -> Tensor:
+    """Dropout outside training: x itself, without a module call per sub-layer while decoding."""
+    return x
+
+
 def make_norm(cfg: ModelConfig) -> nn.Module:
     """LayerNorm(x) = (x - mean) / sqrt(var + eps) * g + b,  or  RMSNorm(x) = x / sqrt(mean(x^2) + eps) * g."""
     if cfg.norm_type == "rmsnorm":
@@ -56,7 +61,7 @@ class FeedForward(nn.Module):
             h = self.act(self.w_1(x))
             if self.w_3 is not None:
                 h = h * self.w_3(x)
-        return self.w_2(self.dropout(h))
+        return self.w_2(self.dropout(h) if self.training else h)
 
     def fuse_matmuls(self) -> None:
         """Gated: W_1 x and W_3 x as one matmul, [W_1; W_3] x (2 d_ff outputs), for a training
@@ -107,7 +112,7 @@ class EncoderLayer(nn.Module):
     def forward(self, x: Tensor, mask: Optional[Tensor], cache: Optional[LayerCache] = None) -> Tensor:
         """x (B, S, d_model); mask: padding (+ relative bias), broadcast to (B, heads, S, S).
         With ``cache`` (one stack over [x; y]) x's K/V are appended to the cached ones first."""
-        drop = self.dropout
+        drop = self.dropout if self.training else identity
         if self.pre_norm:
             # 1. self-attention (bidirectional in an encoder: padding mask only)
             x = x + drop(self._self_attn(self.norm1(x), mask, cache))
@@ -187,7 +192,7 @@ class DecoderLayer(nn.Module):
         Returns the block output (B, T, d_model) and, with ``need_weights``, the
         cross-attention weights A (B, heads, T, S) (else None).
         """
-        drop = self.dropout
+        drop = self.dropout if self.training else identity
         if self.pre_norm:
             # 1. target-target causal self-attention
             x = x + drop(self._self_attn(self.norm1(x), self_mask, cache))

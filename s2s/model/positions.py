@@ -5,6 +5,7 @@ relative-position bias added to the attention logits (docs/model.md (15)-(18)).
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -41,13 +42,24 @@ def fairseq_sinusoid(rows: int, d_model: int, pad_row: int) -> Tensor:
 
 
 class SinusoidalPositions(nn.Module):
+    """PE(start..start+L-1), read from a table of the positions asked for so far: a
+    decoder step reads one row instead of computing it (the table is neither a
+    parameter nor saved; it grows to twice its length when a position is past it)."""
+
     def __init__(self, d_model: int):
         super().__init__()
         self.d_model = d_model
+        self._table: Optional[Tensor] = None  # (n, d_model): PE(0..n-1)
 
     def forward(self, L: int, start: int = 0, device=None) -> Tensor:
-        pos = torch.arange(start, start + L, device=device)
-        return sinusoidal_table(pos, self.d_model)  # (L, d_model)
+        device = torch.device("cpu") if device is None else torch.device(device)
+        table = self._table
+        if table is None or table.size(0) < start + L or table.device != device:
+            n = max(start + L, 64, 2 * table.size(0) if table is not None and table.device == device else 0)
+            with torch.inference_mode(False), torch.no_grad():  # usable in training too
+                table = sinusoidal_table(torch.arange(n, device=device), self.d_model)
+            self._table = table
+        return table[start:start + L]  # (L, d_model)
 
 
 class LearnedPositions(nn.Module):
