@@ -208,9 +208,27 @@ def encode_chunk(tok: Tokenizer, srcs: list[str], tgts: list[str], rules: CleanR
 _worker_tok: Optional[Tokenizer] = None  # each worker process loads the tokenizer once
 
 
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGHUP}
+
+
+def _encoding_pool(workers: int, directory: Path, cfg: ExperimentConfig) -> multiprocessing.pool.Pool:
+    """``workers`` encoding processes.  They are forked with SIGTERM and SIGHUP blocked, so that
+    neither can reach a worker before :func:`_init_worker` has put back the default action (the
+    CLI's handler, inherited through fork, would keep a worker alive that Pool.terminate() stops
+    with SIGTERM: a hang); a signal sent meanwhile waits, pending, and is not lost."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        return multiprocessing.Pool(workers, _init_worker, (directory, cfg))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _init_worker(directory: Path, cfg: ExperimentConfig) -> None:
     global _worker_tok
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to report
+    for s in _STOP_SIGNALS:
+        signal.signal(s, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     _worker_tok = Tokenizer.load(directory, cfg.tokenizer, cfg.data)
 
 
@@ -362,7 +380,7 @@ def prepare(cfg: ExperimentConfig, workers: int = 0) -> dict[str, CleanStats]:
     with contextlib.ExitStack() as pool_scope:
         pool = None
         if workers > 1:
-            pool = pool_scope.enter_context(multiprocessing.Pool(workers, _init_worker, (out, cfg)))
+            pool = pool_scope.enter_context(_encoding_pool(workers, out, cfg))
         for split, files in corpora.items():
             if split == "train":
                 rules = CleanRules(cfg.data.max_tokens_per_sentence, cfg.data.max_length_ratio or None,

@@ -231,3 +231,26 @@ def test_sort_by_lengths_is_lexsort(high):
     order = rng.permutation(5000)
     expected = order[np.lexsort((tgt[order], src[order]))]
     assert (sort_by_lengths(order, src, tgt) == expected).all()
+
+
+def _stop_signal_dispositions(_: int) -> tuple:
+    import signal
+
+    return signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)
+
+
+def test_encoding_workers_die_on_sigterm_under_the_cli_handler(prepared):
+    """The CLI turns SIGTERM into an exception and then ignores further ones; prepare's pool
+    workers, forked inside it, must keep the default action, or Pool.terminate() (after a bad
+    corpus line) waits forever for a worker that survived its SIGTERM."""
+    import signal
+
+    from s2s.cli import _signals_raise_terminated
+    from s2s.data import _encoding_pool
+
+    cfg = load_config(prepared)
+    with _signals_raise_terminated():
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        with _encoding_pool(2, Path(cfg.data.dir), cfg) as pool:
+            assert set(pool.map(_stop_signal_dispositions, range(4))) == {(signal.SIG_DFL, signal.SIG_DFL)}
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) & {signal.SIGTERM, signal.SIGHUP} == set()
