@@ -24,19 +24,18 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import itertools
 import json
 import logging
 import os
 import shutil
-import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from s2s import __version__
 from s2s.errors import S2SError
+from s2s.outdir import pid_flock
 from s2s.textio import _fsync_dir, atomic_write, file_sha256, os_reason, read_lines
 
 log = logging.getLogger("s2s")
@@ -289,31 +288,10 @@ def open_partial(directory: Path, output: Path, job: dict, where: dict,
     return PartialOutput(directory, job, where, state["lines_done"], state["bytes_done"])
 
 
-@contextlib.contextmanager
-def locked(directory: Path, output: Path) -> Iterator[None]:
+def locked(directory: Path, output: Path) -> contextlib.AbstractContextManager[None]:
     """Hold an exclusive flock on DIR/lock (DIR created if need be): one job per output."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise S2SError(f"{directory}: cannot write ({os_reason(e, directory)})") from None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = ""
-            for _ in range(10):  # the holder may be between truncating the file and writing its PID
-                holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-                if holder:
-                    break
-                time.sleep(0.05)
-            raise S2SError(f"{output}: another s2s job is writing it (PID {holder or 'unknown'}); "
-                           "wait for it to end") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield
-    finally:
-        os.close(fd)  # closing the only descriptor releases the lock
+    return pid_flock(directory / LOCK, f"{directory}: cannot write ({{reason}})",
+                     f"{output}: another s2s job is writing it (PID {{pid}}); wait for it to end")
 
 
 # --------------------------------------------------------------------------- #

@@ -156,14 +156,16 @@ def check_run_dir(run_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def lock_run_dir(run_dir: Path) -> Iterator[None]:
-    """Hold an exclusive flock on ``RUN/train.lock`` (created with RUN if need be).
-    Another process holding it: a one-line error naming its PID."""
+def pid_flock(lock_file: Path, cannot_create: str, busy: str) -> Iterator[None]:
+    """Hold an exclusive flock on ``lock_file`` (its directory created if need be), the file
+    holding this process's PID.  ``cannot_create`` (with ``{reason}``) and ``busy`` (with
+    ``{pid}``, another holder's PID) are the one-line errors.  A kill -9 leaves no stale lock:
+    the kernel releases a flock with its last descriptor."""
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        lock_file.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        raise S2SError(f"{run_dir}: cannot create the run directory ({e.strerror})") from None
+        raise S2SError(cannot_create.format(reason=e.strerror)) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -174,11 +176,17 @@ def lock_run_dir(run_dir: Path) -> Iterator[None]:
                 if holder:
                     break
                 time.sleep(0.05)
-            holder = holder or "unknown"
-            raise S2SError(f"{run_dir}: in use by another training run (PID {holder}); "
-                           "wait for it to end or choose another -o") from None
+            raise S2SError(busy.format(pid=holder or "unknown")) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
         os.close(fd)  # closing the only descriptor releases the lock
+
+
+def lock_run_dir(run_dir: Path) -> contextlib.AbstractContextManager[None]:
+    """Hold an exclusive flock on ``RUN/train.lock`` (created with RUN if need be).
+    Another process holding it: a one-line error naming its PID."""
+    return pid_flock(run_dir / LOCK, f"{run_dir}: cannot create the run directory ({{reason}})",
+                     f"{run_dir}: in use by another training run (PID {{pid}}); "
+                     "wait for it to end or choose another -o")
