@@ -728,6 +728,11 @@ def test_two_trainings_in_one_run_directory(env, tmp_path, capsys, monkeypatch):
 # SIGINT, SIGTERM, SIGHUP in the middle of translate (train: tests/test_train.py)
 # --------------------------------------------------------------------------- #
 
+def _default_sigint_and_sighup() -> None:
+    for s in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("signum, code, last", [
     (signal.SIGINT, 130, "s2s: interrupted"),
     (signal.SIGTERM, 143, "s2s: terminated by SIGTERM"),
@@ -739,8 +744,9 @@ def test_a_signal_during_translate_leaves_no_output(env, tmp_path, signum, code,
     proc = subprocess.Popen([sys.executable, "-m", "s2s", "translate", "-m", str(env["model"]),
                              "--input", str(big), "-o", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            # a shell's background jobs inherit SIGINT ignored; a user's Ctrl-C is not
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            # a shell's background jobs inherit SIGINT ignored, and a run under nohup
+                            # SIGHUP; a user's Ctrl-C or hangup is not
+                            preexec_fn=_default_sigint_and_sighup)
     deadline = time.time() + 120
     while time.time() < deadline and not any(p.name.startswith(".out.txt.tmp") for p in tmp_path.iterdir()):
         time.sleep(0.05)
