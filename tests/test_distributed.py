@@ -137,6 +137,11 @@ def test_train_procs_2_starts_its_ranks_and_matches_one_process(prepared, one_pr
     assert json.loads((two / "config.yaml").read_text().split("procs: ")[1].split("\n")[0]) == 2
 
 
+def _default_stop_signals() -> None:
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_train_procs_2_passes_signals_to_its_ranks(prepared, tmp_path, sig):
     """Ctrl-C (or SIGTERM) to `s2s train` reaches both ranks once: they finish the update,
@@ -146,7 +151,9 @@ def test_train_procs_2_passes_signals_to_its_ranks(prepared, tmp_path, sig):
             for a in ("--set", s)]
     proc = subprocess.Popen([sys.executable, "-m", "s2s", "train", str(prepared), "-o", str(run), *sets],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            # a background job inherits SIGINT ignored (and nohup SIGHUP); a user's are not
+                            preexec_fn=_default_stop_signals)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         m = run / "metrics.jsonl"
