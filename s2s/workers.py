@@ -286,13 +286,18 @@ def _translate_here(spec: TranslatorSpec, items: Iterator[Any], out: TextIO, pai
     translator = spec.build()
     fmt = spec.output(translator)
     for line_no, lines, prefixes in _chunks(items, chunk_lines, paired, first_line_no):
-        text, n_lines, n_tokens = translate_task(translator, fmt, line_no, lines, prefixes)
-        out.write(text)
-        out.flush()
-        if progress is not None:
-            progress.add(n_lines, n_tokens)
-        if on_chunk is not None:
-            on_chunk(n_lines)
+        _write_chunk(out, *translate_task(translator, fmt, line_no, lines, prefixes), progress, on_chunk)
+
+
+def _write_chunk(out: TextIO, text: str, n_lines: int, n_tokens: int, progress: Optional[TranslateProgress],
+                 on_chunk: Optional[Callable[[int], None]]) -> None:
+    """A chunk's output, written whole and flushed, then counted and reported (``on_chunk``)."""
+    out.write(text)
+    out.flush()
+    if progress is not None:
+        progress.add(n_lines, n_tokens)
+    if on_chunk is not None:
+        on_chunk(n_lines)
 
 
 def _unzip(pairs: Iterator[tuple[str, str]]) -> tuple[Iterator[str], Iterator[str]]:
@@ -384,12 +389,7 @@ def _translate_parallel(spec: TranslatorSpec, items: Iterator[Any], out: TextIO,
             while written in done:
                 text, n_lines, n_tokens, records = done.pop(written)
                 _replay(records)
-                out.write(text)
-                out.flush()
-                if progress is not None:
-                    progress.add(n_lines, n_tokens)
-                if on_chunk is not None:
-                    on_chunk(n_lines)
+                _write_chunk(out, text, n_lines, n_tokens, progress, on_chunk)
                 written += 1
         if read_error is not None:
             raise read_error
