@@ -51,6 +51,7 @@ steady state), "memory_ratio", and under "models" every model's every row.
     python benchmarks/decode_speed.py --model exp/ddtp-en-de --model exp/quickstart
     python benchmarks/decode_speed.py --model exp/qs --quick      # 1 round, 200 sentences, small memory check
     python benchmarks/decode_speed.py --model exp/qs --device cuda
+    python benchmarks/decode_speed.py --model exp/qs --configs s2s_fp32_2x1,ct2_fp32_2x1   # only these rows
 """
 
 from __future__ import annotations
@@ -330,6 +331,8 @@ def bench_model(model: Path, args, work: Path, src: Path, refs: list[str], n: in
     for search, beam in SEARCHES:
         configs = configurations(args.device, args.cores, engines, has_ct2, hf_site_dir is not None,
                                  has_shortlist)
+        if args.configs:
+            configs = [c for c in configs if c.name in args.configs]
         flags = decode_flags(beam, args.batch, cap)
         for rnd in range(args.rounds):
             for c in configs:
@@ -400,6 +403,8 @@ def main() -> None:
                     help="cores to split between processes and threads (default: all usable)")
     ap.add_argument("--batch", type=int, default=64, help="sentences per batch")
     ap.add_argument("--engines", default="s2s,ct2,hf", help="comma-separated subset of s2s, ct2, hf")
+    ap.add_argument("--configs", type=lambda v: set(v.split(",")), default=None,
+                    help="only these configurations, comma-separated (e.g. s2s_fp32_2x1,ct2_int8_2x1)")
     ap.add_argument("--memory-lines", type=int, default=200_000,
                     help="lines of the memory check's big input (0: no memory check)")
     args = ap.parse_args()

@@ -290,6 +290,9 @@ class Translator:
             if member.cfg.arch != "encoder_decoder":
                 raise S2SError(f"--alignments: model.arch {member.cfg.arch} has no cross-attention to align with")
         translator.alignments = alignments
+        if device.type == "cpu":
+            for member in [translator.model, *translator.extra_models]:
+                member.lay_out_for_steps()
         translator.set_arithmetic(precision, quantize)
         translator.glossary()  # a bad glossary file fails here, before any input is read
         return translator

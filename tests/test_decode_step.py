@@ -7,10 +7,54 @@ from __future__ import annotations
 import pytest
 import torch
 
+from s2s.model.attention import FEW_QUERIES, attention, few_query_attention
 from s2s.model.cache import CACHE_BUCKET, LayerCache, bucketed
 from s2s.search import ModelDecoder
 from s2s.translate import auto_precision
 from tests.test_model import make_model, right_pad, tokens
+
+
+@pytest.mark.parametrize("scale", [True, False])
+def test_few_query_attention_equals_the_reference(scale):
+    """One query, and a sentence's 5 beams as queries, against K/V read as strided views of a
+    preallocated cache; without a mask, with a padding mask, and with a per-head bias too."""
+    g = torch.Generator().manual_seed(7)
+    B, H, T_k, e = 3, 4, 11, 8
+    k_buf, v_buf = torch.randn(B + 1, H, CACHE_BUCKET, e, generator=g), torch.randn(B + 1, H, CACHE_BUCKET, e, generator=g)
+    k, v = k_buf[:B, :, :T_k], v_buf[:B, :, :T_k]
+    pad = torch.zeros(B, 1, 1, T_k)
+    pad[1, ..., 8:] = float("-inf")
+    for T_q in (1, 5, FEW_QUERIES):
+        q = torch.randn(B, H, T_q, e, generator=g)
+        bias = torch.randn(1, H, T_q, T_k, generator=g)
+        for mask in (None, pad, pad + bias):
+            want = attention(q, k, v, mask, scale=scale)[0]
+            torch.testing.assert_close(few_query_attention(q, k, v, mask, scale), want, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_steps_with_column_major_weights_and_few_query_attention_equal_the_reference():
+    """A model laid out for steps (fp32, CPU: the bmm attention path) gives the logits of the
+    model as built, stepped with the reference attention (need_weights), step by step and
+    with beams sharing their sentence's cross-attention K/V."""
+    ref, fast = make_model().float(), make_model().float()
+    fast.lay_out_for_steps()
+    linears = [m for m in fast.decoder_layers.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.t().is_contiguous() and not m.weight.is_contiguous() for m in linears)
+    assert all(m.weight.is_contiguous() for m in fast.encoder_layers.modules() if isinstance(m, torch.nn.Linear))
+    for name, p in fast.state_dict().items():
+        assert torch.equal(p, ref.state_dict()[name]), name
+    src = right_pad([tokens(5, seed=20), tokens(3, seed=21)])
+    tgt = tokens(6, 4, seed=22)
+    caches = [m.start_decoding(m.encode(src)) for m in (ref, fast)]
+    expand = torch.tensor([0, 0, 0, 1, 1, 1])
+    for cache in caches:
+        cache.select(expand, group=3)
+    for t in range(tgt.size(1)):
+        y = tgt[:, t:t + 1]
+        want = ref.decode_step(y, caches[0], need_weights=True)[0]
+        got = fast.decode_step(y, caches[1])[0]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_bucketed_rounds_up_to_a_bucket():

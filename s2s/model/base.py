@@ -107,6 +107,24 @@ class ModelBase(nn.Module):
             for table in {id(self.src_embed): self.src_embed, id(self.tgt_embed): self.tgt_embed}.values():
                 table.weight[self.pad_id].zero_()
 
+    def step_layers(self) -> nn.ModuleList:
+        """The blocks a decoding step runs (a subclass's decoder stack)."""
+        raise NotImplementedError
+
+    def lay_out_for_steps(self) -> None:
+        """Store each matrix W (out, in) of :meth:`step_layers` column-major (W^T contiguous).
+
+        The values are unchanged; x W^T then runs as a plain row-major GEMM, which
+        MKL does 1.2-2.5x faster than the transposed-operand one at the few rows
+        (1-64) of a decoding step (slower at hundreds: the encoder keeps its layout).
+        For a model loaded to translate only: a model in training keeps its layout,
+        which its optimizer state and data-parallel buckets are built on.
+        """
+        with torch.no_grad():
+            for module in self.step_layers().modules():
+                if isinstance(module, nn.Linear):
+                    module.weight.data = module.weight.data.t().contiguous().t()
+
     @property
     def device(self) -> torch.device:
         return self.tgt_embed.weight.device

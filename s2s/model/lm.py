@@ -66,6 +66,9 @@ class DecoderOnlyLM(ModelBase):
         self.build_embedding_and_output(cfg, vocab)
         self.reset_parameters()
 
+    def step_layers(self) -> nn.ModuleList:
+        return self.layers
+
     def embedding_tables(self) -> list[nn.Embedding]:
         return [self.tgt_embed] + ([self.positions] if self.positions is not None else [])
 

@@ -74,6 +74,9 @@ class Seq2SeqTransformer(ModelBase):
         self.build_embedding_and_output(cfg, tgt_vocab)
         self.reset_parameters()
 
+    def step_layers(self) -> nn.ModuleList:
+        return self.decoder_layers
+
     def embedding_tables(self) -> list[nn.Embedding]:
         return list({id(self.src_embed): self.src_embed, id(self.tgt_embed): self.tgt_embed}.values())
 
