@@ -20,7 +20,7 @@ def test_few_query_attention_equals_the_reference(scale):
     preallocated cache; without a mask, with a padding mask, and with a per-head bias too."""
     g = torch.Generator().manual_seed(7)
     B, H, T_k, e = 3, 4, 11, 8
-    k_buf, v_buf = torch.randn(B + 1, H, CACHE_BUCKET, e, generator=g), torch.randn(B + 1, H, CACHE_BUCKET, e, generator=g)
+    k_buf, v_buf = (torch.randn(B + 1, H, CACHE_BUCKET, e, generator=g) for _ in range(2))
     k, v = k_buf[:B, :, :T_k], v_buf[:B, :, :T_k]
     pad = torch.zeros(B, 1, 1, T_k)
     pad[1, ..., 8:] = float("-inf")
