@@ -115,8 +115,9 @@ class ModelBase(nn.Module):
         """Store each matrix W (out, in) of :meth:`step_layers` column-major (W^T contiguous).
 
         The values are unchanged; x W^T then runs as a plain row-major GEMM, which
-        MKL does 1.2-2.5x faster than the transposed-operand one at the few rows
-        (1-64) of a decoding step (slower at hundreds: the encoder keeps its layout).
+        MKL does up to 2.5x faster than the transposed-operand one at the few rows
+        of a decoding step (1.0-2.5x at 8-17 rows on a Skylake core; 0.83-1.15x at
+        hundreds of rows, so the encoder keeps its layout).
         For a model loaded to translate only: a model in training keeps its layout,
         which its optimizer state and data-parallel buckets are built on.
         """
