@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from s2s.bulk import partial_dir
-from s2s.cli import run
 from s2s.textio import count_lines, read_lines
 from s2s.workers import TranslateProgress, eta_seconds, format_duration, progress_bar
+from tests.test_bad_inputs import cli
 
 # random weights never stop on their own: cap the outputs
 CAP = ["--device", "cpu", "--threads", "1", "--max-len-a", "0", "--max-len-b", "8"]
@@ -155,20 +155,9 @@ def test_an_uninterrupted_resumable_run_writes_what_a_plain_run_writes(models, s
 
 
 # --------------------------------------------------------------------------- #
-def cli(capsys, monkeypatch, *args):
-    """Run ``s2s ARGS`` in-process; return (exit code, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["s2s", *map(str, args)])
-    capsys.readouterr()
-    try:
-        run()
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    return code, capsys.readouterr().err
-
-
 def error_line(result) -> str:
-    code, err = result
+    """The one ``s2s: error:`` line of a run of :func:`tests.test_bad_inputs.cli` that exited 1."""
+    code, _, err = result
     assert code == 1 and "Traceback" not in err, err
     last = err.strip().splitlines()[-1]
     assert last.startswith("s2s: error: "), err
@@ -191,7 +180,7 @@ def test_a_changed_job_is_refused_naming_what_changed(models, corpus, tmp_path, 
     job = ["-m", m, "-i", src, "-o", out, "--resume", "--chunk-lines", 8, "--nbest", 2, "--workers", 1,
            "--prefix-file", prefixes, *CAP]
 
-    code, err = cli(capsys, monkeypatch, "translate", *job)
+    code, _, err = cli(capsys, monkeypatch, "translate", *job)
     assert code == 1 and f"{src}:30: invalid UTF-8" in err.strip().splitlines()[-1], err
     assert f"{out}: 24 lines done, kept in {partial}; the same command continues" in caplog.text  # s2s: ...
     assert not out.exists() and json.loads((partial / "state.json").read_text())["lines_done"] == 24
@@ -217,11 +206,12 @@ def test_a_changed_job_is_refused_naming_what_changed(models, corpus, tmp_path, 
         f"s2s: error: {out}: --resume: the model {m} changed (its weights, config or tokenizer) {start_over}")
     shutil.copytree(models[0], m, dirs_exist_ok=True)
 
-    code, err = cli(capsys, monkeypatch, "translate", *job, "--errors", "replace")
+    code, _, err = cli(capsys, monkeypatch, "translate", *job, "--errors", "replace")
     assert code == 0, err
     assert f"{out}: resuming after line 24" in caplog.text and not partial.exists()
     whole = tmp_path / "whole.de"
-    code, err = cli(capsys, monkeypatch, "translate", *[whole if a == out else a for a in job], "--errors", "replace")
+    code, _, err = cli(capsys, monkeypatch, "translate", *[whole if a == out else a for a in job],
+                       "--errors", "replace")
     assert code == 0, err
     assert out.read_bytes() == whole.read_bytes()
     rows = out.read_text().splitlines()
