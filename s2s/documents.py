@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 from s2s.errors import S2SError
 from s2s.search import Hypothesis, length_penalty
+from s2s.textio import line_numbers
 
 if TYPE_CHECKING:
     from s2s.translate import Translation, Translator
@@ -380,16 +381,16 @@ def source_spans(translator: "Translator", ids: Sequence[int], text: str) -> lis
     return [(to_text[a], to_text[b]) for a, b in piece_spans(decoded)]
 
 
-def translate_paragraphs(translator: "Translator", lines: Sequence[str], first_line_no: int = 1,
+def translate_paragraphs(translator: "Translator", lines: Sequence[str], first_line_no: int | Sequence[int] = 1,
                          prefixes: Optional[Sequence[str]] = None) -> list["Translation"]:
     """``Translator.translate_chunk`` with decode.split_sentences or decode.markup: every sentence
     of every line in one ``translate_sentences`` call (sorted into batches as usual), then one
     Translation per line (see :func:`join_paragraph`).  A prefix (``--prefix-file``) forces the
-    start of its line's first sentence."""
+    start of its line's first sentence.  ``first_line_no``: the first line's number, or each line's."""
     decode = translator.decode
     src_lang = language_code(translator.languages[0])
-    paragraphs = [read_paragraph(line, first_line_no + i, decode.split_sentences, decode.markup, src_lang)
-                  for i, line in enumerate(lines)]
+    paragraphs = [read_paragraph(line, no, decode.split_sentences, decode.markup, src_lang)
+                  for line, no in zip(lines, line_numbers(first_line_no, len(lines)))]
     texts, line_nos, firsts = [], [], []
     for i, p in enumerate(paragraphs):
         for k, (s, e) in enumerate(p.sentences):

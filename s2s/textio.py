@@ -17,7 +17,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Iterator, Sequence
 
 from s2s.errors import S2SError
 
@@ -188,3 +188,8 @@ def count_lines(path: str | Path) -> int:
             n += block.count(b"\n")
             last = block[-1:]
     return n + (last != b"\n")
+
+
+def line_numbers(first_line_no: int | Sequence[int], n: int) -> Sequence[int]:
+    """Each of ``n`` lines' number: first_line_no, first_line_no + 1, ... or the ones given."""
+    return range(first_line_no, first_line_no + n) if isinstance(first_line_no, int) else first_line_no

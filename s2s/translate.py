@@ -30,6 +30,7 @@ from s2s.output import OutputFormat, confidence, format_translation
 from s2s.precision import auto_precision, resolve_precision  # noqa: F401 (auto_precision: importable from here too)
 from s2s.search import EnsembleDecoder, Hypothesis, ModelDecoder, SpecialIds, ensemble_log_weights, search
 from s2s.shortlist import Shortlist, load_shortlist, subset_positions, subset_search_ids
+from s2s.textio import line_numbers
 from s2s.tokenizer import BOS_ID, Tokenizer
 from s2s.workers import (
     PRECISIONS,
@@ -465,7 +466,7 @@ class Translator:
     def encode_lines(self, lines: Sequence[str], first_line_no: int | Sequence[int]) -> list[Optional[list[int]]]:
         """Source ids per line (None for an empty line), truncating over-long lines with a warning
         naming the line (``first_line_no``: the first line's number, or each line's)."""
-        line_nos = _line_numbers(first_line_no, len(lines))
+        line_nos = line_numbers(first_line_no, len(lines))
         stripped = [line.strip() for line in lines]
         nonempty = [i for i, s in enumerate(stripped) if s]
         for i in nonempty:  # a multilingual model must be told its target language
@@ -483,11 +484,12 @@ class Translator:
             out[i] = self.lang.wrap(ids, stripped[i])
         return out
 
-    def translate_chunk(self, lines: Sequence[str], first_line_no: int = 1,
+    def translate_chunk(self, lines: Sequence[str], first_line_no: int | Sequence[int] = 1,
                         prefixes: Optional[Sequence[str]] = None,
                         glossary: Optional[Glossary] = None) -> list[Translation]:
         """One Translation per line; with decode.split_sentences or decode.markup each line is a
-        paragraph (s2s.documents), else a sentence (:meth:`translate_sentences`)."""
+        paragraph (s2s.documents), else a sentence (:meth:`translate_sentences`).
+        ``first_line_no``: the first line's number, or each line's (messages, n-best rows)."""
         if self.decode.split_sentences or self.decode.markup:
             from s2s.documents import translate_paragraphs
 
@@ -501,7 +503,7 @@ class Translator:
         first line's number, or each line's); ``prefixes``: see :meth:`translate_lines`;
         ``glossary`` (default: decode.glossary's) gives each line the target terms its output
         must contain, with a warning for a line whose best output misses one."""
-        line_nos = _line_numbers(first_line_no, len(lines))
+        line_nos = line_numbers(first_line_no, len(lines))
         ids = self.encode_lines(lines, line_nos)
         todo = [i for i, x in enumerate(ids) if x is not None]
         prefix_ids = None
@@ -544,10 +546,6 @@ class Translator:
         """Best translation of each line."""
         return [t.text for t in self.translate_lines(lines)]
 
-
-def _line_numbers(first_line_no: int | Sequence[int], n: int) -> Sequence[int]:
-    """Each of ``n`` lines' number: first_line_no, first_line_no + 1, ... or the ones given."""
-    return range(first_line_no, first_line_no + n) if isinstance(first_line_no, int) else first_line_no
 
 
 def write_translations(translator: Translator, lines: Iterable[str], out: TextIO,

@@ -1,14 +1,19 @@
 """Translating a stream of lines with one or N decoding processes, output in input order.
 
-    parent: read K lines -> chunk i -> task queue -> worker 1..N (each its own model,
-            cores/N torch threads) -> result queue -> write chunk i once 0..i-1 are written
+    parent: read K lines -> chunk i -> its lines sorted by length, cut into tasks of about
+            equal work -> task queue -> worker 1..N (each its own model, cores/N torch
+            threads) -> result queue -> write chunk i once all its tasks and 0..i-1 are written
 
-Each chunk is translated exactly as ``Translator.translate_chunk`` translates it in one
-process, so the output is one line per input line, in input order, whatever the number
-of workers.  At most 2N chunks are in flight (sent and not yet written), so memory stays
-bounded however long the input.  A bad input line stops the reading: the chunks before it
-are written, then the error, as with one process.  A worker that dies (killed, out of
-memory) is one error line; Ctrl-C stops every worker.
+Each task is translated as ``Translator.translate_chunk`` translates its lines in one
+process, and the tasks do not depend on the number of workers, so the output is one line
+per input line, in input order, whatever the number of workers.  Cutting a chunk's lines
+sorted by length (as CTranslate2 cuts a read buffer for its ``inter_threads``) gives each
+task sentences of one length, so its batches pad little, and gives the workers the work
+of a chunk in pieces small enough that none waits long for the other at the end.  At
+most 2N tasks are in flight (sent and not yet received), so memory stays bounded however
+long the input.  A bad input line stops the reading: the chunks before it are written,
+then the error, as with one process.  A worker that dies (killed, out of memory) is one
+error line; Ctrl-C stops every worker.
 
 This module imports no torch: the parent only reads, sends and writes.  Small models
 decode faster as N single-thread processes than as one N-thread process (a decoder
@@ -33,7 +38,10 @@ from s2s.output import OutputFormat, check_format, format_translation
 
 log = logging.getLogger("s2s")
 
-CHUNK_LINES = 200  # lines per task sent to a worker (each worker sorts them into batches)
+CHUNK_LINES = 1000  # lines read, sorted by length and written as one chunk
+TASKS_PER_CHUNK = 8  # the pieces of about equal work a chunk is cut into for the workers
+SENTENCE_CHARS = 20  # a sentence's fixed cost in characters of source (its </s>, its batch row)
+MIN_PARALLEL_LINES = 200  # --workers auto: a shorter input is translated in this one process
 
 
 PRECISIONS = ("fp32", "bf16", "auto")
@@ -236,7 +244,7 @@ def translate_stream(spec: TranslatorSpec, lines: Iterable[str], out: TextIO, wo
     with ``workers`` processes; returns the number of processes used.
 
     ``workers`` 0 (auto): one single-thread worker per core on the CPU (see
-    :func:`auto_workers`), but one process when the whole input fits in one chunk.
+    :func:`auto_workers`), but one process for an input of at most MIN_PARALLEL_LINES lines.
     ``line_by_line`` (--unbuffered) always runs in this one process.
     ``first_line_no``: the number of the first line (n-best rows, messages) when ``lines``
     continue an input; ``on_chunk(n_lines)`` is called after each chunk of ``chunk_lines``
@@ -252,8 +260,8 @@ def translate_stream(spec: TranslatorSpec, lines: Iterable[str], out: TextIO, wo
         n = 1
     items: Iterator[Any] = iter(lines) if prefixes is None else paired_lines(lines, prefixes, first_line_no)
     if n > 1 and not workers:  # auto: a short input is not worth starting processes for
-        head = list(itertools.islice(items, chunk_lines + 1))
-        if len(head) <= chunk_lines:
+        head = list(itertools.islice(items, MIN_PARALLEL_LINES + 1))
+        if len(head) <= MIN_PARALLEL_LINES:
             n = 1
         items = itertools.chain(head, items)
     if n == 1 and (on_chunk is not None or first_line_no != 1):
@@ -271,12 +279,32 @@ def translate_stream(spec: TranslatorSpec, lines: Iterable[str], out: TextIO, wo
     return n
 
 
-def translate_task(translator, fmt: OutputFormat, first_line_no: int, lines: list[str],
-                   prefixes: Optional[list[str]]) -> tuple[str, int, int]:
-    """One chunk: (its output text, its lines, its output tokens), in a worker or in this process."""
-    found = translator.translate_chunk(lines, first_line_no, prefixes)
-    text = "".join(format_translation(t, fmt) for t in found)
-    return text, len(found), sum(output_tokens(t) for t in found)
+def translate_task(translator, fmt: OutputFormat, line_nos: int | list[int], lines: list[str],
+                   prefixes: Optional[list[str]]) -> tuple[list[str], int]:
+    """Lines numbered ``line_nos`` (the first's number, or each one's): (each line's output
+    text, the output tokens), in a worker or in this process."""
+    found = translator.translate_chunk(lines, line_nos, prefixes)
+    return [format_translation(t, fmt) for t in found], sum(output_tokens(t) for t in found)
+
+
+def split_by_work(lines: list[str], pieces: int = TASKS_PER_CHUNK) -> list[list[int]]:
+    """The indices of ``lines``, longest first, cut into at most ``pieces`` runs of about equal
+    work, work(line) = len(line) + SENTENCE_CHARS (decoding time grows with the output,
+    which grows with the source).  Each run holds sentences of one length; the first runs
+    hold the longest, so the last tasks of an input are its cheapest."""
+    order = sorted(range(len(lines)), key=lambda i: len(lines[i]), reverse=True)
+    runs: list[list[int]] = []
+    total = sum(len(line) + SENTENCE_CHARS for line in lines)
+    done, last = 0, -1
+    for i in order:
+        work = len(lines[i]) + SENTENCE_CHARS
+        piece = min(pieces - 1, int((done + work / 2) * pieces / total))  # where its middle falls
+        if piece != last:
+            runs.append([])
+            last = piece
+        runs[-1].append(i)
+        done += work
+    return runs
 
 
 def _translate_here(spec: TranslatorSpec, items: Iterator[Any], out: TextIO, paired: bool,
@@ -286,7 +314,8 @@ def _translate_here(spec: TranslatorSpec, items: Iterator[Any], out: TextIO, pai
     translator = spec.build()
     fmt = spec.output(translator)
     for line_no, lines, prefixes in _chunks(items, chunk_lines, paired, first_line_no):
-        _write_chunk(out, *translate_task(translator, fmt, line_no, lines, prefixes), progress, on_chunk)
+        texts, n_tokens = translate_task(translator, fmt, line_no, lines, prefixes)
+        _write_chunk(out, "".join(texts), len(texts), n_tokens, progress, on_chunk)
 
 
 def _write_chunk(out: TextIO, text: str, n_lines: int, n_tokens: int, progress: Optional[TranslateProgress],
@@ -355,23 +384,22 @@ def _translate_parallel(spec: TranslatorSpec, items: Iterator[Any], out: TextIO,
     _start(procs)
     clean = False
     try:
-        chunks = _chunks(items, chunk_lines, paired, first_line_no)
-        sent = written = 0
-        done: dict[int, tuple] = {}
+        chunks: dict[int, _Chunk] = {}
+        pieces = _tasks(_chunks(items, chunk_lines, paired, first_line_no), chunks)
+        in_flight = written = 0
         reading, read_error, startup_logged = True, None, False
         while True:
-            while reading and sent - written < 2 * n:  # bounded: at most 2N chunks in flight
+            while reading and in_flight < 2 * n:  # bounded: at most 2N tasks in flight
                 try:
-                    chunk = next(chunks)
+                    tasks.put(next(pieces))
                 except StopIteration:
                     reading = False
                     break
                 except S2SError as e:  # a bad line: write what came before it, then fail
                     read_error, reading = e, False
                     break
-                tasks.put((sent, *chunk))
-                sent += 1
-            if written == sent:
+                in_flight += 1
+            if in_flight == 0:
                 break
             msg = _receive(results, procs)
             if msg[0] == "error":
@@ -384,18 +412,52 @@ def _translate_parallel(spec: TranslatorSpec, items: Iterator[Any], out: TextIO,
                     _replay(msg[1])
                     startup_logged = True
                 continue
-            _, index, text, n_lines, n_tokens, records = msg
-            done[index] = (text, n_lines, n_tokens, records)
-            while written in done:
-                text, n_lines, n_tokens, records = done.pop(written)
-                _replay(records)
-                _write_chunk(out, text, n_lines, n_tokens, progress, on_chunk)
+            _, (index, piece, rows), texts, n_tokens, records = msg
+            in_flight -= 1
+            chunks[index].receive(piece, rows, texts, n_tokens, records)
+            if progress is not None:
+                progress.add(len(rows), n_tokens)
+            while written in chunks and chunks[written].pending == 0:
+                chunk = chunks.pop(written)
+                for _, task_records in sorted(chunk.records.items()):
+                    _replay(task_records)
+                _write_chunk(out, "".join(chunk.texts), len(chunk.texts), chunk.n_tokens, None, on_chunk)
                 written += 1
         if read_error is not None:
             raise read_error
         clean = True
     finally:
         _stop(procs, tasks, results, clean)
+
+
+@dataclass
+class _Chunk:
+    """A chunk's outputs as its tasks return them (parent side)."""
+
+    texts: list[str]  # each line's output; "" until its task returns
+    pending: int  # tasks not yet returned
+    n_tokens: int = 0
+    records: dict[int, list[tuple[int, str]]] = field(default_factory=dict)  # each task's log lines
+
+    def receive(self, piece: int, rows: list[int], texts: list[str], n_tokens: int,
+                records: list[tuple[int, str]]) -> None:
+        for i, text in zip(rows, texts):
+            self.texts[i] = text
+        self.pending -= 1
+        self.n_tokens += n_tokens
+        self.records[piece] = records
+
+
+def _tasks(chunks: Iterator[tuple[int, list, Optional[list]]],
+           registry: dict[int, _Chunk]) -> Iterator[tuple]:
+    """Each chunk's tasks, ((chunk index, piece, rows), line numbers, lines, prefixes), the
+    chunk registered in ``registry`` before its first task (see :func:`split_by_work`)."""
+    for index, (line_no, lines, prefixes) in enumerate(chunks):
+        runs = split_by_work(lines)
+        registry[index] = _Chunk([""] * len(lines), len(runs))
+        for piece, rows in enumerate(runs):
+            yield ((index, piece, rows), [line_no + i for i in rows], [lines[i] for i in rows],
+                   None if prefixes is None else [prefixes[i] for i in rows])
 
 
 def _start(procs) -> None:
@@ -498,8 +560,8 @@ def _worker(spec: TranslatorSpec, tasks, results, log_level: int) -> None:
         fmt = spec.output(translator)
         results.put(("ready", collect.take()))
         while (task := _next_task(tasks, results)) is not None:
-            index, first_line_no, lines, prefixes = task
-            results.put(("done", index, *translate_task(translator, fmt, first_line_no, lines, prefixes),
+            key, line_nos, lines, prefixes = task
+            results.put(("done", key, *translate_task(translator, fmt, line_nos, lines, prefixes),
                          collect.take()))
     except S2SError as e:
         results.put(("error", "s2s", str(e)))

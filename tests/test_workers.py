@@ -13,7 +13,14 @@ import pytest
 from s2s.config import ModelConfig
 from s2s.errors import S2SError
 from s2s.params import parameter_count
-from s2s.workers import TranslatorSpec, auto_workers, threads_per_worker, translate_stream
+from s2s.workers import (
+    SENTENCE_CHARS,
+    TranslatorSpec,
+    auto_workers,
+    split_by_work,
+    threads_per_worker,
+    translate_stream,
+)
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +111,19 @@ def test_a_bad_option_in_a_worker_is_the_one_line_error(model_dir):
     with pytest.raises(S2SError, match="translate options: decode.beam"):
         run_stream(spec, decoded() * 2, workers=2)
     assert not active_children()
+
+
+def test_a_chunk_is_cut_longest_first_into_pieces_of_about_equal_work():
+    lines = [("word " * (i % 37)).strip() for i in range(1000)]
+    runs = split_by_work(lines, 8)
+    assert sorted(i for run in runs for i in run) == list(range(1000))  # every line once
+    order = [len(lines[i]) for run in runs for i in run]
+    assert order == sorted(order, reverse=True)  # the longest first, each run one stretch of lengths
+    work = [sum(len(lines[i]) + SENTENCE_CHARS for i in run) for run in runs]
+    assert len(runs) == 8 and max(work) - min(work) <= 2 * (max(map(len, lines)) + SENTENCE_CHARS)
+    assert len(runs[0]) < len(runs[-1])  # fewer long lines than short ones make a piece
+    assert split_by_work(["a", "bb"], 8) == [[1], [0]] and split_by_work([], 8) == []
+    assert split_by_work(["x" * 500] + ["y"] * 3, 2) == [[0], [1, 2, 3]]  # a line is never split
 
 
 def test_auto_workers_and_threads():
