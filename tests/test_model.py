@@ -556,3 +556,20 @@ def test_sinusoidal_positions_table_rows_equal_the_formula_bit_for_bit():
     for t in range(0, 300, 7):
         assert torch.equal(pe(1, start=t), sinusoidal_table(torch.arange(t, t + 1), 256))
     assert torch.equal(pe(5, start=1000), sinusoidal_table(torch.arange(1000, 1005), 256))  # grown
+
+
+@pytest.mark.parametrize("activation,gated", [("relu", False), ("silu", True), ("gelu", False)])
+def test_a_decoding_ffn_overwrites_its_hidden_layer_to_the_same_result(activation, gated):
+    """Without autograd the activation runs in place (ACTIVATIONS_IN_PLACE): same FFN(x), and the
+    training path, with autograd, still gets its gradients."""
+    from s2s.model.layers import FeedForward
+
+    torch.manual_seed(0)
+    ffn = FeedForward(8, 32, activation, dropout=0.0, gated=gated).eval()
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    trained = ffn(x)
+    trained.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    with torch.inference_mode():
+        decoded = ffn(x.detach())
+    assert torch.equal(decoded, trained.detach())

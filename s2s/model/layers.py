@@ -23,6 +23,9 @@ ACTIVATIONS = {
     "gelu_tanh": partial(F.gelu, approximate="tanh"),  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
     "silu": F.silu,  # x sigmoid(x), "swish"
 }
+# the same functions overwriting their input: without autograd (decoding) the (B, L, d_ff)
+# hidden layer is written once, not copied into a second fresh tensor
+ACTIVATIONS_IN_PLACE = {"relu": torch.relu_, "silu": partial(F.silu, inplace=True)}
 
 
 def identity(x: Tensor) -> Tensor:
@@ -48,6 +51,7 @@ class FeedForward(nn.Module):
         self.w_3 = nn.Linear(d_model, d_ff, bias=bias) if gated else None
         self.w_2 = nn.Linear(d_ff, d_model, bias=bias)
         self.act = ACTIVATIONS[activation]
+        self.act_in_place = ACTIVATIONS_IN_PLACE.get(activation)
         self.dropout = nn.Dropout(dropout)
 
         self.w_13: Optional[nn.Linear] = None  # [W_1; W_3] in one matrix: see fuse_matmuls
@@ -57,6 +61,10 @@ class FeedForward(nn.Module):
         if self.w_13 is not None:
             a, g = self.w_13(x).chunk(2, dim=-1)  # 2 x (B, L, d_ff)
             h = self.act(a) * g
+        elif self.act_in_place is not None and not torch.is_grad_enabled():
+            h = self.act_in_place(self.w_1(x))
+            if self.w_3 is not None:
+                h = h.mul_(self.w_3(x))
         else:
             h = self.act(self.w_1(x))
             if self.w_3 is not None:
