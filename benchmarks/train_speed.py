@@ -12,7 +12,9 @@ bf16 copy of the fp32 master weights made once per update, s2s.precision.Bf16Cop
 only layout) gets the same loss, clipping and AdamW in a plain loop.  The
 ``s2s_fp32_2x1`` engine is two ranks of one gloo process group (one thread each),
 every update one batch per rank and one all-reduce; its tokens/s are those of both
-ranks together over the slower rank's time.
+ranks together over the slower rank's time.  ``s2s_fp32_compile`` (by name in
+``--engines`` only) is ``s2s_fp32`` with ``train.compile: true``: its warmup updates
+run twice, compiling, and that time is printed on its own.
 
 Measured properly on a shared machine: the engines take turns round by round
 (``--rounds``, at least 3), each round times ``--updates`` (>= 20) updates after
@@ -59,8 +61,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 RECIPE = REPO / "recipes" / "ddtp-en-de.yaml"
 HF_ENV = REPO / "benchmarks" / ".hf-env"
-ENGINES = ("s2s_fp32", "s2s_fp32_2x1", "s2s_bf16", "hf_fp32")
-PRECISION = {"s2s_fp32": "fp32", "s2s_fp32_2x1": "fp32", "s2s_bf16": "bf16", "hf_fp32": "fp32"}
+ENGINES = ("s2s_fp32", "s2s_fp32_2x1", "s2s_bf16", "s2s_fp32_compile", "hf_fp32")
+DEFAULT_ENGINES = ("s2s_fp32", "s2s_fp32_2x1", "s2s_bf16", "hf_fp32")  # compile: minutes more, by name only
+PRECISION = {"s2s_fp32": "fp32", "s2s_fp32_2x1": "fp32", "s2s_bf16": "bf16", "s2s_fp32_compile": "fp32",
+             "hf_fp32": "fp32"}
 
 
 # --------------------------------------------------------------------------- #
@@ -113,19 +117,32 @@ def load_batches(path: Path):
     return [Batch(src, tgt_in, tgt_out, n_src, n_tgt) for src, tgt_in, tgt_out, n_src, n_tgt in torch.load(path)]
 
 
-def run_s2s(precision: str, batches, warmup: int, threads: int) -> float:
+def run_s2s(precision: str, batches, warmup: int, threads: int, compile: bool = False) -> float:
     """Seconds of len(batches) - warmup updates through the s2s Trainer.  Under a process
-    group (RANK/WORLD_SIZE set) each update takes one batch per rank: this rank's share."""
+    group (RANK/WORLD_SIZE set) each update takes one batch per rank: this rank's share.
+    ``compile`` (train.compile): the warmup batches run twice, the first time compiling
+    (a graph for the first shape, then one with dynamic shapes); that time goes to stderr."""
     from s2s.config import load_config
     from s2s.distributed import World, shard
     from s2s.trainer import make_trainer
 
-    cfg = load_config(RECIPE, [f"train.precision={precision}", f"train.threads={threads}"])
+    cfg = load_config(RECIPE, [f"train.precision={precision}", f"train.threads={threads}",
+                               f"train.compile={str(compile).lower()}"])
     with tempfile.TemporaryDirectory() as tmp:
         trainer = make_trainer(cfg, Path(tmp) / "run", show_progress=False)
         world: World = trainer.world
         groups = [batches[i:i + world.size] for i in range(0, len(batches), world.size)]
-        return _timed(lambda group: trainer.train_step(shard(group, world))[0], groups, warmup)
+
+        def update(group):
+            return trainer.train_step(shard(group, world))[0]
+
+        if compile:
+            t0 = time.perf_counter()
+            for group in groups[:warmup]:
+                update(group)
+            print(f"train.compile: the first {warmup} updates (compiling) took {time.perf_counter() - t0:.0f} s",
+                  file=sys.stderr)
+        return _timed(update, groups, warmup)
 
 
 def run_hf(batches, warmup: int, threads: int) -> float:
@@ -185,7 +202,8 @@ def engine_main(args) -> None:
     if args.engine == "hf_fp32":
         seconds = run_hf(batches, args.warmup, args.threads)
     else:
-        seconds = run_s2s(PRECISION[args.engine], batches, args.warmup, args.threads)
+        seconds = run_s2s(PRECISION[args.engine], batches, args.warmup, args.threads,
+                          compile=args.engine == "s2s_fp32_compile")
     print(json.dumps({"seconds": seconds}))
 
 
@@ -210,6 +228,9 @@ def run_engine(engine: str, path: Path, args, count: int, site: str) -> float:
         if rank.returncode:
             sys.exit(f"train_speed: {engine} failed:\n{err[-3000:]}")
         seconds.append(json.loads(out.strip().splitlines()[-1])["seconds"])
+        for line in err.splitlines():
+            if line.startswith("train.compile:"):
+                print(f"{engine}: {line}", file=sys.stderr)
     return max(seconds)
 
 
@@ -262,8 +283,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--slow-bf16", action="store_true",
                     help="time s2s bf16 even on a CPU without native bf16 matmuls (2 updates, minutes)")
-    ap.add_argument("--engines", default=",".join(ENGINES),
-                    help="the engines to time, comma-separated (default: all); ratios need hf_fp32")
+    ap.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
+                    help=f"the engines to time, comma-separated, among {', '.join(ENGINES)} (default: all but "
+                         "s2s_fp32_compile); ratios need hf_fp32")
     ap.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)
     ap.add_argument("--batches", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--site", default="", help=argparse.SUPPRESS)

@@ -62,6 +62,7 @@ from s2s.search import (
     coverage_penalty,
     forced_tokens,
     length_penalty,
+    start_beams,
 )
 
 
@@ -222,15 +223,9 @@ def constrained_beam_search(decoder: StepDecoder, max_len: Tensor, s: DecodeConf
     greedy = K == 1 and not s.coverage_penalty
     results: list[list[Hypothesis]] = [[] for _ in range(B)]
     active = torch.arange(B, device=device)  # original sentence of each active sentence
-    decoder.select(torch.arange(B, device=device).repeat_interleave(K), group=K)  # (B*K) rows
-    scores = torch.full((B, K), NEG_INF, device=device)  # cumulative log p of live beams
-    scores[:, 0] = 0.0  # all beams start identical: only the first is live
-    tokens = torch.empty((B * K, 0), dtype=torch.long, device=device)
+    # the finished ones' scores: complete ones first, best first
+    scores, tokens, fin_scores, fin_logp, fin_len, fin_tokens = start_beams(decoder, B, K, L, device)
     progress = ConstraintProgress.start(B * K, M, device)
-    fin_scores = torch.full((B, K), NEG_INF, device=device)  # normalized; complete ones first, best first
-    fin_logp = torch.zeros((B, K), device=device)
-    fin_len = torch.zeros((B, K), dtype=torch.long, device=device)
-    fin_tokens = torch.zeros((B, K, L), dtype=torch.long, device=device)
     fin_complete = torch.zeros((B, K), dtype=torch.bool, device=device)  # every constraint met
     y = torch.full((B * K, 1), ids.bos_id, dtype=torch.long, device=device)
     beta = s.coverage_penalty

@@ -308,14 +308,7 @@ def beam_search(decoder: StepDecoder, max_len: Tensor, s: DecodeConfig, ids: Spe
     L = int(max_len.max())
     results: list[list[Hypothesis]] = [[] for _ in range(B)]
     active = torch.arange(B, device=device)  # original sentence of each active sentence
-    decoder.select(torch.arange(B, device=device).repeat_interleave(K), group=K)  # (B*K) rows
-    scores = torch.full((B, K), NEG_INF, device=device)  # cumulative log p of live beams
-    scores[:, 0] = 0.0  # all beams start identical: only the first is live
-    tokens = torch.empty((B * K, 0), dtype=torch.long, device=device)
-    fin_scores = torch.full((B, K), NEG_INF, device=device)  # normalized, best first
-    fin_logp = torch.zeros((B, K), device=device)
-    fin_len = torch.zeros((B, K), dtype=torch.long, device=device)
-    fin_tokens = torch.zeros((B, K, L), dtype=torch.long, device=device)
+    scores, tokens, fin_scores, fin_logp, fin_len, fin_tokens = start_beams(decoder, B, K, L, device)
     y = torch.full((B * K, 1), ids.bos_id, dtype=torch.long, device=device)
     beta = s.coverage_penalty
     attn_sum: Optional[Tensor] = None  # (N*K, S) attention received so far, per row
@@ -394,6 +387,22 @@ def beam_search(decoder: StepDecoder, max_len: Tensor, s: DecodeConfig, ids: Spe
                 attn_sum = attn_sum[keep_rows]
         y = y_t[:, None]
     return results
+
+
+def start_beams(decoder: StepDecoder, B: int, K: int, L: int,
+                device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Each sentence's one decoder row made K beams (row n*K + k) and the empty state of a
+    beam search of outputs up to L tokens: (cumulative log p of the live beams (B, K), only
+    beam 0 live since all start identical; their tokens (B*K, 0); the finished hypotheses'
+    normalized scores (B, K), best first, -inf: none yet; their log p (B, K); their lengths
+    (B, K); their tokens (B, K, L))."""
+    decoder.select(torch.arange(B, device=device).repeat_interleave(K), group=K)  # (B*K) rows
+    scores = torch.full((B, K), NEG_INF, device=device)
+    scores[:, 0] = 0.0
+    return (scores, torch.empty((B * K, 0), dtype=torch.long, device=device),
+            torch.full((B, K), NEG_INF, device=device), torch.zeros((B, K), device=device),
+            torch.zeros((B, K), dtype=torch.long, device=device),
+            torch.zeros((B, K, L), dtype=torch.long, device=device))
 
 
 def beam_stop_bound(best_live: Tensor, m: int, max_len: Tensor, s: DecodeConfig) -> Tensor:

@@ -10,8 +10,8 @@ per input line, in input order, whatever the number of workers.  Cutting a chunk
 sorted by length (as CTranslate2 cuts a read buffer for its ``inter_threads``) gives each
 task sentences of one length, so its batches pad little, and gives the workers the work
 of a chunk in pieces small enough that none waits long for the other at the end.  At
-most 2N tasks are in flight (sent and not yet received), so memory stays bounded however
-long the input.  A bad input line stops the reading: the chunks before it are written,
+most 2N tasks are in flight (sent and not yet received) and two chunks held, so memory
+stays bounded however long the input.  A bad input line stops the reading: the chunks before it are written,
 then the error, as with one process.  A worker that dies (killed, out of memory) is one
 error line; Ctrl-C stops every worker.
 
@@ -22,6 +22,7 @@ step's matrices are too small to split between threads); see the README.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import math
@@ -42,6 +43,7 @@ CHUNK_LINES = 1000  # lines read, sorted by length and written as one chunk
 TASKS_PER_CHUNK = 8  # the pieces of about equal work a chunk is cut into for the workers
 SENTENCE_CHARS = 20  # a sentence's fixed cost in characters of source (its </s>, its batch row)
 MIN_PARALLEL_LINES = 200  # --workers auto: a shorter input is translated in this one process
+CHUNKS_HELD = 2  # chunks read and not yet written: a worker can start the next while one ends
 
 
 PRECISIONS = ("fp32", "bf16", "auto")
@@ -384,20 +386,26 @@ def _translate_parallel(spec: TranslatorSpec, items: Iterator[Any], out: TextIO,
     _start(procs)
     clean = False
     try:
-        chunks: dict[int, _Chunk] = {}
-        pieces = _tasks(_chunks(items, chunk_lines, paired, first_line_no), chunks)
+        reader = enumerate(_chunks(items, chunk_lines, paired, first_line_no))
+        chunks: dict[int, _Chunk] = {}  # read and not yet written
+        unsent: collections.deque = collections.deque()  # their tasks not yet sent
         in_flight = written = 0
         reading, read_error, startup_logged = True, None, False
         while True:
-            while reading and in_flight < 2 * n:  # bounded: at most 2N tasks in flight
-                try:
-                    tasks.put(next(pieces))
-                except StopIteration:
-                    reading = False
-                    break
-                except S2SError as e:  # a bad line: write what came before it, then fail
-                    read_error, reading = e, False
-                    break
+            # bounded: at most 2N tasks in flight, and CHUNKS_HELD chunks read and not written
+            while in_flight < 2 * n and (unsent or (reading and len(chunks) < CHUNKS_HELD)):
+                if not unsent:
+                    try:
+                        index, read = next(reader)
+                    except StopIteration:
+                        reading = False
+                        break
+                    except S2SError as e:  # a bad line: write what came before it, then fail
+                        read_error, reading = e, False
+                        break
+                    chunks[index], chunk_tasks = _plan(index, *read)
+                    unsent.extend(chunk_tasks)
+                tasks.put(unsent.popleft())
                 in_flight += 1
             if in_flight == 0:
                 break
@@ -418,10 +426,10 @@ def _translate_parallel(spec: TranslatorSpec, items: Iterator[Any], out: TextIO,
             if progress is not None:
                 progress.add(len(rows), n_tokens)
             while written in chunks and chunks[written].pending == 0:
-                chunk = chunks.pop(written)
-                for _, task_records in sorted(chunk.records.items()):
+                done = chunks.pop(written)
+                for _, task_records in sorted(done.records.items()):
                     _replay(task_records)
-                _write_chunk(out, "".join(chunk.texts), len(chunk.texts), chunk.n_tokens, None, on_chunk)
+                _write_chunk(out, "".join(done.texts), len(done.texts), done.n_tokens, None, on_chunk)
                 written += 1
         if read_error is not None:
             raise read_error
@@ -448,16 +456,13 @@ class _Chunk:
         self.records[piece] = records
 
 
-def _tasks(chunks: Iterator[tuple[int, list, Optional[list]]],
-           registry: dict[int, _Chunk]) -> Iterator[tuple]:
-    """Each chunk's tasks, ((chunk index, piece, rows), line numbers, lines, prefixes), the
-    chunk registered in ``registry`` before its first task (see :func:`split_by_work`)."""
-    for index, (line_no, lines, prefixes) in enumerate(chunks):
-        runs = split_by_work(lines)
-        registry[index] = _Chunk([""] * len(lines), len(runs))
-        for piece, rows in enumerate(runs):
-            yield ((index, piece, rows), [line_no + i for i in rows], [lines[i] for i in rows],
-                   None if prefixes is None else [prefixes[i] for i in rows])
+def _plan(index: int, line_no: int, lines: list[str], prefixes: Optional[list[str]]) -> tuple[_Chunk, list[tuple]]:
+    """Chunk ``index``'s record and its tasks, ((chunk index, piece, rows), line numbers,
+    lines, prefixes), cut by :func:`split_by_work`."""
+    runs = split_by_work(lines)
+    return _Chunk([""] * len(lines), len(runs)), [
+        ((index, piece, rows), [line_no + i for i in rows], [lines[i] for i in rows],
+         None if prefixes is None else [prefixes[i] for i in rows]) for piece, rows in enumerate(runs)]
 
 
 def _start(procs) -> None:

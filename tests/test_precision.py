@@ -17,6 +17,7 @@ from s2s.model.attention import MultiHeadAttention
 from s2s.model.layers import FeedForward
 from s2s.precision import Bf16Copy, auto_precision
 from s2s.trainer import make_trainer, train
+from tests.test_train import nan_on
 
 NO_DROPOUT = ["model.dropout=0", "model.attention_dropout=0"]
 
@@ -175,27 +176,11 @@ def test_bf16_run_writes_fp32_weights_with_the_usual_keys(prepared, tmp_path):
 # The GPU path, run on the CPU: non-finite updates skipped by fused AdamW on the device
 # --------------------------------------------------------------------------- #
 
-def _nan_when(calls):
-    import s2s.trainer
-
-    real = s2s.trainer.label_smoothed_nll
-    count = {"n": 0}
-
-    def nll(logits, target, epsilon, pad_id=0):
-        loss = real(logits, target, epsilon, pad_id)
-        if epsilon > 0:  # training, not the dev loss
-            count["n"] += 1
-            if calls(count["n"] - 1):
-                return loss * float("nan")
-        return loss
-    return nll
-
-
 def test_device_side_skip_leaves_weights_and_moments(prepared, tmp_path, monkeypatch):
     import s2s.trainer
 
     monkeypatch.setattr(s2s.trainer, "skips_on_device", lambda device: True)
-    monkeypatch.setattr(s2s.trainer, "label_smoothed_nll", _nan_when(lambda i: i == 1))
+    monkeypatch.setattr(s2s.trainer, "label_smoothed_nll", nan_on(lambda i: i == 1))
     t = make_trainer(load_config(prepared, NO_DROPOUT), tmp_path / "run", show_progress=False)
     assert t.optimizer.defaults["fused"]
     b = t.train_data.batch(t.epoch_batches(0)[0])
@@ -216,11 +201,11 @@ def test_device_side_skips_are_reported_at_log_lines(prepared, tmp_path, monkeyp
     import s2s.trainer
 
     monkeypatch.setattr(s2s.trainer, "skips_on_device", lambda device: True)
-    monkeypatch.setattr(s2s.trainer, "label_smoothed_nll", _nan_when(lambda i: i in (1, 2)))
+    monkeypatch.setattr(s2s.trainer, "label_smoothed_nll", nan_on(lambda i: i in (1, 2)))
     train(load_config(prepared), tmp_path / "run", show_progress=False)
     assert "step 2: 1 update(s) with a non-finite loss or gradient skipped since the last report (1 in all)" \
         in caplog.text
-    monkeypatch.setattr(s2s.trainer, "label_smoothed_nll", _nan_when(lambda i: i >= 2))
+    monkeypatch.setattr(s2s.trainer, "label_smoothed_nll", nan_on(lambda i: i >= 2))
     monkeypatch.setattr(s2s.trainer, "MAX_BAD_UPDATES", 3)
     with pytest.raises(S2SError, match="3 non-finite updates in a row up to step 5"):
         train(load_config(prepared), tmp_path / "run2", show_progress=False)

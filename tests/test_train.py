@@ -240,7 +240,7 @@ def test_plot_draws_curves_lr_schedule_and_kept_step(prepared, tmp_path):
         plot_run(run)
 
 
-def _nan_on(calls):
+def nan_on(calls):
     """label_smoothed_nll that returns NaN on the given (0-based) training calls."""
     import s2s.trainer
 
@@ -260,7 +260,7 @@ def _nan_on(calls):
 def test_non_finite_loss_skips_the_update(prepared, tmp_path, monkeypatch, caplog):
     import s2s.trainer
 
-    monkeypatch.setattr(s2s.trainer, "label_smoothed_nll", _nan_on(lambda i: i in (1, 2)))
+    monkeypatch.setattr(s2s.trainer, "label_smoothed_nll", nan_on(lambda i: i in (1, 2)))
     run = train(load_config(prepared), tmp_path / "run", show_progress=False)
     assert "non-finite loss or gradient" in caplog.text and "update skipped" in caplog.text
     w = _weights(run)
@@ -272,7 +272,7 @@ def test_non_finite_loss_skips_the_update(prepared, tmp_path, monkeypatch, caplo
 def test_a_run_of_non_finite_losses_aborts(prepared, tmp_path, monkeypatch):
     import s2s.trainer
 
-    monkeypatch.setattr(s2s.trainer, "label_smoothed_nll", _nan_on(lambda i: i >= 2))
+    monkeypatch.setattr(s2s.trainer, "label_smoothed_nll", nan_on(lambda i: i >= 2))
     monkeypatch.setattr(s2s.trainer, "MAX_BAD_UPDATES", 3)
     with pytest.raises(S2SError, match="3 non-finite updates in a row after step 2"):
         train(load_config(prepared), tmp_path / "run", show_progress=False)
@@ -283,7 +283,7 @@ def test_non_finite_abort_advises_resume_only_from_a_checkpoint(prepared, tmp_pa
     """Before the first checkpoint (validate_every 3) there is nothing to --resume from."""
     import s2s.trainer
 
-    monkeypatch.setattr(s2s.trainer, "label_smoothed_nll", _nan_on(lambda i: i >= first_nan_call))
+    monkeypatch.setattr(s2s.trainer, "label_smoothed_nll", nan_on(lambda i: i >= first_nan_call))
     monkeypatch.setattr(s2s.trainer, "MAX_BAD_UPDATES", 3)
     run = tmp_path / "run"
     with pytest.raises(S2SError) as e:

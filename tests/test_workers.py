@@ -14,6 +14,7 @@ from s2s.config import ModelConfig
 from s2s.errors import S2SError
 from s2s.params import parameter_count
 from s2s.workers import (
+    CHUNKS_HELD,
     SENTENCE_CHARS,
     TranslatorSpec,
     auto_workers,
@@ -72,6 +73,27 @@ def test_two_workers_write_what_one_process_writes(model_dir, settings):
         numbers = {int(row.split(" ||| ")[0]) for row in two.splitlines()}
         assert numbers == set(range(len(lines)))  # n-best rows numbered across chunks
         assert all(row.count(" ||| ") == 3 for row in two.splitlines())  # ... with alignments
+
+
+def test_two_workers_read_at_most_two_chunks_ahead_of_the_output(model_dir):
+    """Memory stays bounded: when a chunk is written, at most CHUNKS_HELD chunks have been read past
+    the lines written before it (the reading waits for the writing, however long the input)."""
+    spec = TranslatorSpec((str(model_dir),), device="cpu", threads=1)
+    read, ahead, written = [0], [], [0]
+
+    def lines():
+        for i in range(200):
+            read[0] += 1
+            yield f"line {i} " + "word " * (i % 7)
+
+    def on_chunk(n_lines):
+        ahead.append(read[0] - written[0])
+        written[0] += n_lines
+
+    out = io.StringIO()
+    translate_stream(spec, lines(), out, workers=2, chunk_lines=10, on_chunk=on_chunk)
+    assert out.getvalue().count("\n") == 200 and written[0] == 200 and len(ahead) == 20
+    assert max(ahead) <= CHUNKS_HELD * 10
 
 
 def test_a_bad_line_stops_after_the_chunks_before_it(model_dir, tmp_path):
