@@ -27,7 +27,7 @@ def translator(prepared, tmp_path_factory):
     return Translator.from_dir(run, beam=2, max_len_a=0.5, max_len_b=4)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lines=st.lists(st.one_of(line_text, st.sampled_from(["", "   ", "\t", "🙂🙂", "שלום עולם", "a\x00b",
                                                             "package " * 3000, "ü" * 20000])),
                       max_size=8))

@@ -82,7 +82,7 @@ def test_two_workers_read_at_most_two_chunks_ahead_of_the_output(model_dir):
     read, ahead, written = [0], [], [0]
 
     def lines():
-        for i in range(200):
+        for i in range(60):
             read[0] += 1
             yield f"line {i} " + "word " * (i % 7)
 
@@ -91,9 +91,9 @@ def test_two_workers_read_at_most_two_chunks_ahead_of_the_output(model_dir):
         written[0] += n_lines
 
     out = io.StringIO()
-    translate_stream(spec, lines(), out, workers=2, chunk_lines=10, on_chunk=on_chunk)
-    assert out.getvalue().count("\n") == 200 and written[0] == 200 and len(ahead) == 20
-    assert max(ahead) <= CHUNKS_HELD * 10
+    translate_stream(spec, lines(), out, workers=2, chunk_lines=5, on_chunk=on_chunk)
+    assert out.getvalue().count("\n") == 60 and written[0] == 60 and len(ahead) == 12
+    assert max(ahead) <= CHUNKS_HELD * 5
 
 
 def test_a_bad_line_stops_after_the_chunks_before_it(model_dir, tmp_path):
