@@ -547,7 +547,6 @@ class Translator:
         return [t.text for t in self.translate_lines(lines)]
 
 
-
 def write_translations(translator: Translator, lines: Iterable[str], out: TextIO,
                        fmt: Optional[OutputFormat] = None, line_by_line: bool = False,
                        prefixes: Optional[Iterable[str]] = None,

@@ -294,18 +294,17 @@ def split_by_work(lines: list[str], pieces: int = TASKS_PER_CHUNK) -> list[list[
     work, work(line) = len(line) + SENTENCE_CHARS (decoding time grows with the output,
     which grows with the source).  Each run holds sentences of one length; the first runs
     hold the longest, so the last tasks of an input are its cheapest."""
-    order = sorted(range(len(lines)), key=lambda i: len(lines[i]), reverse=True)
+    work = [len(line) + SENTENCE_CHARS for line in lines]
+    order = sorted(range(len(lines)), key=lambda i: work[i], reverse=True)
     runs: list[list[int]] = []
-    total = sum(len(line) + SENTENCE_CHARS for line in lines)
-    done, last = 0, -1
+    total, done, last = sum(work), 0, -1
     for i in order:
-        work = len(lines[i]) + SENTENCE_CHARS
-        piece = min(pieces - 1, int((done + work / 2) * pieces / total))  # where its middle falls
+        piece = min(pieces - 1, int((done + work[i] / 2) * pieces / total))  # where its middle falls
         if piece != last:
             runs.append([])
             last = piece
         runs[-1].append(i)
-        done += work
+        done += work[i]
     return runs
 
 

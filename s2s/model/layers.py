@@ -61,14 +61,11 @@ class FeedForward(nn.Module):
         if self.w_13 is not None:
             a, g = self.w_13(x).chunk(2, dim=-1)  # 2 x (B, L, d_ff)
             h = self.act(a) * g
-        elif self.act_in_place is not None and not torch.is_grad_enabled():
-            h = self.act_in_place(self.w_1(x))
-            if self.w_3 is not None:
-                h = h.mul_(self.w_3(x))
         else:
-            h = self.act(self.w_1(x))
+            in_place = self.act_in_place is not None and not torch.is_grad_enabled()
+            h = (self.act_in_place if in_place else self.act)(self.w_1(x))
             if self.w_3 is not None:
-                h = h * self.w_3(x)
+                h = h.mul_(self.w_3(x)) if in_place else h * self.w_3(x)
         return self.w_2(self.dropout(h) if self.training else h)
 
     def fuse_matmuls(self) -> None:
