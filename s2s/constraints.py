@@ -63,6 +63,7 @@ from s2s.search import (
     forced_tokens,
     length_penalty,
     start_beams,
+    still_searching,
 )
 
 
@@ -321,11 +322,9 @@ def constrained_beam_search(decoder: StepDecoder, max_len: Tensor, s: DecodeConf
                             score = logp_y / length_penalty(float(length), s.alpha, s.length_penalty)
                         hyps.append(Hypothesis(fin_tokens[n, k, :length - 1].tolist(), score, logp_y))
                 results[int(active[n])] = hyps
-            keep = (~done).nonzero().flatten()
+            keep, keep_rows = still_searching(decoder, done, K)
             if keep.numel() == 0:
                 break
-            keep_rows = (keep[:, None] * K + torch.arange(K, device=device)).flatten()
-            decoder.select(keep_rows)
             active, scores = active[keep], scores[keep]
             fin_scores, fin_logp, fin_len = fin_scores[keep], fin_logp[keep], fin_len[keep]
             fin_tokens, fin_complete = fin_tokens[keep], fin_complete[keep]

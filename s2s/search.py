@@ -374,11 +374,9 @@ def beam_search(decoder: StepDecoder, max_len: Tensor, s: DecodeConfig, ids: Spe
                         hyps.append(Hypothesis(fin_tokens[n, k, :length - 1].tolist(), score,
                                                float(fin_logp[n, k])))
                 results[int(active[n])] = hyps
-            keep = (~done).nonzero().flatten()
+            keep, keep_rows = still_searching(decoder, done, K)
             if keep.numel() == 0:
                 break
-            keep_rows = (keep[:, None] * K + torch.arange(K, device=device)).flatten()
-            decoder.select(keep_rows)
             active, scores, sent_max, row_max = active[keep], scores[keep], sent_max[keep], row_max[keep_rows]
             fin_scores, fin_logp, fin_len = fin_scores[keep], fin_logp[keep], fin_len[keep]
             fin_tokens = fin_tokens[keep]
@@ -403,6 +401,16 @@ def start_beams(decoder: StepDecoder, B: int, K: int, L: int,
             torch.full((B, K), NEG_INF, device=device), torch.zeros((B, K), device=device),
             torch.zeros((B, K), dtype=torch.long, device=device),
             torch.zeros((B, K, L), dtype=torch.long, device=device))
+
+
+def still_searching(decoder: StepDecoder, done: Tensor, K: int) -> tuple[Tensor, Tensor]:
+    """The sentences not ``done`` (N,) bool, (N',) positions, and their beams' rows (N'*K,):
+    sentence n's rows n*K .. n*K+K-1; the decoder keeps only those rows (none: nothing left)."""
+    keep = (~done).nonzero().flatten()
+    keep_rows = (keep[:, None] * K + torch.arange(K, device=done.device)).flatten()
+    if keep.numel():
+        decoder.select(keep_rows)
+    return keep, keep_rows
 
 
 def beam_stop_bound(best_live: Tensor, m: int, max_len: Tensor, s: DecodeConfig) -> Tensor:

@@ -2,7 +2,10 @@
 
 import gzip
 import os
+import subprocess
+import time
 from pathlib import Path
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -50,6 +53,37 @@ def prepared(corpus) -> Path:
     train_tokenizer(cfg.tokenizer, cfg.data, seed=cfg.seed)
     prepare(cfg)
     return cfg_path
+
+
+def wait_until(ready: Callable[[], bool], timeout: float, proc: Optional[subprocess.Popen] = None) -> bool:
+    """Look at ``ready()`` every 50 ms until it holds (True), or ``timeout`` seconds pass or ``proc``
+    ends first (False)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and (proc is None or proc.poll() is None):
+        if ready():
+            return True
+        time.sleep(0.05)
+    return ready()
+
+
+def logged_lines(run: Path) -> int:
+    """Lines a training run has written to its metrics.jsonl (0 before it exists)."""
+    m = run / "metrics.jsonl"
+    return m.read_text().count("\n") if m.exists() else 0
+
+
+def untrained_model_dir(prepared: Path, directory: Path) -> Path:
+    """A model directory of the tiny config in ``directory``, its weights drawn with torch's seed 0
+    and never trained: enough for what decoding does (its outputs: whatever those weights say)."""
+    from s2s.config import load_config
+    from s2s.modeldir import build_model, save_model_dir
+    from s2s.tokenizer import Tokenizer
+
+    cfg = load_config(prepared)
+    tok = Tokenizer.load(cfg.data.dir, cfg.tokenizer, cfg.data)
+    torch.manual_seed(0)
+    save_model_dir(directory, build_model(cfg, tok), cfg, Path(cfg.data.dir), {"step": 0})
+    return directory
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,7 @@ import pytest
 
 from s2s.checkpoint import list_checkpoints
 from s2s.cli import run
-from tests.conftest import TINY_YAML
+from tests.conftest import TINY_YAML, wait_until
 
 BAD_FILES = {
     "missing": None,
@@ -709,10 +709,7 @@ def test_two_trainings_in_one_run_directory(env, tmp_path, capsys, monkeypatch):
                               "--set", "train.max_steps=100000", "--set", "train.validate_every=100000"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline and not (run / "metrics.jsonl").exists():
-            time.sleep(0.05)
-        assert (run / "metrics.jsonl").exists(), "the first run did not start"
+        assert wait_until((run / "metrics.jsonl").exists, 120), "the first run did not start"
         for resume in ([], ["--resume"]):
             assert_error(cli(capsys, monkeypatch, "train", env["cfg"], "-o", run, *resume),
                          f"{run}: in use by another training run (PID {first.pid})")
@@ -747,9 +744,7 @@ def test_a_signal_during_translate_leaves_no_output(env, tmp_path, signum, code,
                             # a shell's background jobs inherit SIGINT ignored, and a run under nohup
                             # SIGHUP; a user's Ctrl-C or hangup is not
                             preexec_fn=_default_sigint_and_sighup)
-    deadline = time.time() + 120
-    while time.time() < deadline and not any(p.name.startswith(".out.txt.tmp") for p in tmp_path.iterdir()):
-        time.sleep(0.05)
+    wait_until(lambda: any(p.name.startswith(".out.txt.tmp") for p in tmp_path.iterdir()), 120)
     time.sleep(0.5)
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)

@@ -14,6 +14,7 @@ from s2s.cli import app
 from s2s.output import OutputFormat, confidence, format_translation, mean_log_prob
 from s2s.search import Hypothesis, length_penalty
 from s2s.workers import TranslatorSpec, translate_stream
+from tests.conftest import untrained_model_dir
 
 runner = CliRunner()
 CAP = {"max_len_a": 0.0, "max_len_b": 8}  # random weights never stop: cap them
@@ -24,18 +25,7 @@ LINES = ["Clipboard management", "", "port scanner for discovering services", "a
 @pytest.fixture(scope="module")
 def model_dir(prepared, tmp_path_factory) -> Path:
     """An untrained model directory of the tiny config."""
-    import torch
-
-    from s2s.config import load_config
-    from s2s.modeldir import build_model, save_model_dir
-    from s2s.tokenizer import Tokenizer
-
-    cfg = load_config(prepared)
-    tok = Tokenizer.load(cfg.data.dir, cfg.tokenizer, cfg.data)
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("confidence") / "model"
-    save_model_dir(d, build_model(cfg, tok), cfg, Path(cfg.data.dir), {"step": 0})
-    return d
+    return untrained_model_dir(prepared, tmp_path_factory.mktemp("confidence") / "model")
 
 
 def stream(model_dir, workers=1, line_by_line=False, overrides=None, **spec) -> str:

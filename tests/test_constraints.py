@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from s2s.config import DecodeConfig, load_config
+from s2s.config import DecodeConfig
 from s2s.constraints import (
     ConstraintProgress,
     advance,
@@ -25,6 +25,7 @@ from s2s.constraints import (
 from s2s.errors import ConfigError, S2SError
 from s2s.glossary import Glossary, load_glossary
 from s2s.search import SpecialIds, beam_search, greedy_search, search
+from tests.conftest import untrained_model_dir
 
 PAD, UNK, BOS, EOS, A, B, C, D = range(8)
 V = 8
@@ -262,15 +263,7 @@ def test_missing_glossary_and_directory(tmp_path):
 @pytest.fixture(scope="module")
 def model_dir(prepared, tmp_path_factory):
     """An untrained model directory on the tiny prepared data (constraints hold whatever the weights)."""
-    from s2s.modeldir import build_model, save_model_dir
-    from s2s.tokenizer import Tokenizer
-
-    cfg = load_config(prepared)
-    tok = Tokenizer.load(cfg.data.dir, cfg.tokenizer, cfg.data)
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("glossary") / "model"
-    save_model_dir(d, build_model(cfg, tok), cfg, Path(cfg.data.dir))
-    return d
+    return untrained_model_dir(prepared, tmp_path_factory.mktemp("glossary") / "model")
 
 
 SOURCES = ["A simple file manager for the desktop.", "Hello world", "",

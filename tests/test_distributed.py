@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from s2s.checkpoint import list_checkpoints
 from s2s.config import load_config
 from s2s.distributed import World, auto_procs, shard, threads_per_process, training_bytes
 from s2s.trainer import make_trainer
+from tests.conftest import logged_lines, wait_until
 
 # No dropout, so that both runs draw nothing at random after the (identical) initialization.
 # adam_eps 1e-4: the key bias's gradient is zero in exact arithmetic (softmax ignores a constant
@@ -154,12 +154,7 @@ def test_train_procs_2_passes_signals_to_its_ranks(prepared, tmp_path, sig):
                             env={**os.environ, "OMP_NUM_THREADS": "1"},
                             # a background job inherits SIGINT ignored (and nohup SIGHUP); a user's are not
                             preexec_fn=_default_stop_signals)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        m = run / "metrics.jsonl"
-        if m.exists() and m.read_text().count("\n") >= 2:
-            break
-        time.sleep(0.05)
+    wait_until(lambda: logged_lines(run) >= 2, 300, proc)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + sig, err[-3000:]

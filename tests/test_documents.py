@@ -7,7 +7,6 @@ weights say: what is checked is what must hold for any output.
 
 import io
 import re
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -32,6 +31,7 @@ from s2s.documents import (
     trim,
 )
 from s2s.errors import S2SError
+from tests.conftest import untrained_model_dir
 
 runner = CliRunner()
 
@@ -244,18 +244,7 @@ def test_language_codes_and_joining():
 @pytest.fixture(scope="module")
 def model_dir(prepared, tmp_path_factory):
     """An untrained model directory of the tiny en-de config."""
-    import torch
-
-    from s2s.config import load_config
-    from s2s.modeldir import build_model, save_model_dir
-    from s2s.tokenizer import Tokenizer
-
-    cfg = load_config(prepared)
-    tok = Tokenizer.load(cfg.data.dir, cfg.tokenizer, cfg.data)
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("documents") / "model"
-    save_model_dir(d, build_model(cfg, tok), cfg, Path(cfg.data.dir), {"step": 0})
-    return d
+    return untrained_model_dir(prepared, tmp_path_factory.mktemp("documents") / "model")
 
 
 PARAGRAPHS = ["Clipboard management. Port scanner for discovering services.", "",

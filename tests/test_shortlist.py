@@ -1,7 +1,6 @@
 """The vocabulary shortlist: the table builder, the subset logits, the search over a subset."""
 
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from s2s.shortlist import (
     load_shortlist,
     save_shortlist,
 )
+from tests.conftest import untrained_model_dir
 
 V = 12
 
@@ -132,15 +132,7 @@ def test_save_and_load_round_trip(tmp_path):
 @pytest.fixture(scope="module")
 def model_dir(prepared, tmp_path_factory):
     """An untrained model directory on the tiny prepared data (decoding only needs weights)."""
-    from s2s.modeldir import build_model, save_model_dir
-    from s2s.tokenizer import Tokenizer
-
-    cfg = load_config(prepared)
-    tok = Tokenizer.load(cfg.data.dir, cfg.tokenizer, cfg.data)
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("shortlist") / "model"
-    save_model_dir(d, build_model(cfg, tok), cfg, Path(cfg.data.dir))
-    return d
+    return untrained_model_dir(prepared, tmp_path_factory.mktemp("shortlist") / "model")
 
 
 SOURCES = ["The program shows the time.", "A small library for reading files.", "", "Hello world"]

@@ -5,7 +5,6 @@ import math
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from s2s.config import load_config
 from s2s.errors import S2SError
 from s2s.modeldir import load_model_dir
 from s2s.trainer import Trainer, inverse_sqrt_lr, is_new_best, label_smoothed_nll, train
+from tests.conftest import logged_lines, wait_until
 
 
 def test_inverse_sqrt_schedule():
@@ -100,9 +100,7 @@ def test_sigkill_then_resume_matches_uninterrupted(prepared, tmp_path):
     assert full.wait(timeout=300) == 0, full.stderr.read()
     run = tmp_path / "killed"
     proc = _run_cli(["train", str(prepared), "-o", str(run), *overrides])
-    deadline = time.time() + 120
-    while not (run / "checkpoints" / "step-00000004").exists() and time.time() < deadline:
-        time.sleep(0.05)
+    wait_until((run / "checkpoints" / "step-00000004").exists, 120)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert list_checkpoints(run), "no checkpoint before the kill"
@@ -119,12 +117,7 @@ def test_sigint_writes_checkpoint_and_exits_nonzero(prepared, tmp_path, signum):
     run = tmp_path / "int"
     proc = _run_cli(["train", str(prepared), "-o", str(run), "--set", "train.max_steps=100000",
                      "--set", "train.validate_every=100000"])
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        m = run / "metrics.jsonl"
-        if m.exists() and m.read_text().count("\n") >= 3:
-            break
-        time.sleep(0.05)
+    wait_until(lambda: logged_lines(run) >= 3, 120)
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signum

@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 from multiprocessing import active_children
-from pathlib import Path
 
 import pytest
 
@@ -22,23 +21,13 @@ from s2s.workers import (
     threads_per_worker,
     translate_stream,
 )
+from tests.conftest import untrained_model_dir
 
 
 @pytest.fixture(scope="module")
 def model_dir(prepared, tmp_path_factory):
     """An untrained model directory of the tiny config (its outputs: whatever the random weights say)."""
-    import torch
-
-    from s2s.config import load_config
-    from s2s.modeldir import build_model, save_model_dir
-    from s2s.tokenizer import Tokenizer
-
-    cfg = load_config(prepared)
-    tok = Tokenizer.load(cfg.data.dir, cfg.tokenizer, cfg.data)
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("workers") / "model"
-    save_model_dir(d, build_model(cfg, tok), cfg, Path(cfg.data.dir), {"step": 0})
-    return d
+    return untrained_model_dir(prepared, tmp_path_factory.mktemp("workers") / "model")
 
 
 HOSTILE = [b"Clipboard management", b"", b"   ", b"a\x00b NUL bytes", b"x " * 1500, b"\xff\xfe broken",
