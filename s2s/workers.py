@@ -376,9 +376,7 @@ def _died(i: int, n: int, code: int) -> S2SError:
 def _translate_parallel(spec: TranslatorSpec, items: Iterator[Any], out: TextIO, n: int, paired: bool,
                         progress: Optional[TranslateProgress], chunk_lines: int, first_line_no: int = 1,
                         on_chunk: Optional[Callable[[int], None]] = None) -> None:
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")  # fork would copy torch's threads and locks
+    ctx = worker_context()
     tasks, results = ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(spec, tasks, results, log.getEffectiveLevel()),
                          name=f"s2s-translate-{i + 1}", daemon=True) for i in range(n)]
@@ -462,6 +460,21 @@ def _plan(index: int, line_no: int, lines: list[str], prefixes: Optional[list[st
     return _Chunk([""] * len(lines), len(runs)), [
         ((index, piece, rows), [line_no + i for i in rows], [lines[i] for i in rows],
          None if prefixes is None else [prefixes[i] for i in rows]) for piece, rows in enumerate(runs)]
+
+
+def worker_context():
+    """How the workers start: forked from a server process that imported torch and the decoder
+    once (multiprocessing's forkserver, preloading s2s.translate and s2s.modeldir), so that N workers pay one
+    import of torch instead of N side by side on the same cores; spawn where there is no
+    forkserver (Windows).  Never a fork of this process: it may hold torch's threads and locks
+    (the server never runs a torch operation, so forking it is safe)."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["s2s.translate", "s2s.modeldir"])
+    return ctx
 
 
 def _start(procs) -> None:
