@@ -9,7 +9,9 @@ process (or processes) on the same batches (saved once by this script) and times
 whole updates: forward, label-smoothed loss, backward, gradient clipping, AdamW.
 s2s runs through its Trainer's own ``train_step`` (``s2s_bf16`` is ``train.precision: bf16``: a
 bf16 copy of the fp32 master weights made once per update, s2s.precision.Bf16Copy); MarianMTModel (post-norm, its
-only layout) gets the same loss, clipping and AdamW in a plain loop.  The
+only layout) gets the same loss, clipping and AdamW in a plain loop, as a user runs it
+(``hf_fp32``) and with s2s's malloc setting (``hf_fp32_keep``: freed memory kept for the
+next update, s2s.allocator, which ``s2s train`` sets on the CPU), to show what that setting is worth.  The
 ``s2s_fp32_2x1`` engine is two ranks of one gloo process group (one thread each),
 every update one batch per rank and one all-reduce; its tokens/s are those of both
 ranks together over the slower rank's time.  ``s2s_fp32_compile`` (by name in
@@ -61,10 +63,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 RECIPE = REPO / "recipes" / "ddtp-en-de.yaml"
 HF_ENV = REPO / "benchmarks" / ".hf-env"
-ENGINES = ("s2s_fp32", "s2s_fp32_2x1", "s2s_bf16", "s2s_fp32_compile", "hf_fp32")
-DEFAULT_ENGINES = ("s2s_fp32", "s2s_fp32_2x1", "s2s_bf16", "hf_fp32")  # compile: minutes more, by name only
+ENGINES = ("s2s_fp32", "s2s_fp32_2x1", "s2s_bf16", "s2s_fp32_compile", "hf_fp32", "hf_fp32_keep")
+DEFAULT_ENGINES = ("s2s_fp32", "s2s_fp32_2x1", "s2s_bf16", "hf_fp32", "hf_fp32_keep")  # compile: by name only
 PRECISION = {"s2s_fp32": "fp32", "s2s_fp32_2x1": "fp32", "s2s_bf16": "bf16", "s2s_fp32_compile": "fp32",
-             "hf_fp32": "fp32"}
+             "hf_fp32": "fp32", "hf_fp32_keep": "fp32"}
 
 
 # --------------------------------------------------------------------------- #
@@ -199,7 +201,11 @@ def engine_main(args) -> None:
         sys.path.append(args.site)
     procs = int(os.environ.get("WORLD_SIZE", "1"))
     batches = load_batches(args.batches)[:(args.warmup + args.count) * procs]
-    if args.engine == "hf_fp32":
+    if args.engine.startswith("hf_fp32"):
+        if args.engine == "hf_fp32_keep":
+            from s2s.allocator import keep_freed_memory
+
+            keep_freed_memory()  # s2s's own setting, for comparison (s2s.allocator)
         seconds = run_hf(batches, args.warmup, args.threads)
     else:
         seconds = run_s2s(PRECISION[args.engine], batches, args.warmup, args.threads,
@@ -325,7 +331,7 @@ def main() -> None:
     peak = {"fp32": matmul_peak_gflops(torch.float32),
             "bf16": matmul_peak_gflops(torch.bfloat16, repeats=10 if native_bf16 else 2)
             if "s2s_bf16" in engines else float("nan")}
-    site = {e: hf_site() if e == "hf_fp32" else "" for e in engines}
+    site = {e: hf_site() if e.startswith("hf_") else "" for e in engines}
     seconds: dict[str, list[float]] = {e: [] for e in engines}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "batches.pt"

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from s2s.allocator import keep_freed_memory
 from s2s.checkpoint import (
     TrainState,
     check_batching,
@@ -174,11 +175,14 @@ def check_prepared(cfg: ExperimentConfig) -> None:
 
 
 def setup_environment(tc: TrainConfig) -> tuple[World, torch.device]:
-    """This process's rank and device (s2s.distributed; train.device) and torch's threads
-    (train.threads)."""
+    """This process's rank and device (s2s.distributed; train.device), torch's threads
+    (train.threads) and, training on the CPU, malloc keeping freed memory for the next
+    update's tensors (s2s.allocator)."""
     world, device = init_world(tc.device)
     if tc.threads:
         torch.set_num_threads(tc.threads)
+    if device.type == "cpu":
+        keep_freed_memory()
     return world, device
 
 
