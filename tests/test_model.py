@@ -573,3 +573,25 @@ def test_a_decoding_ffn_overwrites_its_hidden_layer_to_the_same_result(activatio
     with torch.inference_mode():
         decoded = ffn(x.detach())
     assert torch.equal(decoded, trained.detach())
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3])
+def test_dropout_zeroes_a_fraction_p_and_scales_the_rest(p):
+    """Dropout(x) = x * m / (1 - p), m_i ~ Bernoulli(1 - p): on 10^6 entries the fraction zeroed is p
+    within 5 standard deviations, every kept entry is x_i / (1 - p), the gradient is m / (1 - p),
+    and outside training (or with p = 0) it is x itself."""
+    from s2s.model.dropout import Dropout
+
+    torch.manual_seed(0)
+    n = 1_000_000
+    x = (torch.rand(n) + 0.5).requires_grad_()  # no zeros of its own
+    y = Dropout(p).train()(x)
+    dropped = (y == 0).float().mean().item()
+    assert abs(dropped - p) < 5 * math.sqrt(p * (1 - p) / n)
+    kept = y != 0
+    torch.testing.assert_close(y[kept], x[kept] / (1 - p))
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, kept.float() / (1 - p))
+    assert Dropout(p).eval()(x) is x and Dropout(0.0).train()(x) is x
+    with pytest.raises(ValueError, match="not in"):
+        Dropout(1.0)

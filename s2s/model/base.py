@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from s2s.config import ModelConfig
+from s2s.model.dropout import Dropout
 
 
 @dataclass
@@ -50,7 +51,7 @@ class ModelBase(nn.Module):
         """s_E and the embedding dropout, W_U (None when tied to E), b_U and s_U of the formulas above."""
         d = cfg.d_model
         self.embed_scale = math.sqrt(d) if cfg.scale_embeddings else 1.0
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.output_proj = None if cfg.tie_output else nn.Linear(d, vocab, bias=False)
         self.output_bias = nn.Parameter(torch.zeros(vocab)) if cfg.output_bias else None
         self.output_scale = d ** -0.5 if cfg.scale_output else 1.0

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from s2s.config import ModelConfig
 from s2s.model.attention import MultiHeadAttention, attention
 from s2s.model.cache import LayerCache
+from s2s.model.dropout import Dropout
 
 ACTIVATIONS = {
     "relu": F.relu,
@@ -52,7 +53,7 @@ class FeedForward(nn.Module):
         self.w_2 = nn.Linear(d_ff, d_model, bias=bias)
         self.act = ACTIVATIONS[activation]
         self.act_in_place = ACTIVATIONS_IN_PLACE.get(activation)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
         self.w_13: Optional[nn.Linear] = None  # [W_1; W_3] in one matrix: see fuse_matmuls
         self.fused_from: dict[str, tuple[str, ...]] = {}
@@ -106,7 +107,7 @@ class EncoderLayer(nn.Module):
         self.norm1 = make_norm(cfg)
         self.ffn = _ffn(cfg)
         self.norm2 = make_norm(cfg)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def _self_attn(self, x: Tensor, mask: Optional[Tensor], cache: Optional[LayerCache]) -> Tensor:
         q, k, v = self.self_attn.project_qkv(x)  # (B, heads, S, d_head)
@@ -145,7 +146,7 @@ class DecoderLayer(nn.Module):
         self.norm2 = make_norm(cfg)
         self.ffn = _ffn(cfg)
         self.norm3 = make_norm(cfg)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def _self_attn(self, x: Tensor, self_mask: Optional[Tensor], cache: LayerCache) -> Tensor:
         q, k, v = self.self_attn.project_qkv(x)  # (B, heads, T, d_head)
