@@ -23,6 +23,7 @@ step's matrices are too small to split between threads); see the README.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import math
@@ -380,9 +381,9 @@ def _translate_parallel(spec: TranslatorSpec, items: Iterator[Any], out: TextIO,
     tasks, results = ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(spec, tasks, results, log.getEffectiveLevel()),
                          name=f"s2s-translate-{i + 1}", daemon=True) for i in range(n)]
-    _start(procs)
     clean = False
     try:
+        _start(ctx, procs)
         reader = enumerate(_chunks(items, chunk_lines, paired, first_line_no))
         chunks: dict[int, _Chunk] = {}  # read and not yet written
         unsent: collections.deque = collections.deque()  # their tasks not yet sent
@@ -477,20 +478,57 @@ def worker_context():
     return ctx
 
 
-def _start(procs) -> None:
-    """Start the workers with SIGINT ignored from their first instruction on (a new
-    interpreter keeps an ignored SIGINT ignored), so that Ctrl-C while they import
-    torch prints no traceback of theirs: the parent alone handles it."""
+def _start(ctx, procs) -> None:
+    """Start the workers with SIGINT ignored from their first instruction on, so that Ctrl-C
+    while they import torch prints no traceback of theirs: the parent alone handles it.  A
+    new interpreter keeps an ignored SIGINT ignored: spawned workers are started with it
+    ignored here; with a forkserver, the server is, and its forks inherit that.
+
+    Starting a fork waits for the server to import torch, and a request sent cannot be
+    taken back: a parent gone meanwhile would leave the server forking a worker whose queues
+    are gone.  So a Ctrl-C (or SIGTERM, SIGHUP) while the forks start is held until they
+    have, then raised (:func:`_signals_held`)."""
     import threading
 
+    forked = ctx.get_start_method() == "forkserver"
     main = threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     try:
-        for p in procs:
-            p.start()
+        if forked:
+            from multiprocessing import forkserver
+
+            forkserver.ensure_running()  # returns at once: the server imports on its own
+        else:
+            for p in procs:
+                p.start()
     finally:
         if main:
             signal.signal(signal.SIGINT, old)
+    if forked:
+        with _signals_held():
+            for p in procs:
+                p.start()
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT, SIGTERM and SIGHUP that come inside are held, and the first of them is raised
+    once the block has ended, to the handler in place before it (a signal ignored stays ignored)."""
+    import threading
+
+    held: list[int] = []
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(s) != signal.SIG_IGN:
+                previous[s] = signal.signal(s, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if held:
+        signal.raise_signal(held[0])
 
 
 def _receive(results, procs) -> tuple:
@@ -511,6 +549,7 @@ def _replay(records: list[tuple[int, str]]) -> None:
 
 def _stop(procs, tasks, results, clean: bool) -> None:
     """Ask the workers to finish (clean), else end them now; never leave one behind."""
+    procs = [p for p in procs if p.pid is not None]  # not those a Ctrl-C kept from starting
     if clean:
         for _ in procs:
             tasks.put(None)
