@@ -32,14 +32,16 @@ def tiny_model(**kw) -> Seq2SeqTransformer:
 @pytest.mark.parametrize("kw", [{}, {"tie_output": False, "output_bias": True, "share_embeddings": False},
                                 {"scale_output": True}, {"arch": "prefix_lm"}])
 def test_subset_logits_equal_full_logits_at_the_ids(kw):
-    """z'_t = z_t[ids] exactly: in logits() and in a decoding step."""
+    """z'_t = z_t[ids]: in logits() and in a decoding step.  Equal to float32 rounding, not bit
+    for bit: a BLAS may sum a product of 6 output columns in another order than one of 12
+    (AVX2-only CPUs do)."""
     model = tiny_model(**kw)
     if model.output_bias is not None:
         torch.nn.init.normal_(model.output_bias)
     ids = torch.tensor([0, 2, 3, 5, 9, 11])
     h = torch.randn(3, 1, 16)
     sub = model.vocab_subset(ids)
-    assert torch.equal(model.logits(h, sub), model.logits(h)[..., ids])
+    torch.testing.assert_close(model.logits(h, sub), model.logits(h)[..., ids], rtol=1e-6, atol=1e-6)
 
     src = torch.tensor([[4, 5, 6, 3], [7, 8, 3, 0]])
     y = torch.tensor([[2], [2]])
@@ -50,7 +52,7 @@ def test_subset_logits_equal_full_logits_at_the_ids(kw):
         z_full, _ = model.decode_step(y, full_cache)
         z_sub, _ = model.decode_step(y, sub_cache)
         assert z_sub.shape == (2, len(ids))
-        assert torch.equal(z_sub, z_full[:, ids]), step
+        torch.testing.assert_close(z_sub, z_full[:, ids], rtol=1e-6, atol=1e-6, msg=f"step {step}")
         y = torch.tensor([[5], [9]])
 
 
