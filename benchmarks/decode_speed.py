@@ -211,19 +211,57 @@ CT2_COMPUTE = {"fp32": "float32", "int8": "int8", "fp16": "float16", "bf16": "bf
 # Running one configuration
 # --------------------------------------------------------------------------- #
 
+def descendants_peak_rss_mib(root: int) -> float:
+    """The largest VmHWM (peak RSS) among the processes below ``root`` now, in MiB (Linux /proc;
+    0 elsewhere).  ``s2s translate --workers`` forks its workers from a forkserver that does not
+    wait for them, so their peaks never reach the parent's ru_maxrss: they are read here."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pid, ppid = int(stat.parent.name), int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+        children.setdefault(ppid, []).append(pid)
+    peak, todo = 0.0, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peak = max(peak, int(line.split()[1]) / 1024)
+        except OSError:
+            pass
+    return peak
+
+
 def run(cmd: list[str]) -> tuple[float, float, str]:
-    """Run ``cmd``; return (seconds, peak RSS in MiB of its largest process, its stdout)."""
+    """Run ``cmd``; return (seconds, peak RSS in MiB of its largest process, its stdout).  The
+    peak is the larger of ru_maxrss (the process and the children it waited for) and the
+    descendants' VmHWM, read every 0.25 s while it runs (see :func:`descendants_peak_rss_mib`)."""
+    import threading
+
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        ended, sampled = threading.Event(), [0.0]
+
+        def sample() -> None:
+            while not ended.wait(0.25):
+                sampled[0] = max(sampled[0], descendants_peak_rss_mib(proc.pid))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
         _, status, usage = os.wait4(proc.pid, 0)  # ru_maxrss: the largest of it and its waited-for children
         seconds = time.perf_counter() - t0
+        ended.set()
+        sampler.join()
         proc.returncode = os.waitstatus_to_exitcode(status)
         if proc.returncode:
             err.seek(0)
             sys.exit(f"decode_speed: `{' '.join(cmd)}` failed:\n{err.read().decode()}")
         out.seek(0)
-        return seconds, usage.ru_maxrss / 1024, out.read().decode()
+        return seconds, max(usage.ru_maxrss / 1024, sampled[0]), out.read().decode()
 
 
 def decode_flags(beam: int, batch: int, cap: int) -> dict:
