@@ -70,6 +70,7 @@ from s2s.modeldir import (
 from s2s.outdir import check_run_dir, lock_run_dir
 from s2s.precision import Bf16Copy, resolve_precision
 from s2s.runlog import LogWindow, MetricsLog, Progress, write_env
+from s2s.signals import signals_caught
 from s2s.textio import read_lines
 from s2s.tokenizer import PAD_ID, Tokenizer, resolve_tokenizer_config
 
@@ -297,20 +298,6 @@ def open_run_dir(run_dir: Path, resume: bool, world: World) -> bool:
     if resume and not ckpts:
         log.info("%s: no checkpoint to resume from; starting a new run", run_dir)
     return resume and bool(ckpts)
-
-
-@contextlib.contextmanager
-def signals_caught(handler: Callable) -> Iterator[None]:
-    """SIGINT, SIGTERM and SIGHUP (unless ignored, as under nohup) go to ``handler`` meanwhile."""
-    ending = [signal.SIGINT, signal.SIGTERM]
-    if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # under nohup hangups stay ignored
-        ending.append(signal.SIGHUP)
-    handlers = {s: signal.signal(s, handler) for s in ending}
-    try:
-        yield
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
 
 
 # --------------------------------------------------------------------------- #

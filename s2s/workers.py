@@ -512,21 +512,19 @@ def _start(ctx, procs) -> None:
 
 @contextlib.contextmanager
 def _signals_held():
-    """SIGINT, SIGTERM and SIGHUP that come inside are held, and the first of them is raised
-    once the block has ended, to the handler in place before it (a signal ignored stays ignored)."""
+    """SIGINT, SIGTERM and SIGHUP that come inside are held (:func:`s2s.signals.signals_caught`),
+    and the first of them is raised once the block has ended, to the handler in place before it
+    (a signal ignored stays ignored).  Off the main thread, which cannot handle signals, nothing is held."""
     import threading
 
-    held: list[int] = []
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            if signal.getsignal(s) != signal.SIG_IGN:
-                previous[s] = signal.signal(s, lambda signum, frame: held.append(signum))
-    try:
+    from s2s.signals import signals_caught
+
+    if threading.current_thread() is not threading.main_thread():
         yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        return
+    held: list[int] = []
+    with signals_caught(lambda signum, frame: held.append(signum)):
+        yield
     if held:
         signal.raise_signal(held[0])
 
