@@ -7,7 +7,8 @@ import torch
 
 from s2s.config import DecodeConfig, ModelConfig
 from s2s.model import Seq2SeqTransformer
-from s2s.search import ModelDecoder, SpecialIds, beam_search, greedy_search, length_penalty, search
+from s2s.search import (ModelDecoder, SpecialIds, beam_search, best_tokens, greedy_search, largest_k,
+                        length_penalty, search)
 
 PAD, UNK, BOS, EOS, A, B = 0, 1, 2, 3, 4, 5
 V = 6
@@ -482,3 +483,33 @@ def test_sampling_nbest_on_a_model_scores_each_sample_by_its_own_sentence():
                 logp = torch.log_softmax(logits[0].float(), -1)
                 want = sum(float(logp[t, tok]) for t, tok in enumerate(y[1:]))
                 assert h.log_prob == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.parametrize("n", [20000, 20007, 4000, 1500, 200])
+def test_largest_k_equals_topk(n):
+    """The grouped bound picks exactly torch's topk, values and indices, best first:
+    with and without a tail of n mod 16 entries, down to rows too short to group
+    (among tied -inf entries either may pick any)."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(37, n, generator=g)
+    x[3, 5:] = float("-inf")  # a row with few finite entries (a sentence's dead beams)
+    x[4, -3:] = 100.0 + torch.arange(3.0)  # the best entries all in the tail
+    for k in (1, 2, 10):
+        values, index = largest_k(x, k)
+        want = x.topk(k, dim=-1)
+        finite = torch.isfinite(want.values)
+        assert torch.equal(values, want.values) and torch.equal(x.gather(1, index), values), k
+        assert torch.equal(index[finite], want.indices[finite]), k
+        assert index[3].unique().numel() == k  # no entry picked twice
+    y = x[5:, 1:]  # not contiguous
+    assert largest_k(y, 10)[1].equal(y.topk(10, dim=-1).indices)
+
+
+def test_best_tokens_equals_max():
+    g = torch.Generator().manual_seed(0)
+    logp = torch.log_softmax(torch.randn(64, 4000, generator=g), dim=-1)
+    logp[7, 11] = logp[7, 12] = 1.0  # a tie: the first maximum, as torch's max
+    best, y = best_tokens(logp)
+    want = logp.max(dim=-1)
+    assert torch.equal(best, want.values) and torch.equal(y, want.indices)
+    assert int(y[7]) == 11
