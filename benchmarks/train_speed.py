@@ -14,7 +14,10 @@ only layout) gets the same loss, clipping and AdamW in a plain loop, as a user r
 next update, s2s.allocator, which ``s2s train`` sets on the CPU), to show what that setting is worth.  The
 ``s2s_fp32_2x1`` engine is two ranks of one gloo process group (one thread each),
 every update one batch per rank and one all-reduce; its tokens/s are those of both
-ranks together over the slower rank's time.  ``s2s_fp32_compile`` (by name in
+ranks together over the slower rank's time.  The s2s engines multiply through torch's
+BLAS (``train.gemm: torch``); ``s2s_fp32_openblas`` and ``s2s_fp32_2x1_openblas`` through
+OpenBLAS (``train.gemm: openblas``, s2s.model.gemm; what ``auto`` picks for one-thread
+processes on a CPU not made by Intel).  ``s2s_fp32_compile`` (by name in
 ``--engines`` only) is ``s2s_fp32`` with ``train.compile: true``: its warmup updates
 run twice, compiling, and that time is printed on its own.
 
@@ -63,10 +66,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 RECIPE = REPO / "recipes" / "ddtp-en-de.yaml"
 HF_ENV = REPO / "benchmarks" / ".hf-env"
-ENGINES = ("s2s_fp32", "s2s_fp32_2x1", "s2s_bf16", "s2s_fp32_compile", "hf_fp32", "hf_fp32_keep")
-DEFAULT_ENGINES = ("s2s_fp32", "s2s_fp32_2x1", "s2s_bf16", "hf_fp32", "hf_fp32_keep")  # compile: by name only
-PRECISION = {"s2s_fp32": "fp32", "s2s_fp32_2x1": "fp32", "s2s_bf16": "bf16", "s2s_fp32_compile": "fp32",
+ENGINES = ("s2s_fp32", "s2s_fp32_2x1", "s2s_fp32_openblas", "s2s_fp32_2x1_openblas", "s2s_bf16",
+           "s2s_fp32_compile", "hf_fp32", "hf_fp32_keep")
+DEFAULT_ENGINES = ("s2s_fp32", "s2s_fp32_2x1", "s2s_fp32_openblas", "s2s_fp32_2x1_openblas", "s2s_bf16",
+                   "hf_fp32", "hf_fp32_keep")  # compile: by name only
+PRECISION = {"s2s_fp32": "fp32", "s2s_fp32_2x1": "fp32", "s2s_fp32_openblas": "fp32",
+             "s2s_fp32_2x1_openblas": "fp32", "s2s_bf16": "bf16", "s2s_fp32_compile": "fp32",
              "hf_fp32": "fp32", "hf_fp32_keep": "fp32"}
+# the s2s engines' train.gemm (s2s.model.gemm): torch's BLAS unless the name says openblas
+GEMM = {e: "openblas" if e.endswith("_openblas") else "torch" for e in ENGINES}
+PROCS = {e: 2 if "_2x1" in e else 1 for e in ENGINES}  # data-parallel processes of one thread
 
 
 # --------------------------------------------------------------------------- #
@@ -119,7 +128,7 @@ def load_batches(path: Path):
     return [Batch(src, tgt_in, tgt_out, n_src, n_tgt) for src, tgt_in, tgt_out, n_src, n_tgt in torch.load(path)]
 
 
-def run_s2s(precision: str, batches, warmup: int, threads: int, compile: bool = False) -> float:
+def run_s2s(precision: str, batches, warmup: int, threads: int, compile: bool = False, gemm: str = "torch") -> float:
     """Seconds of len(batches) - warmup updates through the s2s Trainer.  Under a process
     group (RANK/WORLD_SIZE set) each update takes one batch per rank: this rank's share.
     ``compile`` (train.compile): the warmup batches run twice, the first time compiling
@@ -129,7 +138,7 @@ def run_s2s(precision: str, batches, warmup: int, threads: int, compile: bool = 
     from s2s.trainer import make_trainer
 
     cfg = load_config(RECIPE, [f"train.precision={precision}", f"train.threads={threads}",
-                               f"train.compile={str(compile).lower()}"])
+                               f"train.compile={str(compile).lower()}", f"train.gemm={gemm}"])
     with tempfile.TemporaryDirectory() as tmp:
         trainer = make_trainer(cfg, Path(tmp) / "run", show_progress=False)
         world: World = trainer.world
@@ -209,14 +218,14 @@ def engine_main(args) -> None:
         seconds = run_hf(batches, args.warmup, args.threads)
     else:
         seconds = run_s2s(PRECISION[args.engine], batches, args.warmup, args.threads,
-                          compile=args.engine == "s2s_fp32_compile")
+                          compile=args.engine == "s2s_fp32_compile", gemm=GEMM[args.engine])
     print(json.dumps({"seconds": seconds}))
 
 
 def run_engine(engine: str, path: Path, args, count: int, site: str) -> float:
     """Seconds of ``count`` timed updates of ``engine``, in its own process(es); for the
     data-parallel engine the slower rank's (both wait for each other at every update)."""
-    procs = 2 if engine == "s2s_fp32_2x1" else 1
+    procs = PROCS[engine]
     threads = args.threads // procs
     cmd = [sys.executable, __file__, "--engine", engine, "--batches", str(path), "--warmup", str(args.warmup),
            "--threads", str(threads), "--site", site, "--count", str(count)]
@@ -303,7 +312,7 @@ def main() -> None:
         args.updates, args.rounds, args.warmup = 8, 1, 2
     os.chdir(REPO)
     ensure_prepared()
-    n_procs = {e: 2 if e == "s2s_fp32_2x1" else 1 for e in ENGINES}
+    n_procs = PROCS
     batches, cfg = sample_batches(2 * (args.warmup + args.updates), args.seed)
     m = cfg.model
     torch.set_num_threads(args.threads)
@@ -315,8 +324,8 @@ def main() -> None:
     if unknown:
         sys.exit(f"train_speed: --engines: {', '.join(unknown)} not among {', '.join(ENGINES)}")
     engines = [e for e in ENGINES if e in chosen and (e != "s2s_bf16" or native_bf16 or args.slow_bf16)]
-    if args.threads < 2 and "s2s_fp32_2x1" in engines:
-        engines.remove("s2s_fp32_2x1")
+    if args.threads < 2:
+        engines = [e for e in engines if PROCS[e] == 1]
     count = {e: args.updates for e in ENGINES}
     if not native_bf16:
         count["s2s_bf16"] = 2

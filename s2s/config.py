@@ -277,6 +277,9 @@ class TrainConfig:
     # bf16: a bf16 copy of the fp32 master weights made once per update (s2s.precision.Bf16Copy);
     # auto: bf16 where the device multiplies bf16 natively (AVX-512 BF16, AMX, a CUDA GPU with bf16), else fp32
     precision: Literal["fp32", "bf16", "auto"] = "fp32"
+    # the BLAS of fp32 training's matrix products on the CPU (s2s.model.gemm): auto is openblas where
+    # torch's MKL runs its generic kernels (a CPU not made by Intel) in a one-thread process, else torch
+    gemm: Literal["auto", "torch", "openblas"] = "auto"
     threads: int = 0  # torch intra-op threads (per process); 0: torch's default, or cores / procs
     # data-parallel processes on this machine (s2s.distributed.launch_local); an update takes
     # procs * update_freq batches.  auto: one per core (train.threads each), fewer if memory is short

@@ -68,6 +68,7 @@ from s2s.modeldir import (
     write_config,
 )
 from s2s.outdir import check_run_dir, lock_run_dir
+from s2s.model.gemm import resolve_gemm, use_openblas
 from s2s.precision import Bf16Copy, resolve_precision
 from s2s.runlog import LogWindow, MetricsLog, Progress, write_env
 from s2s.signals import signals_caught
@@ -323,6 +324,8 @@ class Trainer:
         # update, whose gradients flow back into the model's fp32 ones (the optimizer's master weights)
         self.bf16 = Bf16Copy(model) if self.precision == "bf16" else None
         self.work = model if self.bf16 is None else self.bf16.module
+        if self.precision == "fp32" and resolve_gemm(self.tc.gemm, device, "train.gemm") == "openblas":
+            use_openblas(model)
         # one batch's forward pass and loss: as written, or through torch.compile (train.compile)
         self.objective = torch.compile(batch_objective, dynamic=True) if self.tc.compile else batch_objective
         self.skip_on_device = skips_on_device(device)

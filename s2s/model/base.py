@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from s2s.config import ModelConfig
+from s2s.model import gemm
 from s2s.model.dropout import Dropout
 
 
@@ -55,6 +56,7 @@ class ModelBase(nn.Module):
         self.output_proj = None if cfg.tie_output else nn.Linear(d, vocab, bias=False)
         self.output_bias = nn.Parameter(torch.zeros(vocab)) if cfg.output_bias else None
         self.output_scale = d ** -0.5 if cfg.scale_output else 1.0
+        self.gemm = "torch"  # or openblas, training (s2s.model.gemm.use_openblas)
 
     def embed(self, tokens: Tensor, table: nn.Embedding, P: Optional[Tensor],
               norm: Optional[nn.Module]) -> Tensor:
@@ -75,7 +77,12 @@ class ModelBase(nn.Module):
         if subset is not None:
             z = h @ subset.W.t()  # (..., V')
             return z if subset.b is None else z + subset.b
-        z = h @ self.tgt_embed.weight.t() if self.output_proj is None else self.output_proj(h)
+        if self.output_proj is not None:
+            z = self.output_proj(h)
+        elif self.gemm == "openblas":  # training through OpenBLAS (s2s.model.gemm)
+            z = gemm.linear(h, self.tgt_embed.weight)
+        else:
+            z = h @ self.tgt_embed.weight.t()
         return z if self.output_bias is None else z + self.output_bias
 
     def vocab_subset(self, ids: Tensor) -> VocabSubset:

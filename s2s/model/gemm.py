@@ -1,0 +1,167 @@
+"""Which BLAS multiplies the model's matrices in training on the CPU: torch's or OpenBLAS.
+
+torch's CPU wheels call Intel MKL for every x W^T.  MKL takes its tuned AVX2 and
+AVX-512 kernels only on CPUs whose vendor is GenuineIntel and a generic path
+elsewhere.  On an AMD EPYC core (AVX2), one thread each, OpenBLAS (the BLAS numpy
+ships; numpy is torch's own dependency) multiplies a training step's shapes 1.05-1.5x
+faster than torch's MKL, the output projection (4,096 x 256 x 8,000) the most.  So
+there the linear layers can run through numpy's matmul on the same memory (no copy:
+``Tensor.numpy()`` and ``torch.from_numpy`` share it):
+
+    y = x W^T + b                                      (blas_linear: numpy.matmul(x, W.T), + b)
+    dL/dx = dL/dy W,   dL/dW = (dL/dy)^T x,   dL/db = sum over rows of dL/dy     (LinearThroughBlas)
+
+``gemm`` (``train.gemm``): ``torch``, ``openblas``, or ``auto``: openblas where torch's BLAS is
+MKL, the CPU's vendor is not GenuineIntel and the process runs one thread (``train.procs``
+splits the cores into one-thread processes); else torch.  With two threads in one process,
+OpenBLAS's threads and torch's OpenMP threads (which spin between operators) took the same
+two cores from each other: 1,987 tokens/s against torch's 3,281.  fp32 only: bf16 (numpy
+has no bf16), a GPU, autocast and torch.compile keep torch's matmul.  Decoding keeps
+torch's: its matrices are a few rows, where numpy's per-call cost ate the gain (README).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from s2s.errors import S2SError
+
+log = logging.getLogger("s2s")
+
+GEMMS = ("auto", "torch", "openblas")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_vendor() -> str:
+    """The CPU's vendor_id in /proc/cpuinfo (GenuineIntel, AuthenticAMD, ...); "" where none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def auto_gemm(device: torch.device, threads: int, vendor: Optional[str] = None,
+              mkl: Optional[bool] = None) -> tuple[str, str]:
+    """The BLAS ``auto`` picks on ``device`` for a process of ``threads`` torch threads, and
+    why (``vendor``, ``mkl``: this machine's unless given): openblas where torch's MKL would
+    run its generic kernels (a CPU not made by Intel) and the process has one thread."""
+    if device.type != "cpu":
+        return "torch", f"device {device.type}"
+    vendor = cpu_vendor() if vendor is None else vendor
+    mkl = torch.backends.mkl.is_available() if mkl is None else mkl
+    if not mkl:
+        return "torch", "torch's CPU BLAS is not MKL"
+    if vendor in ("GenuineIntel", ""):
+        return "torch", f"MKL on {vendor or 'an unknown CPU'}"
+    if threads != 1:
+        return "torch", f"{threads} threads in one process"
+    return "openblas", f"MKL runs its generic kernels on {vendor}"
+
+
+def resolve_gemm(asked: str, device: torch.device, key: str = "train.gemm") -> str:
+    """torch or openblas for ``asked`` (auto, torch, openblas) on ``device``, for this process's
+    torch threads; ``key`` names the setting in the error and in auto's log line (debug: auto
+    is the default)."""
+    if asked not in GEMMS:
+        raise S2SError(f"{key}: {asked!r} is not auto, torch or openblas")
+    if asked == "auto":
+        picked, why = auto_gemm(device, torch.get_num_threads())
+        log.debug("%s auto: %s (%s)", key, picked, why)
+        return picked
+    if asked == "openblas" and device.type != "cpu":
+        raise S2SError(f"{key}: openblas multiplies on the CPU, not on {device.type}")
+    return asked
+
+
+def match_blas_threads(threads: Optional[int] = None) -> None:
+    """OpenBLAS's thread count := ``threads`` (torch's intra-op threads by default)."""
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=threads or torch.get_num_threads(), user_api="blas")
+
+
+def _through_blas(*tensors: Optional[Tensor]) -> bool:
+    """Whether numpy can multiply these: fp32 CPU tensors, outside autocast and compile."""
+    if torch.compiler.is_compiling() or torch.is_autocast_enabled("cpu"):
+        return False
+    return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu") for t in tensors)
+
+
+def blas_linear(x: Tensor, W: Tensor, b: Optional[Tensor] = None) -> Tensor:
+    """y = x W^T + b for x (..., in), W (out, in) in any layout, b (out,) or None, through
+    numpy's matmul (OpenBLAS); no autograd (see :class:`LinearThroughBlas`)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = np.matmul(x2.detach().numpy(), W.detach().numpy().T)
+    if b is not None:
+        y += b.detach().numpy()
+    return torch.from_numpy(y).view(*x.shape[:-1], W.shape[0])
+
+
+class LinearThroughBlas(torch.autograd.Function):
+    """y = x W^T + b forward and backward through OpenBLAS (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, W: Tensor, b: Optional[Tensor]) -> Tensor:
+        ctx.save_for_backward(x, W)
+        ctx.has_bias = b is not None
+        return blas_linear(x, W, b)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, W = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1]).contiguous().numpy()  # (rows, out)
+        dx = dW = db = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.from_numpy(dy2 @ W.detach().numpy()).view(x.shape)  # dL/dy W
+        if ctx.needs_input_grad[1]:
+            x2 = x.detach().reshape(-1, x.shape[-1]).numpy()
+            dW = torch.from_numpy(dy2.T @ x2)  # (dL/dy)^T x: (out, in)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = torch.from_numpy(dy2.sum(axis=0))
+        return dx, dW, db
+
+
+def linear(x: Tensor, W: Tensor, b: Optional[Tensor] = None) -> Tensor:
+    """y = x W^T + b: through OpenBLAS, forward and backward, where autograd records it on
+    fp32 CPU tensors (a training step; :func:`_through_blas`), else F.linear (evaluation and
+    decoding keep torch's: module docstring)."""
+    recorded = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, W, b))
+    if recorded and _through_blas(x, W, b):
+        return LinearThroughBlas.apply(x, W, b)
+    return F.linear(x, W, b)
+
+
+class BlasLinear(nn.Linear):
+    """nn.Linear multiplying through OpenBLAS (:func:`linear`); same parameters and
+    state-dict keys, so a checkpoint does not know which BLAS made it."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def use_openblas(model: nn.Module) -> int:
+    """Every nn.Linear of ``model`` (exactly nn.Linear: quantized layers keep their own
+    kernels) made a :class:`BlasLinear` over the same parameters, in place, and the
+    model's other matrix products (the tied output projection) told to use it
+    (``model.gemm``); OpenBLAS's threads matched to torch's.  Returns how many layers."""
+    swapped = 0
+    for m in model.modules():
+        if type(m) is nn.Linear:
+            m.__class__ = BlasLinear  # the same object: its parameters, hooks and owner unchanged
+            swapped += 1
+    for m in model.modules():
+        if hasattr(m, "gemm"):
+            m.gemm = "openblas"
+    match_blas_threads()
+    return swapped

@@ -1,0 +1,121 @@
+"""Training's matrix products through OpenBLAS (s2s.model.gemm) against torch's."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from s2s.config import ModelConfig, load_config
+from s2s.errors import S2SError
+from s2s.model import make_model
+from s2s.model.gemm import BlasLinear, auto_gemm, linear, resolve_gemm, use_openblas
+from s2s.trainer import make_trainer
+from tests.test_precision import NO_DROPOUT
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("column_major", [False, True])
+def test_linear_through_blas_equals_torch_forward_and_backward(bias, column_major):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 16, generator=g, requires_grad=True)
+    W = torch.randn(24, 16, generator=g)
+    if column_major:  # as lay_out_for_steps stores a decoder's matrices
+        W = W.t().contiguous().t()
+    W.requires_grad_(True)
+    b = torch.randn(24, generator=g, requires_grad=True) if bias else None
+    dy = torch.randn(3, 5, 24, generator=g)
+    grads = {}
+    for name, f in (("torch", F.linear), ("openblas", linear)):
+        y = f(x, W, b)
+        y.backward(dy)
+        grads[name] = (y.detach(), x.grad.clone(), W.grad.clone(), None if b is None else b.grad.clone())
+        for t in (x, W, b):
+            if t is not None:
+                t.grad = None
+    assert linear(x, W, b).grad_fn.name().startswith("LinearThroughBlas")
+    for want, got in zip(grads["torch"], grads["openblas"]):
+        if want is not None:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_keeps_torch_where_nothing_is_recorded():
+    """Evaluation and decoding (no autograd) and bf16 stay on F.linear, bit for bit."""
+    x, W = torch.randn(4, 8), torch.randn(6, 8, requires_grad=True)
+    with torch.no_grad():
+        assert torch.equal(linear(x, W), F.linear(x, W))
+    assert linear(x.bfloat16(), W.bfloat16()).grad_fn.name().startswith("Mm")
+
+
+@pytest.mark.parametrize("device, threads, vendor, mkl, want", [
+    ("cpu", 1, "AuthenticAMD", True, "openblas"),
+    ("cpu", 2, "AuthenticAMD", True, "torch"),  # OpenBLAS's and OpenMP's threads on the same cores
+    ("cpu", 1, "GenuineIntel", True, "torch"),
+    ("cpu", 1, "", True, "torch"),
+    ("cpu", 1, "AuthenticAMD", False, "torch"),
+    ("cuda", 1, "AuthenticAMD", True, "torch"),
+])
+def test_auto_gemm(device, threads, vendor, mkl, want):
+    assert auto_gemm(torch.device(device), threads, vendor, mkl)[0] == want
+
+
+def test_resolve_gemm_refuses_what_it_cannot_do():
+    with pytest.raises(S2SError, match="train.gemm: 'mkl' is not auto, torch or openblas"):
+        resolve_gemm("mkl", CPU)
+    with pytest.raises(S2SError, match="openblas multiplies on the CPU, not on cuda"):
+        resolve_gemm("openblas", torch.device("cuda"))
+    assert resolve_gemm("torch", CPU) == "torch"
+
+
+def test_use_openblas_trains_the_same_model():
+    """The swapped model has the same parameters and keys, evaluates bit for bit as before,
+    and its loss and gradients match torch's to fp32 rounding (the tied output projection too)."""
+    cfg = ModelConfig(d_model=16, heads=2, enc_layers=1, dec_layers=1, d_ff=24, dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    model = make_model(cfg, 40, 40, 0)
+    blas = copy.deepcopy(model)
+    assert use_openblas(blas) == sum(type(m) is torch.nn.Linear for m in model.modules()) > 0
+    assert all(type(m) is not torch.nn.Linear for m in blas.modules())
+    assert isinstance(blas.encoder_layers[0].ffn.w_1, BlasLinear) and blas.gemm == "openblas"
+    assert list(blas.state_dict()) == list(model.state_dict())
+    src = torch.randint(4, 40, (3, 6))
+    tgt_in, tgt_out = torch.randint(4, 40, (3, 5)), torch.randint(4, 40, (3, 5))
+    with torch.no_grad():
+        assert torch.equal(blas(src, tgt_in), model(src, tgt_in))
+    for m in (model, blas):
+        F.cross_entropy(m(src, tgt_in).reshape(-1, 40), tgt_out.reshape(-1)).backward()
+    for (name, p), q in zip(model.named_parameters(), blas.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_train_gemm_openblas_learns_like_torch(prepared, tmp_path):
+    """30 updates of one thread on the same batches: the losses through OpenBLAS stay with torch's."""
+    losses = {}
+    threads = torch.get_num_threads()
+    try:
+        for gemm in ("torch", "openblas"):
+            cfg = load_config(prepared, [*NO_DROPOUT, f"train.gemm={gemm}", "train.threads=1",
+                                         "train.warmup_steps=10", "train.max_tokens=300"])
+            t = make_trainer(cfg, tmp_path / gemm, show_progress=False)
+            assert t.model.gemm == gemm
+            batches = [t.train_data.batch(idx) for idx in t.epoch_batches(0)[:10]]
+            per_token = []
+            for step in range(30):
+                loss, ok, (n_tgt, _) = t.train_step([batches[step % len(batches)]])
+                assert ok
+                t.state.step += 1
+                per_token.append(float(loss) / n_tgt)
+            losses[gemm] = per_token
+    finally:
+        torch.set_num_threads(threads)
+    assert losses["torch"][-1] < losses["torch"][0] - 0.5
+    assert max(abs(a - b) for a, b in zip(losses["torch"], losses["openblas"])) < 1e-3, losses
+
+
+def test_bad_train_gemm_names_the_key(prepared):
+    from s2s.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="train.gemm"):
+        load_config(prepared, ["train.gemm=mkl"])
