@@ -61,6 +61,7 @@ from s2s.search import (
     constrain,
     coverage_penalty,
     forced_tokens,
+    largest_k,
     length_penalty,
     start_beams,
     still_searching,
@@ -255,7 +256,7 @@ def constrained_beam_search(decoder: StepDecoder, max_len: Tensor, s: DecodeConf
 
         # 2. candidates: the 2K best, each beam's 2 best, each beam's next constraint tokens
         beam_start = (torch.arange(K, device=device) * V).view(1, K, 1)
-        best = flat.topk(min(2 * K, K * V), dim=-1).indices  # (N, 2K)
+        best = largest_k(flat, min(2 * K, K * V))[1]  # (N, 2K)
         beam_best = total.topk(min(2, V), dim=-1).indices.view(N, K, -1) + beam_start  # (N, K, 2)
         wanted = next_constraint_tokens(progress, row_cons).view(N, K, M)
         wanted = torch.where(wanted >= 0, wanted + beam_start, -1)  # (N, K, M)

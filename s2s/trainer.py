@@ -55,6 +55,7 @@ from s2s.distributed import World, all_reduce_update, init_world, launch_local, 
 from s2s.errors import Interrupted, S2SError
 from s2s.metrics import corpus_bleu
 from s2s.model import S2SModel
+from s2s.model.gemm import resolve_gemm, use_openblas
 from s2s.modeldir import (
     CONFIG,
     META,
@@ -68,7 +69,6 @@ from s2s.modeldir import (
     write_config,
 )
 from s2s.outdir import check_run_dir, lock_run_dir
-from s2s.model.gemm import resolve_gemm, use_openblas
 from s2s.precision import Bf16Copy, resolve_precision
 from s2s.runlog import LogWindow, MetricsLog, Progress, write_env
 from s2s.signals import signals_caught

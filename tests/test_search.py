@@ -7,8 +7,16 @@ import torch
 
 from s2s.config import DecodeConfig, ModelConfig
 from s2s.model import Seq2SeqTransformer
-from s2s.search import (ModelDecoder, SpecialIds, beam_search, best_tokens, greedy_search, largest_k,
-                        length_penalty, search)
+from s2s.search import (
+    ModelDecoder,
+    SpecialIds,
+    beam_search,
+    best_tokens,
+    greedy_search,
+    largest_k,
+    length_penalty,
+    search,
+)
 
 PAD, UNK, BOS, EOS, A, B = 0, 1, 2, 3, 4, 5
 V = 6
