@@ -300,12 +300,18 @@ def test_int8_and_bf16_decoding(model_dir, corpus):
     assert ref.returncode == 0, ref.stderr
     # int8's rounding flips near-ties of this barely trained model's scores, and each flip changes
     # the rest of that output: 22-59 BLEU against fp32 measured; unrelated outputs score near 0
-    for flags, min_bleu in ((["--quantize", "int8"], 15.0), (["--precision", "bf16"], 80.0)):
-        r = s2s("translate", "-m", model_dir, "--beam", "2", *flags, input="\n".join(src) + "\n")
-        assert r.returncode == 0 and len(r.stdout.splitlines()) == len(src), r.stderr
-        # the same translations as fp32 but for rounding: BLEU against the fp32 output
-        same = sacrebleu.corpus_bleu(r.stdout.splitlines(), [ref.stdout.splitlines()]).score
-        assert same >= min_bleu, (flags, same)
+    r = s2s("translate", "-m", model_dir, "--beam", "2", "--quantize", "int8", input="\n".join(src) + "\n")
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == len(src), r.stderr
+    same = sacrebleu.corpus_bleu(r.stdout.splitlines(), [ref.stdout.splitlines()]).score
+    assert same >= 15.0, same
+    # bf16: the same translations as fp32 but where bf16's 8-bit mantissa makes two candidates'
+    # scores equal, and the search's tie order (torch's topk, or s2s.search.largest_k's groups)
+    # picks one; that rewrites the rest of the (degenerate, repeating) line, so count lines, not
+    # BLEU: 7 of the 8 measured identical, the 8th rewritten after an exact tie
+    r = s2s("translate", "-m", model_dir, "--beam", "2", "--precision", "bf16", input="\n".join(src) + "\n")
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == len(src), r.stderr
+    identical = sum(a == b for a, b in zip(r.stdout.splitlines(), ref.stdout.splitlines()))
+    assert identical >= 6, (identical, r.stdout, ref.stdout)
     r = s2s("translate", "-m", model_dir, "--quantize", "int4", input="x\n")
     assert r.returncode == 1 and "--quantize: 'int4' is not int8" in r.stderr
 
