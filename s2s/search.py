@@ -63,8 +63,9 @@ def best_tokens(logp: Tensor) -> tuple[Tensor, Tensor]:
     return logp.gather(-1, y[:, None]).squeeze(-1), y
 
 
-# groups per row of largest_k: few enough that the groups' maxima are one strided pass,
-# many enough that the k best groups hold few elements
+# entries per group in largest_k (the rows of its grid): the k best groups' c k entries are
+# few, and the groups' maxima are c passes over contiguous rows (c = 16 measured fastest
+# among 4-32 for beam 5's candidates)
 TOPK_GROUP_ROWS = 16
 
 
