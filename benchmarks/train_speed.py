@@ -15,9 +15,10 @@ next update, s2s.allocator, which ``s2s train`` sets on the CPU), to show what t
 ``s2s_fp32_2x1`` engine is two ranks of one gloo process group (one thread each),
 every update one batch per rank and one all-reduce; its tokens/s are those of both
 ranks together over the slower rank's time.  The s2s engines multiply through torch's
-BLAS (``train.gemm: torch``); ``s2s_fp32_openblas`` and ``s2s_fp32_2x1_openblas`` through
-OpenBLAS (``train.gemm: openblas``, s2s.model.gemm; what ``auto`` picks for one-thread
-processes on a CPU not made by Intel).  ``s2s_fp32_compile`` (by name in
+BLAS (``train.gemm: torch``); ``s2s_fp32_openblas`` (by name in ``--engines`` only: one
+process of ``--threads`` threads, which ``auto`` never gives OpenBLAS) and
+``s2s_fp32_2x1_openblas`` (what ``auto`` picks for one-thread processes on a CPU not made by
+Intel) through OpenBLAS (``train.gemm: openblas``, s2s.model.gemm).  ``s2s_fp32_compile`` (by name in
 ``--engines`` only) is ``s2s_fp32`` with ``train.compile: true``: its warmup updates
 run twice, compiling, and that time is printed on its own.
 
@@ -68,8 +69,8 @@ RECIPE = REPO / "recipes" / "ddtp-en-de.yaml"
 HF_ENV = REPO / "benchmarks" / ".hf-env"
 ENGINES = ("s2s_fp32", "s2s_fp32_2x1", "s2s_fp32_openblas", "s2s_fp32_2x1_openblas", "s2s_bf16",
            "s2s_fp32_compile", "hf_fp32", "hf_fp32_keep")
-DEFAULT_ENGINES = ("s2s_fp32", "s2s_fp32_2x1", "s2s_fp32_openblas", "s2s_fp32_2x1_openblas", "s2s_bf16",
-                   "hf_fp32", "hf_fp32_keep")  # compile: by name only
+DEFAULT_ENGINES = ("s2s_fp32", "s2s_fp32_2x1", "s2s_fp32_2x1_openblas", "s2s_bf16",
+                   "hf_fp32", "hf_fp32_keep")  # compile and 1 x N OpenBLAS: by name only
 PRECISION = {"s2s_fp32": "fp32", "s2s_fp32_2x1": "fp32", "s2s_fp32_openblas": "fp32",
              "s2s_fp32_2x1_openblas": "fp32", "s2s_bf16": "bf16", "s2s_fp32_compile": "fp32",
              "hf_fp32": "fp32", "hf_fp32_keep": "fp32"}

@@ -59,7 +59,7 @@ def best_tokens(logp: Tensor) -> tuple[Tensor, Tensor]:
         return logp.max(dim=-1)
     import numpy as np  # torch's own dependency
 
-    y = torch.from_numpy(np.argmax(logp.contiguous().numpy(), axis=-1))
+    y = torch.from_numpy(np.argmax(logp.detach().contiguous().numpy(), axis=-1))
     return logp.gather(-1, y[:, None]).squeeze(-1), y
 
 

@@ -326,6 +326,11 @@ class Trainer:
         self.work = model if self.bf16 is None else self.bf16.module
         if self.precision == "fp32" and resolve_gemm(self.tc.gemm, device, "train.gemm") == "openblas":
             use_openblas(model)
+            if self.tc.compile:
+                log.warning("train.gemm openblas: train.compile's graphs multiply with torch's BLAS")
+        elif self.tc.gemm == "openblas":
+            log.warning("train.gemm openblas: %s precision multiplies with torch's BLAS (OpenBLAS is fp32 only)",
+                        self.precision)
         # one batch's forward pass and loss: as written, or through torch.compile (train.compile)
         self.objective = torch.compile(batch_objective, dynamic=True) if self.tc.compile else batch_objective
         self.skip_on_device = skips_on_device(device)

@@ -1,6 +1,7 @@
 """Training's matrix products through OpenBLAS (s2s.model.gemm) against torch's."""
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -14,6 +15,15 @@ from s2s.trainer import make_trainer
 from tests.test_precision import NO_DROPOUT
 
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _blas_threads_restored():
+    """use_openblas sets OpenBLAS's threads for the whole process: back as they were after each test."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=None, user_api="blas"):
+        yield
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -39,6 +49,15 @@ def test_linear_through_blas_equals_torch_forward_and_backward(bias, column_majo
     for want, got in zip(grads["torch"], grads["openblas"]):
         if want is not None:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_output_may_change_in_place():
+    """As nn.Linear's: an activation written over its input (ReLU in place) must not fail."""
+    x, W = torch.randn(2, 3, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True)
+    y = linear(x, W)
+    torch.relu_(y)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, (F.linear(x, W) > 0).float() @ W, rtol=1e-5, atol=1e-5)
 
 
 def test_linear_keeps_torch_where_nothing_is_recorded():
@@ -112,6 +131,14 @@ def test_train_gemm_openblas_learns_like_torch(prepared, tmp_path):
         torch.set_num_threads(threads)
     assert losses["torch"][-1] < losses["torch"][0] - 0.5
     assert max(abs(a - b) for a, b in zip(losses["torch"], losses["openblas"])) < 1e-3, losses
+
+
+def test_train_gemm_openblas_says_where_it_cannot_apply(prepared, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="s2s"):
+        t = make_trainer(load_config(prepared, ["train.gemm=openblas", "train.precision=bf16"]), tmp_path / "run",
+                         show_progress=False)
+    assert t.model.gemm == "torch"
+    assert "train.gemm openblas: bf16 precision multiplies with torch's BLAS" in caplog.text
 
 
 def test_bad_train_gemm_names_the_key(prepared):

@@ -12,11 +12,12 @@ there the linear layers can run through numpy's matmul on the same memory (no co
     dL/dx = dL/dy W,   dL/dW = (dL/dy)^T x,   dL/db = sum over rows of dL/dy     (LinearThroughBlas)
 
 ``gemm`` (``train.gemm``): ``torch``, ``openblas``, or ``auto``: openblas where torch's BLAS is
-MKL, the CPU's vendor is not GenuineIntel and the process runs one thread (``train.procs``
+MKL, /proc/cpuinfo names a vendor other than GenuineIntel and the process runs one thread (``train.procs``
 splits the cores into one-thread processes); else torch.  With two threads in one process,
 OpenBLAS's threads and torch's OpenMP threads (which spin between operators) took the same
 two cores from each other: 1,987 tokens/s against torch's 3,281.  fp32 only: bf16 (numpy
-has no bf16), a GPU, autocast and torch.compile keep torch's matmul.  Decoding keeps
+has no bf16), a GPU, autocast and torch.compile keep torch's matmul (the trainer warns when
+``openblas`` was asked for and cannot apply).  Decoding keeps
 torch's: its matrices are a few rows, where numpy's per-call cost ate the gain (README).
 """
 
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from s2s.errors import S2SError
 
@@ -71,13 +73,12 @@ def auto_gemm(device: torch.device, threads: int, vendor: Optional[str] = None,
 
 def resolve_gemm(asked: str, device: torch.device, key: str = "train.gemm") -> str:
     """torch or openblas for ``asked`` (auto, torch, openblas) on ``device``, for this process's
-    torch threads; ``key`` names the setting in the error and in auto's log line (debug: auto
-    is the default)."""
+    torch threads; ``key`` names the setting in the error and in auto's log line."""
     if asked not in GEMMS:
         raise S2SError(f"{key}: {asked!r} is not auto, torch or openblas")
     if asked == "auto":
         picked, why = auto_gemm(device, torch.get_num_threads())
-        log.debug("%s auto: %s (%s)", key, picked, why)
+        log.info("%s auto: %s (%s)", key, picked, why)
         return picked
     if asked == "openblas" and device.type != "cpu":
         raise S2SError(f"{key}: openblas multiplies on the CPU, not on {device.type}")
@@ -105,7 +106,8 @@ def blas_linear(x: Tensor, W: Tensor, b: Optional[Tensor] = None) -> Tensor:
     y = np.matmul(x2.detach().numpy(), W.detach().numpy().T)
     if b is not None:
         y += b.detach().numpy()
-    return torch.from_numpy(y).view(*x.shape[:-1], W.shape[0])
+    # reshaped in numpy: a view made by torch inside an autograd Function could not be changed in place
+    return torch.from_numpy(y.reshape(*x.shape[:-1], W.shape[0]))
 
 
 class LinearThroughBlas(torch.autograd.Function):
@@ -118,6 +120,7 @@ class LinearThroughBlas(torch.autograd.Function):
         return blas_linear(x, W, b)
 
     @staticmethod
+    @once_differentiable  # numpy's products have no graph: no second derivatives
     def backward(ctx, dy: Tensor):
         x, W = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1]).contiguous().numpy()  # (rows, out)
