@@ -37,17 +37,22 @@ from torch import Tensor, nn
 log = logging.getLogger("s2s")
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags of /proc/cpuinfo (empty where there is none)."""
+@functools.lru_cache(maxsize=None)
+def cpuinfo_field(key: str) -> str:
+    """The value of the first CPU's ``key`` line in /proc/cpuinfo ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where there is none)."""
+    return frozenset(cpuinfo_field("flags").split())
 
 
 def native_bf16_cpu(flags: Optional[set[str] | frozenset[str]] = None) -> list[str]:

@@ -73,8 +73,8 @@ def largest_k(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """(values, indices) of the k largest entries of each row of x (N, n), best first,
     as ``x.topk(k, dim=-1)`` (ties aside, where either may pick).
 
-    Exact by a bound: split a row into G groups (x[j::G] for a row of G * c; a tail
-    of n mod G entries always stays in the running).  An entry e outside the k groups
+    Exact by a bound: split a row into G = n // c groups of c entries (x[j::G] within
+    the first G c; the tail of n mod c entries always stays in the running).  An entry e outside the k groups
     with the largest maxima is beaten by those k maxima, so it is not among the k
     largest; the k largest therefore lie among the k best groups' c k entries (plus
     the tail), and one small topk over those finds them.  The groups' maxima are one

@@ -23,7 +23,6 @@ torch's: its matrices are a few rows, where numpy's per-call cost ate the gain (
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Optional
 
@@ -34,23 +33,11 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from s2s.errors import S2SError
+from s2s.precision import cpuinfo_field
 
 log = logging.getLogger("s2s")
 
 GEMMS = ("auto", "torch", "openblas")
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_vendor() -> str:
-    """The CPU's vendor_id in /proc/cpuinfo (GenuineIntel, AuthenticAMD, ...); "" where none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def auto_gemm(device: torch.device, threads: int, vendor: Optional[str] = None,
@@ -60,7 +47,7 @@ def auto_gemm(device: torch.device, threads: int, vendor: Optional[str] = None,
     run its generic kernels (a CPU not made by Intel) and the process has one thread."""
     if device.type != "cpu":
         return "torch", f"device {device.type}"
-    vendor = cpu_vendor() if vendor is None else vendor
+    vendor = cpuinfo_field("vendor_id") if vendor is None else vendor  # GenuineIntel, AuthenticAMD, ...
     mkl = torch.backends.mkl.is_available() if mkl is None else mkl
     if not mkl:
         return "torch", "torch's CPU BLAS is not MKL"
@@ -163,8 +150,7 @@ def use_openblas(model: nn.Module) -> int:
         if type(m) is nn.Linear:
             m.__class__ = BlasLinear  # the same object: its parameters, hooks and owner unchanged
             swapped += 1
-    for m in model.modules():
-        if hasattr(m, "gemm"):
+        elif hasattr(m, "gemm"):
             m.gemm = "openblas"
     match_blas_threads()
     return swapped
