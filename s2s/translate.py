@@ -324,19 +324,15 @@ class Translator:
         self.extra_models = [m.to(torch.bfloat16) for m in self.extra_models]
 
     def quantize_int8(self) -> None:
-        """Dynamic int8 quantization of every linear layer (weights int8, activations
-        quantized per batch), CPU only; the tied output projection and embeddings stay fp32."""
+        """int8 matrices where they pay (s2s.model.int8): every linear layer and the output
+        projection, tied or not, keep their fp32 weights and get an int8 copy, and each product
+        takes the int8 one when it is large enough to win; CPU only; embeddings stay fp32."""
         if self.device.type != "cpu":
             raise S2SError("--quantize int8: dynamic quantization runs on the CPU only")
-        import warnings
+        from s2s.model.int8 import quantize_int8
 
-        from torch.ao.quantization import quantize_dynamic
-
-        with warnings.catch_warnings():  # torch 2.13 flags its quantized tensor API as deprecated
-            warnings.simplefilter("ignore", UserWarning)
-            self.model = quantize_dynamic(self.model, {torch.nn.Linear}, dtype=torch.qint8)
-            self.extra_models = [quantize_dynamic(m, {torch.nn.Linear}, dtype=torch.qint8)
-                                 for m in self.extra_models]
+        for member in [self.model, *self.extra_models]:
+            quantize_int8(member)
 
     def glossary(self) -> Optional[Glossary]:
         """decode.glossary's terms (s2s.glossary), the file read once; None without one."""

@@ -57,6 +57,7 @@ class ModelBase(nn.Module):
         self.output_bias = nn.Parameter(torch.zeros(vocab)) if cfg.output_bias else None
         self.output_scale = d ** -0.5 if cfg.scale_output else 1.0
         self.gemm = "torch"  # or openblas, training (s2s.model.gemm.use_openblas)
+        self.output_int8: Optional[nn.Module] = None  # W_U in int8 too, decoding (s2s.model.int8)
 
     def embed(self, tokens: Tensor, table: nn.Embedding, P: Optional[Tensor],
               norm: Optional[nn.Module]) -> Tensor:
@@ -77,7 +78,9 @@ class ModelBase(nn.Module):
         if subset is not None:
             z = h @ subset.W.t()  # (..., V')
             return z if subset.b is None else z + subset.b
-        if self.output_proj is not None:
+        if self.output_int8 is not None:  # --quantize int8 (its own choice of int8 or fp32 per call)
+            z = self.output_int8(h)
+        elif self.output_proj is not None:
             z = self.output_proj(h)
         elif self.gemm == "openblas":  # training through OpenBLAS (s2s.model.gemm)
             z = gemm.linear(h, self.tgt_embed.weight)
@@ -87,12 +90,11 @@ class ModelBase(nn.Module):
 
     def vocab_subset(self, ids: Tensor) -> VocabSubset:
         """The output head's rows for target ids ``ids`` (V',), gathered once per batch
-        (an int8-quantized projection is dequantized for them)."""
+        (fp32, also under --quantize int8)."""
         if self.output_proj is None:
             W = self.tgt_embed.weight
         else:
-            W = self.output_proj.weight
-            W = W().dequantize() if callable(W) else W  # torch.ao dynamic int8 Linear
+            W = self.output_proj.weight  # fp32 (an int8-quantized projection keeps it)
         b = None if self.output_bias is None else self.output_bias.index_select(0, ids)
         return VocabSubset(ids=ids, W=W.index_select(0, ids), b=b)
 
