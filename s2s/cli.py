@@ -355,14 +355,16 @@ def _decode_command(name: str, defaults: dict):
         threads: Annotated[int, typer.Option(help="torch threads (0: torch's default).")] = 0,
         precision: Annotated[str, typer.Option(
             help="fp32; bf16 (weights converted; fast only with native bf16 matmuls); "
-                 "auto: bf16 where the CPU has avx512_bf16/amx_bf16.")] = "fp32",
+                 "auto: bf16 where the CPU has avx512_bf16/amx_bf16, else fp32 with int8 matrices "
+                 "where they are faster (CPUs with avx2).")] = "fp32",
         compile: Annotated[bool, typer.Option(
             "--compile", help="torch.compile the decoder step (cached on disk; decode.compile).")] = False,
         shortlist: Annotated[bool, typer.Option(
             "--shortlist", help="Score only each batch's vocabulary shortlist (MODEL/shortlist.safetensors "
                                 "from `s2s shortlist`; decode.shortlist).")] = False,
         quantize: Annotated[Optional[str], typer.Option(
-            help="int8: dynamic int8 quantization of the linear layers (CPU).")] = None,
+            help="int8: int8 copies of the linear layers and the output projection, used where "
+                 "they are faster (CPU).")] = None,
         unbuffered: Annotated[bool, typer.Option("--unbuffered", help="Translate and flush line by line.")] = False,
         split_sentences: Annotated[bool, typer.Option(
             "--split-sentences",

@@ -82,6 +82,19 @@ def auto_precision(device: torch.device, flags: Optional[set[str] | frozenset[st
     return "fp32", "no avx512_bf16/amx_bf16 among the CPU flags"
 
 
+def auto_int8(device: torch.device, flags: Optional[set[str] | frozenset[str]] = None) -> tuple[bool, str]:
+    """Whether decoding's ``--precision auto`` adds int8 matrices (s2s.model.int8) to fp32
+    weights, and why: on a CPU with AVX2, whose int8 kernels (fbgemm's) made both searches
+    faster than fp32 where measured (README: decode speed); not on a GPU, nor where bf16 is
+    native (auto takes bf16 there)."""
+    if device.type != "cpu":
+        return False, f"device {device.type}"
+    flags = cpu_flags() if flags is None else frozenset(flags)
+    if "avx2" not in flags:
+        return False, "no avx2 among the CPU flags"
+    return True, "CPU flag avx2"
+
+
 def resolve_precision(asked: str, device: torch.device, key: str) -> str:
     """fp32 or bf16 for ``asked`` (fp32, bf16, auto) on ``device``: auto is logged with the
     reason for its choice; bf16 on a CPU without native bf16 matmuls gets a warning.

@@ -27,7 +27,7 @@ from s2s.glossary import Glossary, load_glossary
 from s2s.langs import language_ids, with_forced
 from s2s.model import S2SModel, Seq2SeqTransformer
 from s2s.output import OutputFormat, confidence, format_translation
-from s2s.precision import auto_precision, resolve_precision  # noqa: F401 (auto_precision: importable from here too)
+from s2s.precision import auto_int8, auto_precision, resolve_precision  # noqa: F401 (auto_precision: importable from here too)
 from s2s.search import EnsembleDecoder, Hypothesis, ModelDecoder, SpecialIds, ensemble_log_weights, search
 from s2s.shortlist import Shortlist, load_shortlist, subset_positions, subset_search_ids
 from s2s.textio import line_numbers
@@ -300,13 +300,19 @@ class Translator:
 
     def set_arithmetic(self, precision: str = "fp32", quantize: Optional[str] = None) -> None:
         """``precision``: fp32; bf16 (the weights converted once, see :meth:`to_bf16`); or auto
-        (:func:`auto_precision`: bf16 where the CPU multiplies bf16 natively, else fp32).
+        (:func:`auto_precision`: bf16 where the CPU multiplies bf16 natively, else fp32, with
+        int8 matrices where :func:`auto_int8` says they pay).
         ``quantize``: None, or int8 (see :meth:`quantize_int8`), with fp32 weights only."""
         if precision not in PRECISIONS:
             raise S2SError(f"--precision: {precision!r} is not fp32, bf16 or auto")
         if quantize not in (None, "int8"):
             raise S2SError(f"--quantize: {quantize!r} is not int8")
-        precision = resolve_precision(precision, self.device, "--precision")
+        asked, precision = precision, resolve_precision(precision, self.device, "--precision")
+        if asked == "auto" and precision == "fp32" and quantize is None:
+            pays, why = auto_int8(self.device)
+            if pays:
+                log.info("--precision auto: int8 matrices where they are faster (%s)", why)
+                quantize = "int8"
         if quantize == "int8" and precision == "bf16":
             raise S2SError("--quantize int8 quantizes fp32 weights: use it with --precision fp32")
         self.precision = precision

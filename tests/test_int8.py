@@ -67,3 +67,33 @@ def test_quantized_model_scores_close_to_fp32_and_output_projection_in_int8(tie)
     ids = torch.tensor([3, 10, 700])
     torch.testing.assert_close(model.vocab_subset(ids).W, W_U.index_select(0, ids))
     assert keys <= set(model.state_dict())
+
+
+def test_auto_int8_where_avx2():
+    from s2s.precision import auto_int8
+
+    cpu = torch.device("cpu")
+    assert auto_int8(cpu, {"fma", "avx", "avx2"}) == (True, "CPU flag avx2")
+    assert auto_int8(cpu, {"sse4_2", "avx"}) == (False, "no avx2 among the CPU flags")
+    assert auto_int8(torch.device("cuda"), {"avx2"}) == (False, "device cuda")
+
+
+@pytest.mark.parametrize("avx2", [True, False])
+def test_translator_precision_auto_adds_int8_where_it_pays(prepared, tmp_path, monkeypatch, caplog, avx2):
+    import logging
+
+    from s2s import precision
+    from s2s.translate import Translator
+    from tests.conftest import untrained_model_dir
+
+    model_dir = untrained_model_dir(prepared, tmp_path / "m")
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"fma", "avx", "avx2"} if avx2 else {"avx"}))
+    monkeypatch.setattr(precision, "native_bf16_cpu", lambda flags=None: [])
+    with caplog.at_level(logging.INFO, logger="s2s"):
+        tr = Translator.from_dirs([model_dir], precision="auto", decode={"beam": 2})
+    int8 = any(isinstance(m, Int8Linear) for m in tr.model.modules())
+    assert int8 == avx2 and tr.precision == "fp32"
+    assert ("--precision auto: int8 matrices where they are faster (CPU flag avx2)" in caplog.text) == avx2
+    assert len(tr.translate(["a b c", "d e"])) == 2
+    plain = Translator.from_dirs([model_dir], precision="fp32")  # an explicit fp32 stays fp32
+    assert not any(isinstance(m, Int8Linear) for m in plain.model.modules())
