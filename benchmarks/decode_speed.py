@@ -7,11 +7,12 @@ configuration runs as its own processes, the configurations interleaved round
 by round (``--rounds``, >= 3 for figures; a busy machine slows each alike), and
 the median with min and max is kept:
 
-* s2s ``{fp32,int8,bf16,shortlist}_{W}x{T}``: ``s2s translate --workers W
+* s2s ``{fp32,int8,bf16,shortlist,int8shortlist}_{W}x{T}``: ``s2s translate --workers W
   --threads T`` for every split W x T of the cores (int8 on the CPU only; bf16
   where the CPU has native bf16 matmuls, AVX-512 BF16 or AMX, or on a GPU;
   shortlist is fp32 with ``--shortlist`` where the model directory has one,
-  ``s2s shortlist CONFIG -m MODEL``).
+  ``s2s shortlist CONFIG -m MODEL``; int8shortlist is ``--quantize int8 --shortlist``
+  on the CPU).
 * ct2 ``{fp32,int8}_{I}x{J}``: CTranslate2 with ``inter_threads`` I x
   ``intra_threads`` J, every split (on a GPU: float32, float16, bfloat16, 1x1).
 * hf: ``s2s export hf`` run by ``generate`` (an architecture no Hugging Face
@@ -193,7 +194,8 @@ def configurations(device: str, cores: int, engines: set[str], has_ct2: bool, ha
         core_splits = splits(cores)
     else:  # one process drives the GPU
         s2s_precisions, ct2_precisions, core_splits = ["fp32", "bf16"], ["fp32", "fp16", "bf16"], [(1, 1)]
-    s2s_precisions += ["shortlist"] if has_shortlist else []
+    if has_shortlist:
+        s2s_precisions += ["shortlist"] + (["int8shortlist"] if device == "cpu" else [])
     for p in s2s_precisions if "s2s" in engines else []:
         out += [Config("s2s", f"s2s_{p}_{w}x{t}", p, w, t) for w, t in core_splits]
     for p in ct2_precisions if "ct2" in engines and has_ct2 else []:
@@ -275,11 +277,11 @@ def s2s_command(model: Path, src: Path, hyp: Path, c: Config, device: str, flags
            "--device", device, "--workers", str(c.procs), "--threads", str(c.threads)]
     for key, value in flags.items():
         cli += ["--set", f"decode.{key}={value}"]
-    if c.precision == "int8":
+    if c.precision in ("int8", "int8shortlist"):
         cli += ["--quantize", "int8"]
     elif c.precision == "bf16":
         cli += ["--precision", "bf16"]
-    elif c.precision == "shortlist":
+    if c.precision in ("shortlist", "int8shortlist"):
         cli += ["--shortlist"]
     return cli
 
@@ -287,10 +289,10 @@ def s2s_command(model: Path, src: Path, hyp: Path, c: Config, device: str, flags
 def s2s_steady_seconds(model: Path, src: Path, c: Config, device: str, flags: dict) -> float:
     """Steady state of ``c``: W processes each load the model and translate their 1/W of the lines,
     started together once all have loaded; the slowest one's seconds."""
-    overrides = {**flags, "shortlist": True} if c.precision == "shortlist" else flags
+    overrides = {**flags, "shortlist": True} if c.precision in ("shortlist", "int8shortlist") else flags
     spec = {"models": [str(model)], "overrides": overrides, "device": device, "threads": c.threads,
                 "precision": "bf16" if c.precision == "bf16" else "fp32",
-                "quantize": "int8" if c.precision == "int8" else None}
+                "quantize": "int8" if c.precision in ("int8", "int8shortlist") else None}
     procs = [subprocess.Popen([sys.executable, "-c", S2S_STEADY_SCRIPT, str(REPO), json.dumps(spec), str(src),
                                str(k), str(c.procs)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for k in range(c.procs)]
