@@ -307,12 +307,12 @@ class Translator:
             raise S2SError(f"--precision: {precision!r} is not fp32, bf16 or auto")
         if quantize not in (None, "int8"):
             raise S2SError(f"--quantize: {quantize!r} is not int8")
-        asked, precision = precision, resolve_precision(precision, self.device, "--precision")
-        if asked == "auto" and precision == "fp32" and quantize is None:
-            pays, why = auto_int8(self.device)
-            if pays:
-                log.info("--precision auto: int8 matrices where they are faster (%s)", why)
-                quantize = "int8"
+        picked, why = auto_precision(self.device)
+        int8, why_int8 = auto_int8(self.device) if picked == "fp32" and quantize is None else (False, "")
+        if precision == "auto" and int8:
+            log.info("--precision auto: fp32 with int8 matrices where they are faster (%s; %s)", why, why_int8)
+            precision, quantize = "fp32", "int8"
+        precision = resolve_precision(precision, self.device, "--precision")
         if quantize == "int8" and precision == "bf16":
             raise S2SError("--quantize int8 quantizes fp32 weights: use it with --precision fp32")
         self.precision = precision

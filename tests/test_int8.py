@@ -93,7 +93,9 @@ def test_translator_precision_auto_adds_int8_where_it_pays(prepared, tmp_path, m
         tr = Translator.from_dirs([model_dir], precision="auto", decode={"beam": 2})
     int8 = any(isinstance(m, Int8Linear) for m in tr.model.modules())
     assert int8 == avx2 and tr.precision == "fp32"
-    assert ("--precision auto: int8 matrices where they are faster (CPU flag avx2)" in caplog.text) == avx2
+    assert ("--precision auto: fp32 with int8 matrices where they are faster (no avx512_bf16/amx_bf16 among "
+            "the CPU flags; CPU flag avx2)" in caplog.text) == avx2
+    assert caplog.text.count("--precision auto") == 1
     assert len(tr.translate(["a b c", "d e"])) == 2
     plain = Translator.from_dirs([model_dir], precision="fp32")  # an explicit fp32 stays fp32
     assert not any(isinstance(m, Int8Linear) for m in plain.model.modules())
