@@ -175,7 +175,7 @@ def cpu_name() -> str:
 class Config:
     engine: str  # s2s, ct2 or hf
     name: str  # e.g. s2s_fp32_2x1
-    precision: str  # fp32, int8, bf16, fp16
+    precision: str  # fp32, int8, bf16, fp16; for s2s also shortlist, int8shortlist (see s2s_arithmetic)
     procs: int  # s2s workers, CTranslate2 inter_threads
     threads: int  # s2s threads per worker, CTranslate2 intra_threads
     whole_sent_s: list[float] = field(default_factory=list)
@@ -272,27 +272,30 @@ def decode_flags(beam: int, batch: int, cap: int) -> dict:
             "stop": "early", "max_len_a": 0.0, "max_len_b": cap}
 
 
+def s2s_arithmetic(c: Config) -> tuple[str, bool, bool]:
+    """An s2s configuration's (precision, int8, shortlist): --precision, --quantize int8, --shortlist."""
+    return ("bf16" if c.precision == "bf16" else "fp32", c.precision in ("int8", "int8shortlist"),
+            c.precision in ("shortlist", "int8shortlist"))
+
+
 def s2s_command(model: Path, src: Path, hyp: Path, c: Config, device: str, flags: dict) -> list[str]:
     cli = [sys.executable, "-m", "s2s", "-q", "translate", "-m", str(model), "--input", str(src), "-o", str(hyp),
            "--device", device, "--workers", str(c.procs), "--threads", str(c.threads)]
     for key, value in flags.items():
         cli += ["--set", f"decode.{key}={value}"]
-    if c.precision in ("int8", "int8shortlist"):
-        cli += ["--quantize", "int8"]
-    elif c.precision == "bf16":
-        cli += ["--precision", "bf16"]
-    if c.precision in ("shortlist", "int8shortlist"):
-        cli += ["--shortlist"]
+    precision, int8, shortlist = s2s_arithmetic(c)
+    cli += ["--precision", precision]
+    cli += (["--quantize", "int8"] if int8 else []) + (["--shortlist"] if shortlist else [])
     return cli
 
 
 def s2s_steady_seconds(model: Path, src: Path, c: Config, device: str, flags: dict) -> float:
     """Steady state of ``c``: W processes each load the model and translate their 1/W of the lines,
     started together once all have loaded; the slowest one's seconds."""
-    overrides = {**flags, "shortlist": True} if c.precision in ("shortlist", "int8shortlist") else flags
+    precision, int8, shortlist = s2s_arithmetic(c)
+    overrides = {**flags, "shortlist": True} if shortlist else flags
     spec = {"models": [str(model)], "overrides": overrides, "device": device, "threads": c.threads,
-                "precision": "bf16" if c.precision == "bf16" else "fp32",
-                "quantize": "int8" if c.precision in ("int8", "int8shortlist") else None}
+            "precision": precision, "quantize": "int8" if int8 else None}
     procs = [subprocess.Popen([sys.executable, "-c", S2S_STEADY_SCRIPT, str(REPO), json.dumps(spec), str(src),
                                str(k), str(c.procs)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for k in range(c.procs)]

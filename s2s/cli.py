@@ -356,7 +356,7 @@ def _decode_command(name: str, defaults: dict):
         precision: Annotated[str, typer.Option(
             help="fp32; bf16 (weights converted; fast only with native bf16 matmuls); "
                  "auto: bf16 where the CPU has avx512_bf16/amx_bf16, else fp32 with int8 matrices "
-                 "where they are faster (CPUs with avx2).")] = "fp32",
+                 "where they are faster (CPUs with avx2 and no AVX-512).")] = "fp32",
         compile: Annotated[bool, typer.Option(
             "--compile", help="torch.compile the decoder step (cached on disk; decode.compile).")] = False,
         shortlist: Annotated[bool, typer.Option(

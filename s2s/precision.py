@@ -7,6 +7,9 @@ where the hardware multiplies bf16 natively and fp32 elsewhere:
     CPU     bf16 with AVX-512 BF16 or AMX-BF16 (the CPU flags avx512_bf16, amx_bf16;
             torch.cpu._is_avx512_bf16_supported / _is_amx_tile_supported), else fp32
 
+and, decoding only (:func:`auto_arithmetic`), adds int8 matrices (s2s.model.int8) to the
+fp32 weights on the CPUs where they were measured faster: AVX2 without AVX-512.
+
 oneDNN "supports" bf16 on plain AVX-512 too (torch.ops.mkldnn._is_mkldnn_bf16_supported()
 is true there) by converting to fp32, many times slower than fp32 itself: that check
 says nothing about speed and is not used.
@@ -70,8 +73,7 @@ def native_bf16_cpu(flags: Optional[set[str] | frozenset[str]] = None) -> list[s
 
 def auto_precision(device: torch.device, flags: Optional[set[str] | frozenset[str]] = None) -> tuple[str, str]:
     """The precision ``auto`` picks on ``device``, and why: bf16 on a GPU that has it and on
-    a CPU with native bf16 matmuls (AVX-512 BF16 or AMX-BF16), else fp32.  (Dynamic int8
-    was measured slower than fp32 on an AVX-512 CPU without VNNI: README, decode speed.)"""
+    a CPU with native bf16 matmuls (AVX-512 BF16 or AMX-BF16), else fp32."""
     if device.type == "cuda":
         return ("bf16", "the GPU has bf16") if torch.cuda.is_bf16_supported() else ("fp32", "no bf16 on this GPU")
     if device.type != "cpu":
@@ -82,17 +84,25 @@ def auto_precision(device: torch.device, flags: Optional[set[str] | frozenset[st
     return "fp32", "no avx512_bf16/amx_bf16 among the CPU flags"
 
 
-def auto_int8(device: torch.device, flags: Optional[set[str] | frozenset[str]] = None) -> tuple[bool, str]:
-    """Whether decoding's ``--precision auto`` adds int8 matrices (s2s.model.int8) to fp32
-    weights, and why: on a CPU with AVX2, whose int8 kernels (fbgemm's) made both searches
-    faster than fp32 where measured (README: decode speed); not on a GPU, nor where bf16 is
-    native (auto takes bf16 there)."""
-    if device.type != "cpu":
-        return False, f"device {device.type}"
+def auto_arithmetic(device: torch.device, flags: Optional[set[str] | frozenset[str]] = None
+                    ) -> tuple[str, bool, str]:
+    """What decoding's ``--precision auto`` picks on ``device``: (precision, int8, why).
+
+    The precision is :func:`auto_precision`'s.  int8 (fp32 weights with int8 copies where a
+    product is large enough, s2s.model.int8) is added on a CPU with AVX2 and without AVX-512
+    (no avx512f flag) that has no native bf16: there, on an AMD EPYC, it made beam search
+    and greedy faster than fp32 (README: decode speed).  On an AVX-512 CPU without VNNI the
+    earlier int8 (every layer, output projection fp32) was not faster than fp32 and the
+    present one is unmeasured, so auto keeps fp32 there."""
+    precision, why = auto_precision(device, flags)
+    if precision != "fp32" or device.type != "cpu":
+        return precision, False, why
     flags = cpu_flags() if flags is None else frozenset(flags)
     if "avx2" not in flags:
-        return False, "no avx2 among the CPU flags"
-    return True, "CPU flag avx2"
+        return "fp32", False, why + "; no avx2 for int8"
+    if "avx512f" in flags:
+        return "fp32", False, why + "; int8 unmeasured with AVX-512"
+    return "fp32", True, why + "; int8 matrices where they are faster (avx2, no avx512f)"
 
 
 def resolve_precision(asked: str, device: torch.device, key: str) -> str:

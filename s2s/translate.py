@@ -27,7 +27,7 @@ from s2s.glossary import Glossary, load_glossary
 from s2s.langs import language_ids, with_forced
 from s2s.model import S2SModel, Seq2SeqTransformer
 from s2s.output import OutputFormat, confidence, format_translation
-from s2s.precision import auto_int8, auto_precision, resolve_precision  # noqa: F401 (auto_precision: importable from here too)
+from s2s.precision import auto_arithmetic, auto_precision, resolve_precision  # noqa: F401 (auto_precision: importable from here too)
 from s2s.search import EnsembleDecoder, Hypothesis, ModelDecoder, SpecialIds, ensemble_log_weights, search
 from s2s.shortlist import Shortlist, load_shortlist, subset_positions, subset_search_ids
 from s2s.textio import line_numbers
@@ -204,6 +204,7 @@ class Translator:
         self.trained_src_tokens = trained_src_tokens
         self.alignments = False  # also align each hypothesis to its source (Pharaoh pairs)
         self.precision = "fp32"  # or bf16: the weights converted (set_arithmetic)
+        self.int8 = False  # int8 copies of the matrices beside the fp32 ones (set_arithmetic)
         self.extra_models: list[S2SModel] = []  # an ensemble's other members
         self.weights: Optional[list[float]] = None  # the members' weights (None: equal)
         self.directory: Optional[Path] = None  # the model directory (its shortlist.safetensors)
@@ -300,18 +301,18 @@ class Translator:
 
     def set_arithmetic(self, precision: str = "fp32", quantize: Optional[str] = None) -> None:
         """``precision``: fp32; bf16 (the weights converted once, see :meth:`to_bf16`); or auto
-        (:func:`auto_precision`: bf16 where the CPU multiplies bf16 natively, else fp32, with
-        int8 matrices where :func:`auto_int8` says they pay).
+        (:func:`auto_arithmetic`: bf16 where the CPU multiplies bf16 natively, else fp32, with
+        int8 matrices on the CPUs where they were measured faster).
         ``quantize``: None, or int8 (see :meth:`quantize_int8`), with fp32 weights only."""
         if precision not in PRECISIONS:
             raise S2SError(f"--precision: {precision!r} is not fp32, bf16 or auto")
         if quantize not in (None, "int8"):
             raise S2SError(f"--quantize: {quantize!r} is not int8")
-        picked, why = auto_precision(self.device)
-        int8, why_int8 = auto_int8(self.device) if picked == "fp32" and quantize is None else (False, "")
-        if precision == "auto" and int8:
-            log.info("--precision auto: fp32 with int8 matrices where they are faster (%s; %s)", why, why_int8)
-            precision, quantize = "fp32", "int8"
+        if precision == "auto":
+            precision, int8, why = auto_arithmetic(self.device)
+            log.info("--precision auto: %s%s (%s)", precision, " and int8" if int8 else "", why)
+            if int8:
+                quantize = "int8"
         precision = resolve_precision(precision, self.device, "--precision")
         if quantize == "int8" and precision == "bf16":
             raise S2SError("--quantize int8 quantizes fp32 weights: use it with --precision fp32")
@@ -320,6 +321,7 @@ class Translator:
             self.to_bf16()
         if quantize == "int8":
             self.quantize_int8()
+        self.int8 = quantize == "int8"
 
     def to_bf16(self) -> None:
         """Convert every member's weights to bf16 once (no autocast per operation).  What

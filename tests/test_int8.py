@@ -6,17 +6,21 @@ import torch.nn.functional as F
 
 from s2s.config import ModelConfig
 from s2s.model import make_model
-from s2s.model.int8 import INT8_MIN_MACS, Int8Linear, int8_pays, quantize_int8
+from s2s.model.int8 import INT8_MIN_MACS, Int8Linear, int8_min_rows, int8_pays, quantize_int8
 
 
 def test_int8_pays_rule():
-    # the measured crossovers (s2s/model/int8.py): a 192 x 576 matrix wins from 19 rows, a
-    # 192 x 192 one from 57, W_U (192 x 4000, 3 MB in fp32) at any rows
+    # the rule's thresholds (fitted to the figures in s2s/model/int8.py): a 192 x 576 matrix
+    # takes int8 from 19 rows, a 192 x 192 one from 57, W_U (192 x 4000, 3 MB in fp32) at any rows
     assert not int8_pays(18, 192, 576) and int8_pays(19, 192, 576)
     assert not int8_pays(56, 192, 192) and int8_pays(57, 192, 192)
     assert int8_pays(1, 192, 4000)
     assert int8_pays(1, 1024, 1024) and not int8_pays(1, 256, 512)
     assert int8_pays(INT8_MIN_MACS, 1, 1) and not int8_pays(INT8_MIN_MACS - 1, 1, 1)
+    for d_in, d_out in ((192, 576), (192, 192), (768, 192), (192, 4000), (64, 96)):
+        rows = int8_min_rows(d_in, d_out)
+        assert int8_pays(rows, d_in, d_out) and (rows == 1 or not int8_pays(rows - 1, d_in, d_out))
+    assert int8_min_rows(192, 4000) == 1 and int8_min_rows(192, 576) == 19
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -29,7 +33,7 @@ def test_int8_linear_takes_int8_above_the_threshold_and_fp32_below(bias):
     few = torch.randn(2, 64, generator=g)  # 2 * 64 * 96 multiply-adds: fp32, exactly F.linear
     assert not int8_pays(2, 64, 96)
     assert torch.equal(layer(few), F.linear(few, W, b))
-    rows = -(-INT8_MIN_MACS // (64 * 96))
+    rows = int8_min_rows(64, 96)
     many = torch.randn(3, rows, 64, generator=g)  # int8: close to fp32, not equal
     want, got = F.linear(many, W, b), layer(many)
     assert got.shape == want.shape == (3, rows, 96)
@@ -38,16 +42,22 @@ def test_int8_linear_takes_int8_above_the_threshold_and_fp32_below(bias):
     torch.testing.assert_close(got, layer.int8(many))
 
 
-def _model(tie: bool) -> torch.nn.Module:
+def _model(arch: str, tie: bool, **kw) -> torch.nn.Module:
     torch.manual_seed(0)
-    cfg = ModelConfig(d_model=64, heads=4, enc_layers=1, dec_layers=1, d_ff=128, dropout=0.0, tie_output=tie,
-                      share_embeddings=tie, output_bias=not tie)
+    cfg = ModelConfig(arch=arch, d_model=64, heads=4, enc_layers=1, dec_layers=1, d_ff=128, dropout=0.0,
+                      tie_output=tie, share_embeddings=tie or arch != "encoder_decoder", **kw)
     return make_model(cfg, 2048, 2048).eval()
 
 
-@pytest.mark.parametrize("tie", [True, False])
-def test_quantized_model_scores_close_to_fp32_and_output_projection_in_int8(tie):
-    model = _model(tie)
+@pytest.mark.parametrize("arch, tie, kw", [
+    ("encoder_decoder", True, {}),
+    ("encoder_decoder", False, {"output_bias": True}),
+    ("encoder_decoder", True, {"output_bias": True, "scale_output": True}),
+    ("decoder_only", True, {}),
+    ("prefix_lm", False, {}),
+])
+def test_quantized_model_scores_close_to_fp32_and_output_projection_in_int8(arch, tie, kw):
+    model = _model(arch, tie, **kw)
     src = torch.randint(4, 2048, (6, 9))
     tgt = torch.randint(4, 2048, (6, 7))
     with torch.no_grad():
@@ -56,7 +66,13 @@ def test_quantized_model_scores_close_to_fp32_and_output_projection_in_int8(tie)
         keys = set(model.state_dict())
         quantize_int8(model)
         got = model(src, tgt)
+        calls = []
+        model.output_int8.int8.register_forward_hook(lambda *a: calls.append(1))
+        model(src, tgt)
+    assert calls  # the logits came from W_U's int8 copy
     assert isinstance(model.output_int8, Int8Linear) and model.output_int8.weight.data_ptr() == W_U.data_ptr()
+    if not tie:
+        assert model.output_int8 is model.output_proj  # one int8 copy of an untied W_U, not two
     assert int8_pays(42, 64, 2048)  # so the 6 x 7 target positions' logits ran in int8
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     assert not torch.equal(got, want)
@@ -69,13 +85,26 @@ def test_quantized_model_scores_close_to_fp32_and_output_projection_in_int8(tie)
     assert keys <= set(model.state_dict())
 
 
-def test_auto_int8_where_avx2():
-    from s2s.precision import auto_int8
+def test_quantizing_draws_nothing_from_torchs_generator():
+    model = _model("encoder_decoder", True)
+    torch.manual_seed(5)
+    quantize_int8(model)
+    after = torch.rand(3)
+    torch.manual_seed(5)
+    assert torch.equal(after, torch.rand(3))
+
+
+def test_auto_arithmetic_adds_int8_on_avx2_without_avx512():
+    from s2s.precision import auto_arithmetic
 
     cpu = torch.device("cpu")
-    assert auto_int8(cpu, {"fma", "avx", "avx2"}) == (True, "CPU flag avx2")
-    assert auto_int8(cpu, {"sse4_2", "avx"}) == (False, "no avx2 among the CPU flags")
-    assert auto_int8(torch.device("cuda"), {"avx2"}) == (False, "device cuda")
+    none = "no avx512_bf16/amx_bf16 among the CPU flags"
+    assert auto_arithmetic(cpu, {"fma", "avx", "avx2"}) == (
+        "fp32", True, none + "; int8 matrices where they are faster (avx2, no avx512f)")
+    assert auto_arithmetic(cpu, {"avx2", "avx512f", "avx512bw"}) == (
+        "fp32", False, none + "; int8 unmeasured with AVX-512")
+    assert auto_arithmetic(cpu, {"sse4_2", "avx"}) == ("fp32", False, none + "; no avx2 for int8")
+    assert auto_arithmetic(cpu, {"avx2", "avx512f", "avx512_bf16"})[:2] == ("bf16", False)
 
 
 @pytest.mark.parametrize("avx2", [True, False])
@@ -92,10 +121,17 @@ def test_translator_precision_auto_adds_int8_where_it_pays(prepared, tmp_path, m
     with caplog.at_level(logging.INFO, logger="s2s"):
         tr = Translator.from_dirs([model_dir], precision="auto", decode={"beam": 2})
     int8 = any(isinstance(m, Int8Linear) for m in tr.model.modules())
-    assert int8 == avx2 and tr.precision == "fp32"
-    assert ("--precision auto: fp32 with int8 matrices where they are faster (no avx512_bf16/amx_bf16 among "
-            "the CPU flags; CPU flag avx2)" in caplog.text) == avx2
+    assert int8 == avx2 == tr.int8 and tr.precision == "fp32"
+    assert ("--precision auto: fp32 and int8 (" in caplog.text) == avx2
     assert caplog.text.count("--precision auto") == 1
-    assert len(tr.translate(["a b c", "d e"])) == 2
+    fp32_lines = Translator.from_dirs([model_dir], precision="fp32", decode={"beam": 2}).translate(["a b c", "d e"])
+    assert tr.translate(["a b c", "d e"]) == fp32_lines  # the tiny model's products are all fp32's
+    if avx2:  # with every product in int8, the search runs through the int8 kernels end to end
+        from s2s.model import int8 as int8_module
+
+        taken = []
+        monkeypatch.setattr(int8_module, "int8_pays", lambda *shape: taken.append(shape) or True)
+        assert len(tr.translate(["a b c", "d e"])) == 2
+        assert len(taken) > 10 and any(rows == 4 for rows, _, _ in taken)  # the decoder's steps: 2 x 2 beams
     plain = Translator.from_dirs([model_dir], precision="fp32")  # an explicit fp32 stays fp32
     assert not any(isinstance(m, Int8Linear) for m in plain.model.modules())

@@ -1,11 +1,12 @@
 """int8 matrices for decoding on the CPU, used where they are faster than fp32.
 
-``--quantize int8`` is torch's dynamic quantization: W is stored as int8 with a
-per-matrix scale, and each call quantizes its input x to int8 (a pass over x for
-its range), multiplies in int8 with int32 sums (fbgemm) and scales the result
-back to fp32:
+``--quantize int8`` is torch's dynamic quantization: W is stored as int8 with one
+symmetric scale per matrix, and each call quantizes its input x over x's own range
+(a pass over x), multiplies with int32 sums (fbgemm) and scales the result back:
 
-    y = s_x s_W (q(x) q(W)^T) + b,   q(x) = round(x / s_x),  s_x = max|x| range / 255
+    y = s_x s_W (q(x) - z_x) q(W)^T + b
+    q(W) = round(W / s_W),  s_W = max|W| / 127            (int8)
+    q(x) = round(x / s_x) + z_x,  s_x = (max x - min x) / 127  (7 of uint8's bits, as torch does)
 
 That pays on matrices large enough to amortize its fixed cost per call and on
 weights too large for the core's cache (an int8 W reads a quarter of the bytes):
@@ -21,9 +22,9 @@ MKL's fp32, microseconds:
     32 x 192 x 192            41      58
     8 x 768 x 192             61      57
 
-so each matrix keeps both forms and picks per call (:func:`int8_pays`).  The
-output projection W_U, tied to the embedding or not, is quantized too (the
-embedding lookup stays fp32), as CTranslate2's int8 does.
+so each matrix keeps both forms and picks per call by a rule fitted to those
+figures (:func:`int8_pays`).  The output projection W_U, tied to the embedding or
+not, is quantized too (the embedding lookup stays fp32), as CTranslate2's int8 does.
 """
 
 from __future__ import annotations
@@ -48,11 +49,19 @@ def int8_pays(rows: int, d_in: int, d_out: int) -> bool:
     return rows * d_in * d_out >= INT8_MIN_MACS or 4 * d_in * d_out >= INT8_MIN_WEIGHT_BYTES
 
 
+def int8_min_rows(d_in: int, d_out: int) -> int:
+    """The fewest rows from which :func:`int8_pays` takes int8 for a d_in x d_out matrix."""
+    if 4 * d_in * d_out >= INT8_MIN_WEIGHT_BYTES:
+        return 1
+    return -(-INT8_MIN_MACS // (d_in * d_out))
+
+
 def quantized_linear(weight: Tensor, bias: Optional[Tensor]) -> nn.Module:
     """torch's dynamic int8 Linear of W (d_out, d_in) and b, made once from fp32."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
-    fp32 = nn.Linear(weight.size(1), weight.size(0), bias=bias is not None)
+    # skip_init: no initialisation drawn from torch's generator for weights overwritten at once
+    fp32 = torch.nn.utils.skip_init(nn.Linear, weight.size(1), weight.size(0), bias=bias is not None)
     with torch.no_grad():
         fp32.weight.copy_(weight)
         if bias is not None:
@@ -82,18 +91,20 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 from " \
-               f"{-(-INT8_MIN_MACS // (self.in_features * self.out_features))} rows"
+               f"{int8_min_rows(self.in_features, self.out_features)} rows"
 
 
 def quantize_int8(model: nn.Module) -> nn.Module:
     """Every nn.Linear of ``model`` becomes an :class:`Int8Linear` in place, and the output
-    projection W_U (``model.output_int8``, read by ModelBase.logits) gets one too, tied to
-    the embedding or not.  Returns the model."""
+    projection W_U (``model.output_int8``, read by ModelBase.logits) is one too: the untied
+    ``output_proj`` itself, or one over the embedding it is tied to.  Returns the model,
+    for decoding only: its state dict keeps every key it had and gains the int8 copies'
+    (and ``output_int8.weight``, the shared W_U), so it is not one to save."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:
                 setattr(module, name, Int8Linear(child.weight, child.bias))
     if hasattr(model, "output_int8"):
-        W = model.tgt_embed.weight if model.output_proj is None else model.output_proj.weight
-        model.output_int8 = Int8Linear(W, None)
+        tied = model.output_proj is None
+        model.output_int8 = Int8Linear(model.tgt_embed.weight, None) if tied else model.output_proj
     return model
