@@ -46,11 +46,12 @@ def int8_pays(rows: int, d_in: int, d_out: int) -> bool:
     or more (reading it dominates; the int8 W is a quarter of it).  A rule of thumb fitted
     to the measurements in the module docstring, deterministic so that the same batch
     always takes the same arithmetic."""
-    return rows * d_in * d_out >= INT8_MIN_MACS or 4 * d_in * d_out >= INT8_MIN_WEIGHT_BYTES
+    return rows >= int8_min_rows(d_in, d_out)
 
 
 def int8_min_rows(d_in: int, d_out: int) -> int:
-    """The fewest rows from which :func:`int8_pays` takes int8 for a d_in x d_out matrix."""
+    """The fewest rows from which :func:`int8_pays` takes int8 for a d_in x d_out matrix:
+    1 for an fp32 W of INT8_MIN_WEIGHT_BYTES or more, else ceil(INT8_MIN_MACS / (d_in d_out))."""
     if 4 * d_in * d_out >= INT8_MIN_WEIGHT_BYTES:
         return 1
     return -(-INT8_MIN_MACS // (d_in * d_out))
