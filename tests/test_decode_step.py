@@ -91,25 +91,93 @@ def test_preallocated_cache_equals_concatenation():
 @torch.no_grad()
 def test_beams_reordered_within_their_sentences_keep_the_per_sentence_rows():
     """select: a beam reorder (each sentence keeps its K rows) leaves the source mask as it
-    was, and the next step equals a cache whose rows were gathered from scratch."""
+    was, and the beams' self-attention keys where they are (in their slots); the next step
+    equals a cache of one row per beam whose rows were gathered from scratch."""
     model = make_model()
     src = right_pad([tokens(5, seed=2), tokens(3, seed=3)])  # (2, 5), the second padded
     fast, ref = (model.start_decoding(model.encode(src)) for _ in range(2))
+    ref.beam_slots = False
     expand = torch.tensor([0, 0, 0, 1, 1, 1])
     fast.select(expand, group=3)
     ref.select(expand, group=3)
+    assert fast.slots == 3 and ref.slots == 1
     y = tokens(6, 1, seed=4)
     model.decode_step(y, fast), model.decode_step(y, ref)
-    mask = fast.src_mask
+    mask, keys = fast.src_mask, fast.layers[0].k_buf
     reorder = torch.tensor([2, 0, 0, 5, 3, 4])
     fast.select(reorder)
-    assert fast.src_mask is mask  # not gathered again
+    assert fast.src_mask is mask and fast.layers[0].k_buf is keys  # neither gathered again
     ref.src_mask = ref.src_mask.index_select(0, reorder)
     for layer in ref.layers:
         layer.select_rows(reorder)
-    assert torch.equal(model.decode_step(y, fast)[0], model.decode_step(y, ref)[0])
+    torch.testing.assert_close(model.decode_step(y, fast)[0], model.decode_step(y, ref)[0])
     fast.select(torch.tensor([3, 4, 5]), group=3)  # the first sentence leaves
     assert torch.equal(fast.src_mask, mask[3:])
+
+
+def _slot_and_row_caches(model, src, K):
+    """Two caches of ``model`` over ``src``, each sentence made K beams: one with beam slots
+    (what a beam search gets), one with a buffer row per beam (the layout slots replace)."""
+    slots, rows = (model.start_decoding(model.encode(src)) for _ in range(2))
+    rows.beam_slots = False
+    expand = torch.arange(src.size(0)).repeat_interleave(K)
+    for cache in (slots, rows):
+        cache.select(expand, group=K)
+    assert slots.slots == K and rows.slots == 1
+    return slots, rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])  # fp32 on the CPU: the bmm path
+@pytest.mark.parametrize("kw", [dict(), dict(positions="t5_bias"), dict(norm="post"), dict(coverage=True),
+                                dict(copy=True)], ids=["sinusoidal", "t5_bias", "post-norm", "coverage", "copy"])
+@torch.no_grad()
+def test_beam_slots_equal_a_row_per_beam(kw, dtype):
+    """Random beam reorders within sentences, sentences leaving, a bucket boundary crossed
+    and at last the beams regrouped one by one (group 1: the slots become rows again):
+    every step's scores equal those of the cache with one row per beam."""
+    model = make_model(**kw).to(dtype)
+    tol = 1e-9 if dtype == torch.float64 else 1e-5
+    g = torch.Generator().manual_seed(5)
+    K, N = 3, 3
+    src = right_pad([tokens(5, seed=30), tokens(3, seed=31), tokens(4, seed=32)])
+    slots, rows = _slot_and_row_caches(model, src, K)
+    for t in range(CACHE_BUCKET + 4):
+        y = torch.randint(1, 20, (N * K, 1), generator=g)
+        got, want = model.decode_step(y, slots)[0], model.decode_step(y, rows)[0]
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+        parents = torch.randint(0, K, (N, K), generator=g) + torch.arange(N)[:, None] * K
+        index = parents.flatten()
+        if t == 6:  # the second sentence leaves
+            index = parents[[0, 2]].flatten()
+            N = 2
+        if t == CACHE_BUCKET + 2:  # rows leave one by one from now on
+            index = torch.tensor([0, 2, 3, 4, 5])
+            for cache in (slots, rows):
+                cache.select(index, group=1)
+            assert slots.slots == 1 and slots.ancestry is None
+            N, K = 5, 1
+            continue
+        for cache in (slots, rows):
+            cache.select(index)
+
+
+@torch.no_grad()
+def test_beam_search_with_slots_finds_what_rows_find():
+    """A whole beam search (sentences finishing at different steps) with slots and without."""
+    from s2s.config import DecodeConfig
+    from s2s.search import SpecialIds, beam_search
+
+    model = make_model()
+    src = right_pad([tokens(5, seed=40), tokens(3, seed=41), tokens(7, seed=42), tokens(2, seed=43)])
+    ids = SpecialIds(bos_id=1, eos_id=2, pad_id=0)
+    found = []
+    for beam_slots in (True, False):
+        decoder = ModelDecoder(model, src)
+        decoder.cache.beam_slots = beam_slots
+        hyps = beam_search(decoder, torch.full((4,), 12), DecodeConfig(beam=4, nbest=2), ids)
+        found.append([[(h.tokens, round(h.score, 9)) for h in sent] for sent in hyps])
+        assert decoder.cache.slots == (4 if beam_slots else 1) or not decoder.cache.layers
+    assert found[0] == found[1]
 
 
 def test_auto_precision_reads_the_cpu_flags():

@@ -16,6 +16,20 @@ once per sentence: the decoding rows come in ``group``s of consecutive rows
 (the K beams of a sentence), and the cross-attention reads the beams of a
 sentence as K queries against that sentence's K/V (no copy per beam, and no
 reordering when beams are reordered within their sentence).
+
+A beam search's self-attention K/V are kept per sentence too ("slots"): the K
+beams' keys of position t' sit in columns t' K .. t' K + K - 1 of their
+sentence's buffer, slot j written by the beam in row j at that step, and are
+never moved when beams are reordered.  Instead each row carries its ancestry,
+the slot a_{t'} of its ancestor at every position t' < t, and attends to all
+of its sentence's t K keys through the mask
+
+    M_{(n, j), t' K + i} = 0 if i == a_{t'}(n, j) else -inf,
+
+the same K queries against one K/V as the cross-attention.  That is K times
+the attention's multiply-adds, in K times fewer and larger products, and it
+spares the gather of every row's t keys and values into their new rows at
+every step, which moved three times the bytes the attention reads.
 """
 
 from __future__ import annotations
@@ -50,23 +64,30 @@ class LayerCache:
     k_buf: Optional[Tensor] = None  # (rows >= B, heads, capacity >= t, d_head)
     v_buf: Optional[Tensor] = None
     spare: Optional[tuple[Tensor, Tensor]] = None  # buffers of the same shape, what select writes into
-    batch: int = 0  # rows in use
+    batch: int = 0  # rows in use (sentences, with slots)
     length: int = 0  # positions in use: t
+    slots: int = 1  # K > 1: one buffer row per sentence, K columns per position (see the module doc)
 
     @property
     def self_k(self) -> Optional[Tensor]:
-        return None if self.k_buf is None else self.k_buf[:self.batch, :, :self.length]  # (B, heads, t, d_head)
+        """(B, heads, t, d_head), or with K slots (B / K, heads, t K, d_head)."""
+        return None if self.k_buf is None else self.k_buf[:self.batch, :, :self.length * self.slots]
 
     @property
     def self_v(self) -> Optional[Tensor]:
-        return None if self.v_buf is None else self.v_buf[:self.batch, :, :self.length]  # (B, heads, t, d_head)
+        return None if self.v_buf is None else self.v_buf[:self.batch, :, :self.length * self.slots]
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Add these positions' self-attention K/V (B, heads, n, d_head); return all of them."""
+        """Add these positions' self-attention K/V (B, heads, n, d_head); return all of them
+        (with K slots, n = 1 and the sentences' (B / K, heads, (t + 1) K, d_head))."""
+        if self.slots > 1:
+            if k.size(2) != 1:
+                raise ValueError("a cache with beam slots takes one position per step")
+            k, v = beams_as_slots(k, self.slots), beams_as_slots(v, self.slots)  # (B / K, heads, K, d_head)
         B, heads, n, d_head = k.shape
-        t = self.length
+        t, K = self.length * self.slots, self.slots  # columns in use; K columns per position
         if self.k_buf is None or self.k_buf.size(2) < t + n:
-            capacity = bucketed(t + n)
+            capacity = bucketed(self.length + n // K) * K
             k_buf = k.new_empty(max(B, self.batch), heads, capacity, d_head)
             v_buf = v.new_empty(max(B, self.batch), heads, capacity, d_head)
             if t:
@@ -76,8 +97,31 @@ class LayerCache:
         self.batch = B
         self.k_buf[:B, :, t:t + n] = k
         self.v_buf[:B, :, t:t + n] = v
-        self.length = t + n
+        self.length += n // K
         return self.self_k, self.self_v
+
+    def select_sentences(self, sentences: Tensor) -> None:
+        """With slots: keep the sentences ``sentences`` (their beams' ancestry lives in the
+        DecoderCache; the keys themselves never move)."""
+        if self.k_buf is not None:
+            self.k_buf = self.self_k.index_select(0, sentences)
+            self.v_buf = self.self_v.index_select(0, sentences)
+            self.batch = sentences.numel()
+
+    def slots_to_rows(self, columns: Tensor) -> None:
+        """Leave the slot layout: row r's keys become columns ``columns[r]`` (B, t) of its
+        sentence's (row r // K), one buffer row per decoding row again."""
+        K = self.slots
+        self.slots = 1
+        if self.k_buf is None:
+            return
+        B, t = columns.shape
+        sentence = torch.arange(B, device=columns.device) // K
+        at = columns[:, None, :, None].expand(B, self.k_buf.size(1), t, self.k_buf.size(3))
+        k = self.k_buf.index_select(0, sentence).gather(2, at)  # (B, heads, t, d_head)
+        v = self.v_buf.index_select(0, sentence).gather(2, at)
+        self.k_buf, self.v_buf, self.spare = self._with_capacity(k), self._with_capacity(v), None
+        self.batch = B
 
     def select_rows(self, index: Tensor) -> None:
         """Keep self-attention rows ``index``: gathered into the spare buffers, which then
@@ -110,6 +154,22 @@ class LayerCache:
         return buf
 
 
+def beams_as_slots(x: Tensor, K: int) -> Tensor:
+    """One position's (B, heads, 1, e) of B / K sentences' K beams -> (B / K, heads, K, e): beam j
+    becomes its sentence's slot j."""
+    B, H, _, e = x.shape
+    return x.view(B // K, K, H, e).transpose(1, 2)
+
+
+def ancestry_mask(ancestry: Tensor, K: int, dtype: torch.dtype) -> Tensor:
+    """M (B / K, 1, K, t K) additive: 0 where slot i of position t' holds row (n, j)'s ancestor,
+    M_{(n, j), t' K + i} = 0 if i == ancestry[n K + j, t'] else -inf;  ancestry (B, t) slots."""
+    B, t = ancestry.shape
+    own = ancestry[:, :, None] == torch.arange(K, device=ancestry.device)  # (B, t, K)
+    mask = torch.zeros(own.shape, dtype=dtype, device=ancestry.device).masked_fill_(~own, float("-inf"))
+    return mask.view(B // K, 1, K, t * K)
+
+
 @dataclass
 class DecoderCache:
     layers: list[LayerCache]
@@ -120,6 +180,28 @@ class DecoderCache:
     src_len: Optional[Tensor] = None  # (B,) real prefix lengths (one stack over [x; y]: y's positions)
     group: int = 1  # consecutive rows per sentence (its beams); the cross K/V have B / group rows
     vocab_subset: Optional[VocabSubset] = None  # score only these target ids (a shortlist); all rows share it
+    beam_slots: bool = False  # the model's layers take slots: a beam search from an empty cache uses them
+    ancestry: Optional[Tensor] = None  # (B, t) long: with slots, the slot of each row's ancestor at each t'
+
+    @property
+    def slots(self) -> int:
+        """K when the self-attention K/V are kept in beam slots (see the module doc), else 1."""
+        return self.layers[0].slots if self.layers else 1
+
+    def self_attention_mask(self, position_mask: Optional[Tensor]) -> Optional[Tensor]:
+        """The mask of this step's self-attention, over the t + 1 positions (a relative
+        position bias (1, heads, 1, t + 1), or None); with slots also over the ancestry,
+        (B / K, 1 or heads, K, (t + 1) K), the position bias repeated over the slots.
+        Records this step's own slots, so call it once per step, before the layers."""
+        K = self.slots
+        if K == 1:
+            return position_mask
+        own = torch.arange(K, device=self.src_mask.device).repeat(self.batch_size // K)  # (B,)
+        self.ancestry = own[:, None] if self.ancestry is None else torch.cat([self.ancestry, own[:, None]], 1)
+        mask = ancestry_mask(self.ancestry, K, self.src_mask.dtype)
+        if position_mask is not None:
+            mask = mask + position_mask.repeat_interleave(K, dim=-1)
+        return mask
 
     @property
     def batch_size(self) -> int:
@@ -138,6 +220,15 @@ class DecoderCache:
         """
         G_old, rows = self.group, self.batch_size
         self.group = G_old if group is None else group
+        if self.slots > 1 and self.group != self.slots:  # beams regrouped: one buffer row per row again
+            columns = self.ancestry + self.slots * torch.arange(self.ancestry.size(1), device=index.device)
+            for layer in self.layers:
+                layer.slots_to_rows(columns)
+            self.ancestry = None
+        elif (self.beam_slots and self.group > 1 and G_old == 1 and self.step == 0
+              and all(layer.k_buf is None for layer in self.layers)):
+            for layer in self.layers:  # a beam search begins: its beams' keys in slots
+                layer.slots = self.group
         sentences = index[::self.group] // G_old
         n_sent = self.batch_size // G_old
         same = sentences.numel() == n_sent and bool(
@@ -149,10 +240,15 @@ class DecoderCache:
                 self.h_enc = self.h_enc.index_select(0, index)
             if self.src_len is not None:
                 self.src_len = self.src_len.index_select(0, index)
+        if self.ancestry is not None:
+            self.ancestry = self.ancestry.index_select(0, index)  # a beam takes its parent's ancestry
         for layer in self.layers:
             if layer.cross_k is not None and not same:
                 layer.cross_k = layer.cross_k.index_select(0, sentences)
                 layer.cross_v = layer.cross_v.index_select(0, sentences)
-            layer.select_rows(index)
+            if layer.slots == 1:
+                layer.select_rows(index)
+            elif not same:
+                layer.select_sentences(sentences)
             if layer.coverage is not None:
                 layer.coverage = layer.coverage.index_select(0, index)

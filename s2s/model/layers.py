@@ -151,7 +151,8 @@ class DecoderLayer(nn.Module):
     def _self_attn(self, x: Tensor, self_mask: Optional[Tensor], cache: LayerCache) -> Tensor:
         q, k, v = self.self_attn.project_qkv(x)  # (B, heads, T, d_head)
         k, v = cache.append(k, v)  # (B, heads, t+T, d_head): the prefix is reused
-        return self.self_attn.attend(q, k, v, self_mask)[0]
+        # with beam slots: (B / K, heads, (t+1) K, d_head), a sentence's beams as K queries
+        return self.self_attn.attend(q, k, v, self_mask, group=cache.slots)[0]
 
     def _cross_attn(self, x: Tensor, src_mask: Tensor, cache: LayerCache, group: int,
                     need_weights: bool) -> tuple[Tensor, Optional[Tensor]]:

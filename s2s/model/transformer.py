@@ -178,7 +178,7 @@ class Seq2SeqTransformer(ModelBase):
             layers.append(LayerCache(cross_k=k, cross_v=v))
         if self.cfg.coverage:
             layers[-1].coverage = h_enc.new_zeros(h_enc.shape[:2], dtype=torch.float32)  # (B, S)
-        cache = DecoderCache(layers=layers, src_mask=enc.src_mask)
+        cache = DecoderCache(layers=layers, src_mask=enc.src_mask, beam_slots=True)
         if self.cfg.copy:
             cache.src, cache.h_enc = enc.src, h_enc
         return cache
@@ -194,7 +194,7 @@ class Seq2SeqTransformer(ModelBase):
         position; the cross K/V are reused; the coverage adds this step's attention.
         """
         t = cache.step
-        self_mask = self._self_mask(1, t + 1, t, y_prev.device)
+        self_mask = cache.self_attention_mask(self._self_mask(1, t + 1, t, y_prev.device))
         x_in = self._embed(y_prev, self.tgt_embed, self.dec_positions, self.dec_embed_norm, start=t)  # (B, 1, d_model)
         h, weights = self._decoder_stack(x_in, self_mask, cache, need_weights, need_last)
         cache.step += 1
