@@ -79,9 +79,20 @@ def test_quantized_model_scores_close_to_fp32_and_output_projection_in_int8(arch
     assert (got - want).abs().max() < 0.1 * want.abs().max()
     # the int8 argmax agrees with fp32's almost everywhere on random weights
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
-    # a shortlist reads the fp32 W_U rows, and the model's own keys are all still there
-    ids = torch.tensor([3, 10, 700])
-    torch.testing.assert_close(model.vocab_subset(ids).W, W_U.index_select(0, ids))
+    # a shortlist gathers the fp32 W_U rows and quantizes them once: its logits are the
+    # subset's fp32 ones within int8's error, and the model's own keys are all still there
+    ids = torch.arange(3, 2048, 3)
+    subset = model.vocab_subset(ids)
+    torch.testing.assert_close(subset.W, W_U.index_select(0, ids))
+    assert isinstance(subset.int8, Int8Linear) and subset.int8.weight is subset.W
+    h = torch.randn(64, 64)
+    with torch.no_grad():
+        got, want = model.logits(h, subset), model.logits(h)[:, ids]
+        subset.int8 = None
+        fp32 = model.logits(h, subset)
+    assert int8_pays(64, 64, ids.numel()) and not torch.equal(got, fp32)
+    assert (got - fp32).abs().max() < 0.1 * fp32.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
     assert keys <= set(model.state_dict())
 
 

@@ -34,6 +34,7 @@ class VocabSubset:
     ids: Tensor  # (V',) full-vocabulary ids, ascending
     W: Tensor  # (V', d_model): W_U[:, ids]^T
     b: Optional[Tensor]  # (V',): b_U[ids], or None without model.output_bias
+    int8: Optional[nn.Module] = None  # W and b as an Int8Linear, when the model decodes in int8
 
 
 class ModelBase(nn.Module):
@@ -76,6 +77,8 @@ class ModelBase(nn.Module):
         if self.output_scale != 1.0:
             h = h * self.output_scale
         if subset is not None:
+            if subset.int8 is not None:
+                return subset.int8(h)  # (..., V'), b included
             z = h @ subset.W.t()  # (..., V')
             return z if subset.b is None else z + subset.b
         if self.output_int8 is not None:  # --quantize int8 (its own choice of int8 or fp32 per call)
@@ -89,14 +92,19 @@ class ModelBase(nn.Module):
         return z if self.output_bias is None else z + self.output_bias
 
     def vocab_subset(self, ids: Tensor) -> VocabSubset:
-        """The output head's rows for target ids ``ids`` (V',), gathered once per batch
-        (fp32, also under --quantize int8)."""
+        """The output head's rows for target ids ``ids`` (V',), gathered once per batch;
+        under --quantize int8 also quantized once per batch (an int8 copy of V' rows)."""
         if self.output_proj is None:
             W = self.tgt_embed.weight
         else:
             W = self.output_proj.weight  # fp32 (an int8-quantized projection keeps it)
         b = None if self.output_bias is None else self.output_bias.index_select(0, ids)
-        return VocabSubset(ids=ids, W=W.index_select(0, ids), b=b)
+        subset = VocabSubset(ids=ids, W=W.index_select(0, ids), b=b)
+        if self.output_int8 is not None:
+            from s2s.model.int8 import Int8Linear  # torch.ao's quantized modules, only when asked
+
+            subset.int8 = Int8Linear(subset.W, b)
+        return subset
 
     def embedding_tables(self) -> Iterable[nn.Embedding]:
         """The tables :meth:`reset_parameters` draws from N(0, 1/d_model), each once."""
