@@ -58,19 +58,20 @@ def int8_min_rows(d_in: int, d_out: int) -> int:
 
 
 def quantized_linear(weight: Tensor, bias: Optional[Tensor]) -> nn.Module:
-    """torch's dynamic int8 Linear of W (d_out, d_in) and b, made once from fp32."""
+    """torch's dynamic int8 Linear of W (d_out, d_in) and b, made once from fp32: W quantized
+    as ``DynamicLinear.from_float`` does (its weight observer's scale), without building an
+    fp32 Linear first (one from the meta device imports sympy: 0.8 s of a worker's start-up)."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
-    # skip_init: no initialisation drawn from torch's generator for weights overwritten at once
-    fp32 = torch.nn.utils.skip_init(nn.Linear, weight.size(1), weight.size(0), bias=bias is not None)
-    with torch.no_grad():
-        fp32.weight.copy_(weight)
-        if bias is not None:
-            fp32.bias.copy_(bias)
-    fp32.qconfig = torch.ao.quantization.default_dynamic_qconfig
     with warnings.catch_warnings():  # torch 2.13 flags its quantized tensor API as deprecated
         warnings.simplefilter("ignore", UserWarning)
-        return DynamicLinear.from_float(fp32)
+        observer = torch.ao.quantization.default_dynamic_qconfig.weight()
+        observer(weight)
+        scale, zero_point = observer.calculate_qparams()
+        q_weight = torch.quantize_per_tensor(weight.float(), float(scale), int(zero_point), torch.qint8)
+        linear = DynamicLinear(weight.size(1), weight.size(0), bias_=bias is not None, dtype=torch.qint8)
+        linear.set_weight_bias(q_weight, bias)
+    return linear
 
 
 class Int8Linear(nn.Module):
