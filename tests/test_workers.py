@@ -44,6 +44,23 @@ def run_stream(spec, lines, workers, chunk_lines=3):
     return out.getvalue(), used
 
 
+def same_rows(got: str, want: str) -> bool:
+    """The same output rows, except that an n-best row's score (`LINE ||| TEXT ||| SCORE ...`) may
+    differ in its last printed digit: a sentence's batch (which differs between one process and
+    the workers' tasks) changes the order of floating-point sums, not the translation."""
+    got_rows, want_rows = got.split("\n"), want.split("\n")
+    if len(got_rows) != len(want_rows):
+        return False
+    for g, w in zip(got_rows, want_rows):
+        g_f, w_f = g.split(" ||| "), w.split(" ||| ")
+        if len(g_f) < 3 or len(g_f) != len(w_f):
+            if g != w:
+                return False
+        elif g_f[:2] != w_f[:2] or g_f[3:] != w_f[3:] or abs(float(g_f[2]) - float(w_f[2])) > 2e-4:
+            return False
+    return True
+
+
 @pytest.mark.parametrize("settings", [{}, {"overrides": {"nbest": 2, "beam": 2}, "alignments": True,
                                            "nbest_rows": True}])
 def test_two_workers_write_what_one_process_writes(model_dir, settings):
@@ -53,7 +70,7 @@ def test_two_workers_write_what_one_process_writes(model_dir, settings):
     one, used_one = run_stream(spec, lines, workers=1)
     two, used_two = run_stream(spec, lines, workers=2)
     assert (used_one, used_two) == (1, 2)
-    assert two == one
+    assert same_rows(two, one)
     if not settings:
         assert two.count("\n") == len(lines)
         rows = two.split("\n")

@@ -102,11 +102,16 @@ class LayerCache:
 
     def select_sentences(self, sentences: Tensor) -> None:
         """With slots: keep the sentences ``sentences`` (their beams' ancestry lives in the
-        DecoderCache; the keys themselves never move)."""
+        DecoderCache; the keys themselves never move otherwise).  The buffers keep their
+        capacity, so the attention reads views of the same strides whichever sentences remain
+        (and a sentence's scores do not depend on the others in its batch)."""
         if self.k_buf is not None:
-            self.k_buf = self.self_k.index_select(0, sentences)
-            self.v_buf = self.self_v.index_select(0, sentences)
-            self.batch = sentences.numel()
+            used = self.length * self.slots
+            k_buf = self.k_buf.new_empty(sentences.numel(), *self.k_buf.shape[1:])
+            v_buf = self.v_buf.new_empty(k_buf.shape)
+            torch.index_select(self.self_k, 0, sentences, out=k_buf[:, :, :used])
+            torch.index_select(self.self_v, 0, sentences, out=v_buf[:, :, :used])
+            self.k_buf, self.v_buf, self.batch = k_buf, v_buf, sentences.numel()
 
     def slots_to_rows(self, columns: Tensor) -> None:
         """Leave the slot layout: row r's keys become columns ``columns[r]`` (B, t) of its
