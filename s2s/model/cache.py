@@ -103,8 +103,7 @@ class LayerCache:
     def select_sentences(self, sentences: Tensor) -> None:
         """With slots: keep the sentences ``sentences`` (their beams' ancestry lives in the
         DecoderCache; the keys themselves never move otherwise).  The buffers keep their
-        capacity, so the attention reads views of the same strides whichever sentences remain
-        (and a sentence's scores do not depend on the others in its batch)."""
+        capacity: the next steps append in place, without growing them again."""
         if self.k_buf is not None:
             used = self.length * self.slots
             k_buf = self.k_buf.new_empty(sentences.numel(), *self.k_buf.shape[1:])
