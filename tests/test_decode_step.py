@@ -161,6 +161,27 @@ def test_beam_slots_equal_a_row_per_beam(kw, dtype):
             cache.select(index)
 
 
+def test_beam_slots_regrouped_before_a_step_and_with_gradients():
+    """Regrouping to one row per beam before any step leaves slots at once (no keys yet);
+    with autograd on, a sentence leaving a slot cache still works (no out= gathers)."""
+    model = make_model()
+    src = right_pad([tokens(5, seed=50), tokens(3, seed=51)])
+    with torch.no_grad():
+        cache = model.start_decoding(model.encode(src))
+        cache.select(torch.tensor([0, 0, 0, 1, 1, 1]), group=3)
+        cache.select(torch.tensor([0, 1, 2, 3, 4]), group=1)
+        assert cache.slots == 1 and cache.ancestry is None
+        model.decode_step(tokens(5, 1, seed=52), cache)
+    slots, rows = _slot_and_row_caches(model, src, 3)
+    y = tokens(6, 1, seed=53)
+    for cache in (slots, rows):
+        model.decode_step(y, cache)
+        cache.select(torch.tensor([3, 4, 5]))  # the first sentence leaves
+    got, want = model.decode_step(y[:3], slots)[0], model.decode_step(y[:3], rows)[0]
+    torch.testing.assert_close(got, want)
+    got.sum().backward()  # gradients flow through the gathered keys
+
+
 @torch.no_grad()
 def test_beam_search_with_slots_finds_what_rows_find():
     """A whole beam search (sentences finishing at different steps) with slots and without."""

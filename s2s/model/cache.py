@@ -61,7 +61,7 @@ class LayerCache:
     cross_k: Optional[Tensor]  # (B / group, heads, S, d_head): one per sentence; None in a decoder-only stack
     cross_v: Optional[Tensor]  # (B / group, heads, S, d_head)
     coverage: Optional[Tensor] = None  # (B, S) c^t, fp32: the last layer of a model.coverage model
-    k_buf: Optional[Tensor] = None  # (rows >= B, heads, capacity >= t, d_head)
+    k_buf: Optional[Tensor] = None  # (rows >= B, heads, capacity >= t, d_head); slots: (sentences, heads, >= tK, .)
     v_buf: Optional[Tensor] = None
     spare: Optional[tuple[Tensor, Tensor]] = None  # buffers of the same shape, what select writes into
     batch: int = 0  # rows in use (sentences, with slots)
@@ -108,8 +108,11 @@ class LayerCache:
             used = self.length * self.slots
             k_buf = self.k_buf.new_empty(sentences.numel(), *self.k_buf.shape[1:])
             v_buf = self.v_buf.new_empty(k_buf.shape)
-            torch.index_select(self.self_k, 0, sentences, out=k_buf[:, :, :used])
-            torch.index_select(self.self_v, 0, sentences, out=v_buf[:, :, :used])
+            if torch.is_grad_enabled() and self.k_buf.requires_grad:  # out= has no autograd
+                k_buf[:, :, :used], v_buf[:, :, :used] = self.self_k[sentences], self.self_v[sentences]
+            else:
+                torch.index_select(self.self_k, 0, sentences, out=k_buf[:, :, :used])
+                torch.index_select(self.self_v, 0, sentences, out=v_buf[:, :, :used])
             self.k_buf, self.v_buf, self.batch = k_buf, v_buf, sentences.numel()
 
     def slots_to_rows(self, columns: Tensor) -> None:
@@ -221,14 +224,19 @@ class DecoderCache:
         and are not touched when those are the same sentences in the same order; nor
         are the rows kept per sentence (source mask, ids, H_enc, lengths) when, besides,
         each sentence keeps its G rows (beams reordered within their sentences).
+        With beam slots, such a reorder moves only the rows' ancestry, not the keys.
         """
         G_old, rows = self.group, self.batch_size
         self.group = G_old if group is None else group
         if self.slots > 1 and self.group != self.slots:  # beams regrouped: one buffer row per row again
-            columns = self.ancestry + self.slots * torch.arange(self.ancestry.size(1), device=index.device)
-            for layer in self.layers:
-                layer.slots_to_rows(columns)
-            self.ancestry = None
+            if self.ancestry is None:  # before the first step: no keys to move
+                for layer in self.layers:
+                    layer.slots = 1
+            else:
+                columns = self.ancestry + self.slots * torch.arange(self.ancestry.size(1), device=index.device)
+                for layer in self.layers:
+                    layer.slots_to_rows(columns)
+                self.ancestry = None
         elif (self.beam_slots and self.group > 1 and G_old == 1 and self.step == 0
               and all(layer.k_buf is None for layer in self.layers)):
             for layer in self.layers:  # a beam search begins: its beams' keys in slots
