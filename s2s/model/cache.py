@@ -40,6 +40,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from s2s.model.attention import beams_as_queries
 from s2s.model.base import VocabSubset
 
 CACHE_BUCKET = 32  # self-attention buffers hold a multiple of this many positions
@@ -83,7 +84,8 @@ class LayerCache:
         if self.slots > 1:
             if k.size(2) != 1:
                 raise ValueError("a cache with beam slots takes one position per step")
-            k, v = beams_as_slots(k, self.slots), beams_as_slots(v, self.slots)  # (B / K, heads, K, d_head)
+            # one position's beams as their sentence's K slots: (B / K, heads, K, d_head), a view
+            k, v = beams_as_queries(k, self.slots), beams_as_queries(v, self.slots)
         B, heads, n, d_head = k.shape
         t, K = self.length * self.slots, self.slots  # columns in use; K columns per position
         if self.k_buf is None or self.k_buf.size(2) < t + n:
@@ -108,11 +110,8 @@ class LayerCache:
             used = self.length * self.slots
             k_buf = self.k_buf.new_empty(sentences.numel(), *self.k_buf.shape[1:])
             v_buf = self.v_buf.new_empty(k_buf.shape)
-            if torch.is_grad_enabled() and self.k_buf.requires_grad:  # out= has no autograd
-                k_buf[:, :, :used], v_buf[:, :, :used] = self.self_k[sentences], self.self_v[sentences]
-            else:
-                torch.index_select(self.self_k, 0, sentences, out=k_buf[:, :, :used])
-                torch.index_select(self.self_v, 0, sentences, out=v_buf[:, :, :used])
+            gather_rows(self.self_k, sentences, k_buf[:, :, :used])
+            gather_rows(self.self_v, sentences, v_buf[:, :, :used])
             self.k_buf, self.v_buf, self.batch = k_buf, v_buf, sentences.numel()
 
     def slots_to_rows(self, columns: Tensor) -> None:
@@ -144,11 +143,8 @@ class LayerCache:
             if self.spare is None:
                 self.spare = (torch.empty_like(self.k_buf), torch.empty_like(self.v_buf))
             k_new, v_new = self.spare
-            if torch.is_grad_enabled() and self.k_buf.requires_grad:  # out= has no autograd
-                k_new[:B, :, :t], v_new[:B, :, :t] = self.self_k[index], self.self_v[index]
-            else:
-                torch.index_select(self.self_k, 0, index, out=k_new[:B, :, :t])
-                torch.index_select(self.self_v, 0, index, out=v_new[:B, :, :t])
+            gather_rows(self.self_k, index, k_new[:B, :, :t])
+            gather_rows(self.self_v, index, v_new[:B, :, :t])
             self.spare = (self.k_buf, self.v_buf)
             self.k_buf, self.v_buf = k_new, v_new
         self.batch = B
@@ -161,11 +157,13 @@ class LayerCache:
         return buf
 
 
-def beams_as_slots(x: Tensor, K: int) -> Tensor:
-    """One position's (B, heads, 1, e) of B / K sentences' K beams -> (B / K, heads, K, e): beam j
-    becomes its sentence's slot j."""
-    B, H, _, e = x.shape
-    return x.view(B // K, K, H, e).transpose(1, 2)
+def gather_rows(x: Tensor, index: Tensor, out: Tensor) -> None:
+    """out = x[index] (rows along dim 0) written into ``out``, a view of a preallocated buffer:
+    index_select's out= without autograd, an indexed copy when x needs gradients (out= has none)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        out.copy_(x[index])
+    else:
+        torch.index_select(x, 0, index, out=out)
 
 
 def ancestry_mask(ancestry: Tensor, K: int, dtype: torch.dtype) -> Tensor:
