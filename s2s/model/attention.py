@@ -136,7 +136,11 @@ class MultiHeadAttention(nn.Module):
     # ---- projections ----------------------------------------------------- #
     def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Self-attention Q, K, V, each (B, heads, L, d_head)."""
-        q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # 3 x (B, L, d_model)
+        return self.split_qkv(self.qkv_proj(x))
+
+    def split_qkv(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """X [W_Q W_K W_V] (B, L, 3 d_model) -> Q, K, V, each (B, heads, L, d_head)."""
+        q, k, v = qkv.chunk(3, dim=-1)  # 3 x (B, L, d_model)
         return self.split_heads(q), self.split_heads(k), self.split_heads(v)
 
     def project_kv(self, h_enc: Tensor) -> tuple[Tensor, Tensor]:

@@ -17,6 +17,7 @@ from s2s.config import ModelConfig
 from s2s.model.attention import MultiHeadAttention, attention
 from s2s.model.cache import LayerCache
 from s2s.model.dropout import Dropout
+from s2s.model.packing import Packing
 
 ACTIVATIONS = {
     "relu": F.relu,
@@ -109,23 +110,32 @@ class EncoderLayer(nn.Module):
         self.norm2 = make_norm(cfg)
         self.dropout = Dropout(cfg.dropout)
 
-    def _self_attn(self, x: Tensor, mask: Optional[Tensor], cache: Optional[LayerCache]) -> Tensor:
-        q, k, v = self.self_attn.project_qkv(x)  # (B, heads, S, d_head)
+    def _self_attn(self, x: Tensor, mask: Optional[Tensor], cache: Optional[LayerCache],
+                   packing: Optional[Packing]) -> Tensor:
+        mha = self.self_attn
+        if packing is not None:  # x (N, d_model): the projections on the real rows, attention padded
+            q, k, v = mha.split_qkv(packing.pad(mha.qkv_proj(x)))  # (B, heads, S, d_head)
+            out = mha.attend_heads(q, k, v, mask, need_weights=False)[0]
+            return mha.out_proj(packing.pack(mha.merge_heads(out)))  # (N, d_model)
+        q, k, v = mha.project_qkv(x)  # (B, heads, S, d_head)
         if cache is not None:
             k, v = cache.append(k, v)  # the keys so far and these (a decoder-only stack's cache)
-        return self.self_attn.attend(q, k, v, mask)[0]
+        return mha.attend(q, k, v, mask)[0]
 
-    def forward(self, x: Tensor, mask: Optional[Tensor], cache: Optional[LayerCache] = None) -> Tensor:
+    def forward(self, x: Tensor, mask: Optional[Tensor], cache: Optional[LayerCache] = None,
+                packing: Optional[Packing] = None) -> Tensor:
         """x (B, S, d_model); mask: padding (+ relative bias), broadcast to (B, heads, S, S).
-        With ``cache`` (one stack over [x; y]) x's K/V are appended to the cached ones first."""
+        With ``cache`` (one stack over [x; y]) x's K/V are appended to the cached ones first.
+        With ``packing`` x is the batch's real positions only (N, d_model) (s2s.model.packing):
+        everything but the attention runs on them."""
         drop = self.dropout if self.training else identity
         if self.pre_norm:
             # 1. self-attention (bidirectional in an encoder: padding mask only)
-            x = x + drop(self._self_attn(self.norm1(x), mask, cache))
+            x = x + drop(self._self_attn(self.norm1(x), mask, cache, packing))
             # 2. position-wise feed-forward
             x = x + drop(self.ffn(self.norm2(x)))
         else:
-            x = self.norm1(x + drop(self._self_attn(x, mask, cache)))
+            x = self.norm1(x + drop(self._self_attn(x, mask, cache, packing)))
             x = self.norm2(x + drop(self.ffn(x)))
         return x
 

@@ -24,6 +24,7 @@ from s2s.model.cache import DecoderCache, LayerCache
 from s2s.model.copy import CopyHead
 from s2s.model.interface import EncoderState
 from s2s.model.layers import DecoderLayer, EncoderLayer, make_norm
+from s2s.model.packing import Packing
 from s2s.model.positions import LearnedPositions, RelativePositionBias, SinusoidalPositions
 from s2s.params import parameter_budget  # noqa: F401 (its home is s2s.params; re-exported)
 
@@ -88,16 +89,24 @@ class Seq2SeqTransformer(ModelBase):
         return self.embed(tokens, table, P, norm)
 
     def encode(self, src: Tensor) -> EncoderState:
-        """src (B, S) token ids -> H_enc (B, S, d_model) and src_mask (B, 1, 1, S)."""
+        """src (B, S) token ids -> H_enc (B, S, d_model) and src_mask (B, 1, 1, S).
+
+        Without autograd (decoding, evaluation) a batch with enough padding runs its
+        position-wise layers on the real positions only (s2s.model.packing); H_enc is 0 at
+        the padded positions then, which the padding mask keeps every attention from reading."""
         src_mask = padding_mask(src, self.pad_id)  # (B, 1, 1, S)
         mask = src_mask
         if self.enc_rel_bias is not None:
             S = src.size(1)
             mask = src_mask + self.enc_rel_bias(S, S, device=src.device)  # (B, heads, S, S)
         x = self._embed(src, self.src_embed, self.enc_positions, self.enc_embed_norm)
+        packing = None if torch.is_grad_enabled() else Packing.of(src, self.pad_id)
+        if packing is not None:
+            x = packing.pack(x)  # (N, d_model)
         for layer in self.encoder_layers:
-            x = layer(x, mask)
-        return EncoderState(src=src, src_mask=src_mask, h_enc=self.enc_final_norm(x))
+            x = layer(x, mask, packing=packing)
+        h_enc = self.enc_final_norm(x)
+        return EncoderState(src=src, src_mask=src_mask, h_enc=h_enc if packing is None else packing.pad(h_enc))
 
     def _self_mask(self, T_q: int, T_k: int, start: int, device) -> Optional[Tensor]:
         """Causal mask for queries start..start+T_q-1 over keys 0..T_k-1 (+ T5 bias)."""
