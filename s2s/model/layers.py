@@ -127,7 +127,9 @@ class EncoderLayer(nn.Module):
         """x (B, S, d_model); mask: padding (+ relative bias), broadcast to (B, heads, S, S).
         With ``cache`` (one stack over [x; y]) x's K/V are appended to the cached ones first.
         With ``packing`` x is the batch's real positions only (N, d_model) (s2s.model.packing):
-        everything but the attention runs on them."""
+        everything but the attention runs on them (an encoder's pass: no ``cache``)."""
+        if packing is not None and cache is not None:
+            raise ValueError("a packed batch has no cache: packing is for an encoder's one pass")
         drop = self.dropout if self.training else identity
         if self.pre_norm:
             # 1. self-attention (bidirectional in an encoder: padding mask only)

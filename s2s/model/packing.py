@@ -3,7 +3,9 @@
 A batch of B sources padded to S positions holds N <= B S real tokens.  Every
 position-wise part of an encoder block (the norms, the Q/K/V and output
 projections, the FFN, the residual sums) gives a real position the same output
-whatever the padding beside it, so it can run on the N real rows alone; only
+whatever the padding beside it (in fp32 and bf16; an int8 product quantizes its
+input over all its rows, so there the padding rows' absence moves the scale and
+the outputs a little), so it can run on the N real rows alone; only
 the attention mixes positions, and it runs on the padded (B, S) layout, where
 the padding mask M^pad already gives padded keys no weight:
 
@@ -38,10 +40,10 @@ class Packing:
         """The packing of src (B, S) ids, or None when its padding is under ``min_padding`` of
         the positions (gathering and scattering would cost more than the padding)."""
         real = (src != pad_id).flatten()
-        n = int(real.sum())
-        if n == real.numel() or n > (1.0 - min_padding) * real.numel():
+        index = real.nonzero().squeeze(1)  # one wait for a device, not two
+        if index.numel() > (1.0 - min_padding) * real.numel():
             return None
-        return cls(real.nonzero().squeeze(1), src.size(0), src.size(1))
+        return cls(index, src.size(0), src.size(1))
 
     def pack(self, x: Tensor) -> Tensor:
         """x (B, S, e) -> its real positions (N, e)."""
