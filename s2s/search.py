@@ -294,6 +294,18 @@ def sampling_distribution(logp: Tensor, temperature: float, top_k: int, top_p: f
     return torch.log_softmax(logq, dim=-1)
 
 
+def tail_filled(done: Tensor) -> Tensor:
+    """The rows that go on when rows ``done`` (B,) bool have ended, as the index of a select
+    keeping n rows: each row that goes on stays where it is when that is below n, and the
+    others (past n) fill the ended rows' places below n, so that a cache moves only those
+    (:func:`s2s.model.cache.tail_moves`) instead of every row."""
+    going_on = ~done
+    n = int(going_on.sum())
+    index = torch.arange(n, device=done.device)
+    index[done[:n].nonzero().flatten()] = going_on[n:].nonzero().flatten() + n
+    return index
+
+
 @torch.no_grad()
 def greedy_search(decoder: StepDecoder, max_len: Tensor, s: DecodeConfig, ids: SpecialIds,
                   prefix: Optional[Tensor] = None) -> list[list[Hypothesis]]:
@@ -336,7 +348,7 @@ def greedy_search(decoder: StepDecoder, max_len: Tensor, s: DecodeConfig, ids: S
             for row in done.nonzero().flatten().tolist():
                 lp = float(log_prob[row])
                 rows_out[int(active[row])] = Hypothesis(tokens[row, :-1].tolist(), lp / norm, lp)
-            keep = (~done).nonzero().flatten()
+            keep = tail_filled(done)
             if keep.numel() == 0:
                 break
             decoder.select(keep, group=1)  # rows leave one by one: no longer K per sentence

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from s2s.model.attention import FEW_QUERIES, attention, few_query_attention
-from s2s.model.cache import CACHE_BUCKET, LayerCache, bucketed
-from s2s.search import ModelDecoder
+from s2s.model.cache import CACHE_BUCKET, LayerCache, bucketed, tail_moves
+from s2s.search import ModelDecoder, tail_filled
 from s2s.translate import auto_precision
 from tests.test_model import make_model, right_pad, tokens
 
@@ -113,6 +113,55 @@ def test_beams_reordered_within_their_sentences_keep_the_per_sentence_rows():
     torch.testing.assert_close(model.decode_step(y, fast)[0], model.decode_step(y, ref)[0])
     fast.select(torch.tensor([3, 4, 5]), group=3)  # the first sentence leaves
     assert torch.equal(fast.src_mask, mask[3:])
+
+
+def test_tail_filled_keeps_the_rows_that_go_on_and_moves_only_the_tail():
+    g = torch.Generator().manual_seed(5)
+    for _ in range(200):
+        B = int(torch.randint(1, 40, (1,), generator=g))
+        done = torch.rand(B, generator=g) < float(torch.rand(1, generator=g))
+        index = tail_filled(done)
+        n = int((~done).sum())
+        assert sorted(index.tolist()) == (~done).nonzero().flatten().tolist()  # each row that goes on, once
+        stay = (~done[:n]).nonzero().flatten()
+        assert torch.equal(index[stay], stay)  # below n, a row that goes on stays where it is
+        moves = tail_moves(index, B)
+        if moves is not None:
+            targets, sources = moves
+            assert torch.equal(targets, done[:n].nonzero().flatten()) and bool((sources >= n).all())
+        else:  # more than half of the rows move, or none leave
+            assert n == B or 2 * int(done[:n].sum()) > n
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(positions="t5_bias"), dict(coverage=True)],
+                         ids=["sinusoidal", "t5_bias", "coverage"])
+@torch.no_grad()
+def test_rows_leaving_by_tail_moves_equal_a_gather_of_every_row(kw):
+    """select of a tail-filled index moves only the rows that fill the ended rows' places, in
+    the cache's own tensors; the next steps equal those of a cache whose every row was
+    gathered (index_select), across a bucket boundary."""
+    model = make_model(**kw)
+    src = right_pad([tokens(n, seed=10 + n) for n in (5, 3, 7, 4, 6, 2, 5, 3)])  # (8, 7)
+    moved, gathered = (model.start_decoding(model.encode(src)) for _ in range(2))
+    for t in range(CACHE_BUCKET + 4):
+        y = tokens(moved.batch_size, 1, seed=t)
+        out_moved, out_gathered = model.decode_step(y, moved)[0], model.decode_step(y, gathered)[0]
+        assert torch.equal(out_moved, out_gathered)
+        if t in (2, 5, CACHE_BUCKET + 1):
+            done = torch.zeros(moved.batch_size, dtype=torch.bool)
+            done[{2: [0, 2], 5: [1]}.get(t, [0])] = True
+            index = tail_filled(done)
+            keys, mask = moved.layers[0].k_buf, moved.src_mask
+            moved.select(index, group=1)
+            assert moved.layers[0].k_buf is keys and moved.src_mask.data_ptr() == mask.data_ptr()  # in place
+            gathered.src_mask = gathered.src_mask.index_select(0, index)
+            for layer in gathered.layers:
+                layer.cross_k = layer.cross_k.index_select(0, index)
+                layer.cross_v = layer.cross_v.index_select(0, index)
+                if layer.coverage is not None:
+                    layer.coverage = layer.coverage.index_select(0, index)
+                layer.select_rows(index)
+    assert moved.batch_size == 4
 
 
 def _slot_and_row_caches(model, src, K):

@@ -149,6 +149,15 @@ class LayerCache:
             self.k_buf, self.v_buf = k_new, v_new
         self.batch = B
 
+    def move_rows(self, targets: Tensor, sources: Tensor, n: int) -> None:
+        """Rows ``sources`` (all >= n) copied into rows ``targets``, then the first n rows kept:
+        in place, moving only those rows (see :func:`tail_moves`)."""
+        if self.k_buf is not None:
+            t = self.length * self.slots
+            self.k_buf[targets, :, :t] = self.k_buf[sources, :, :t]
+            self.v_buf[targets, :, :t] = self.v_buf[sources, :, :t]
+        self.batch = n
+
     @staticmethod
     def _with_capacity(x: Tensor) -> Tensor:
         """x (B, heads, t, d_head) copied into a buffer of capacity bucketed(t)."""
@@ -164,6 +173,20 @@ def gather_rows(x: Tensor, index: Tensor, out: Tensor) -> None:
         out.copy_(x[index])
     else:
         torch.index_select(x, 0, index, out=out)
+
+
+def tail_moves(index: Tensor, rows: int) -> Optional[tuple[Tensor, Tensor]]:
+    """For a select of ``index`` from ``rows`` rows that keeps rows 0 .. n - 1 where they are
+    except some, taken from rows n and past (:func:`s2s.search.tail_filled`): (targets,
+    sources), the rows that move, when they are at most half of the n; else None."""
+    n = index.numel()
+    if n >= rows:
+        return None
+    targets = (index != torch.arange(n, device=index.device)).nonzero().flatten()
+    sources = index[targets]
+    if 2 * targets.numel() > n or not bool((sources >= n).all()):
+        return None
+    return targets, sources
 
 
 def ancestry_mask(ancestry: Tensor, K: int, dtype: torch.dtype) -> Tensor:
@@ -225,6 +248,12 @@ class DecoderCache:
         With beam slots, such a reorder moves only the rows' ancestry, not the keys.
         """
         G_old, rows = self.group, self.batch_size
+        if (G_old == 1 and group in (None, 1) and self.slots == 1 and self.src is None and self.src_len is None
+                and not torch.is_grad_enabled()):
+            moves = tail_moves(index, rows)
+            if moves is not None:  # rows leaving, the last ones filling their places: move only those
+                self._move_rows(*moves, index.numel())
+                return
         self.group = G_old if group is None else group
         if self.slots > 1 and self.group != self.slots:  # beams regrouped: one buffer row per row again
             if self.ancestry is None:  # before the first step: no keys to move
@@ -262,3 +291,18 @@ class DecoderCache:
                 layer.select_sentences(sentences)
             if layer.coverage is not None:
                 layer.coverage = layer.coverage.index_select(0, index)
+
+    def _move_rows(self, targets: Tensor, sources: Tensor, n: int) -> None:
+        """Every per-row tensor's rows ``sources`` copied into rows ``targets``, the first n rows
+        kept, in place (a cache's own tensors: not a copy model's source ids or H_enc, which
+        its caller may hold)."""
+        def move(x: Optional[Tensor]) -> Optional[Tensor]:
+            if x is None:
+                return None
+            x[targets] = x[sources]
+            return x[:n]
+        self.src_mask, self.ancestry = move(self.src_mask), move(self.ancestry)
+        for layer in self.layers:
+            layer.cross_k, layer.cross_v = move(layer.cross_k), move(layer.cross_v)
+            layer.coverage = move(layer.coverage)
+            layer.move_rows(targets, sources, n)
