@@ -295,10 +295,10 @@ def sampling_distribution(logp: Tensor, temperature: float, top_k: int, top_p: f
 
 
 def tail_filled(done: Tensor) -> Tensor:
-    """The rows that go on when rows ``done`` (B,) bool have ended, as the index of a select
-    keeping n rows: each row that goes on stays where it is when that is below n, and the
-    others (past n) fill the ended rows' places below n, so that a cache moves only those
-    (:func:`s2s.model.cache.tail_moves`) instead of every row."""
+    """The rows (or sentences) that go on when those ``done`` (B,) bool have ended, as the index
+    of a select keeping n: each one that goes on stays where it is when that is below n, and
+    the others (past n) fill the ended ones' places below n, so that a cache moves only
+    those (:func:`s2s.model.cache.tail_moves`) instead of every row."""
     going_on = ~done
     n = int(going_on.sum())
     index = torch.arange(n, device=done.device)
@@ -472,7 +472,7 @@ def start_beams(decoder: StepDecoder, B: int, K: int, L: int,
 def still_searching(decoder: StepDecoder, done: Tensor, K: int) -> tuple[Tensor, Tensor]:
     """The sentences not ``done`` (N,) bool, (N',) positions, and their beams' rows (N'*K,):
     sentence n's rows n*K .. n*K+K-1; the decoder keeps only those rows (none: nothing left)."""
-    keep = (~done).nonzero().flatten()
+    keep = tail_filled(done)  # the last sentences fill the places of those that ended
     keep_rows = (keep[:, None] * K + torch.arange(K, device=done.device)).flatten()
     if keep.numel():
         decoder.select(keep_rows)

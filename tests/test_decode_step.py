@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import s2s.model.cache as cache_module
 from s2s.model.attention import FEW_QUERIES, attention, few_query_attention
 from s2s.model.cache import CACHE_BUCKET, LayerCache, bucketed, tail_moves
 from s2s.search import ModelDecoder, tail_filled
@@ -133,35 +134,50 @@ def test_tail_filled_keeps_the_rows_that_go_on_and_moves_only_the_tail():
             assert n == B or 2 * int(done[:n].sum()) > n
 
 
+def _gathered(cache, index, monkeypatch):
+    """cache.select(index) by the gather of every row (tail moves off)."""
+    with monkeypatch.context() as m:
+        m.setattr(cache_module, "tail_moves", lambda *args: None)
+        cache.select(index)
+
+
+@pytest.mark.parametrize("K,layout", [(1, "rows"), (3, "slots"), (3, "rows")])
 @pytest.mark.parametrize("kw", [dict(), dict(positions="t5_bias"), dict(coverage=True)],
                          ids=["sinusoidal", "t5_bias", "coverage"])
 @torch.no_grad()
-def test_rows_leaving_by_tail_moves_equal_a_gather_of_every_row(kw):
-    """select of a tail-filled index moves only the rows that fill the ended rows' places, in
-    the cache's own tensors; the next steps equal those of a cache whose every row was
-    gathered (index_select), across a bucket boundary."""
+def test_sentences_leaving_by_tail_moves_equal_a_gather_of_every_row(kw, K, layout, monkeypatch):
+    """select of a tail-filled index (greedy's rows, K = 1, or beam search's sentences of K
+    beams, in slots or a row per beam) moves only the sentences that fill the ended ones'
+    places, in the cache's own tensors; every next step equals that of a cache whose every
+    row was gathered, across beam reorders and a bucket boundary."""
     model = make_model(**kw)
+    g = torch.Generator().manual_seed(7)
     src = right_pad([tokens(n, seed=10 + n) for n in (5, 3, 7, 4, 6, 2, 5, 3)])  # (8, 7)
     moved, gathered = (model.start_decoding(model.encode(src)) for _ in range(2))
+    N = src.size(0)
+    for cache in (moved, gathered):
+        cache.beam_slots = layout == "slots"
+        if K > 1:
+            cache.select(torch.arange(N).repeat_interleave(K), group=K)
+    assert moved.slots == (K if layout == "slots" else 1)
+    leave = {2: [0, 2], 5: [1], CACHE_BUCKET + 1: [0]}  # sentences that end at these steps
     for t in range(CACHE_BUCKET + 4):
-        y = tokens(moved.batch_size, 1, seed=t)
-        out_moved, out_gathered = model.decode_step(y, moved)[0], model.decode_step(y, gathered)[0]
-        assert torch.equal(out_moved, out_gathered)
-        if t in (2, 5, CACHE_BUCKET + 1):
-            done = torch.zeros(moved.batch_size, dtype=torch.bool)
-            done[{2: [0, 2], 5: [1]}.get(t, [0])] = True
-            index = tail_filled(done)
+        y = torch.randint(1, 20, (N * K, 1), generator=g)
+        assert torch.equal(model.decode_step(y, moved)[0], model.decode_step(y, gathered)[0])
+        if K > 1:  # the beams reordered within their sentences, as every step of a beam search
+            index = (torch.randint(0, K, (N, K), generator=g) + torch.arange(N)[:, None] * K).flatten()
+            moved.select(index), _gathered(gathered, index, monkeypatch)
+        if t in leave:
+            done = torch.zeros(N, dtype=torch.bool)
+            done[leave[t]] = True
+            keep = tail_filled(done)
+            index = (keep[:, None] * K + torch.arange(K)).flatten()
             keys, mask = moved.layers[0].k_buf, moved.src_mask
-            moved.select(index, group=1)
+            moved.select(index)
             assert moved.layers[0].k_buf is keys and moved.src_mask.data_ptr() == mask.data_ptr()  # in place
-            gathered.src_mask = gathered.src_mask.index_select(0, index)
-            for layer in gathered.layers:
-                layer.cross_k = layer.cross_k.index_select(0, index)
-                layer.cross_v = layer.cross_v.index_select(0, index)
-                if layer.coverage is not None:
-                    layer.coverage = layer.coverage.index_select(0, index)
-                layer.select_rows(index)
-    assert moved.batch_size == 4
+            _gathered(gathered, index, monkeypatch)
+            N = keep.numel()
+    assert N == 4 and moved.batch_size == 4 * K
 
 
 def _slot_and_row_caches(model, src, K):

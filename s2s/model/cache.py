@@ -175,15 +175,21 @@ def gather_rows(x: Tensor, index: Tensor, out: Tensor) -> None:
         torch.index_select(x, 0, index, out=out)
 
 
-def tail_moves(index: Tensor, rows: int) -> Optional[tuple[Tensor, Tensor]]:
-    """For a select of ``index`` from ``rows`` rows that keeps rows 0 .. n - 1 where they are
-    except some, taken from rows n and past (:func:`s2s.search.tail_filled`): (targets,
-    sources), the rows that move, when they are at most half of the n; else None."""
-    n = index.numel()
-    if n >= rows:
+def tail_moves(index: Tensor, rows: int, group: int = 1) -> Optional[tuple[Tensor, Tensor]]:
+    """For a select of ``index`` from ``rows`` rows, G = ``group`` rows per sentence, that keeps
+    whole sentences, sentences 0 .. n - 1 where they are except some, taken from sentences n
+    and past (:func:`s2s.search.tail_filled`): (targets, sources), the sentences that move,
+    when they are at most half of the n; else None."""
+    G = group
+    if index.numel() >= rows or index.numel() % G:
         return None
-    targets = (index != torch.arange(n, device=index.device)).nonzero().flatten()
-    sources = index[targets]
+    sentences = index[::G] // G
+    beams = torch.arange(G, device=index.device)
+    if G > 1 and not torch.equal(index, (sentences[:, None] * G + beams).flatten()):
+        return None
+    n = sentences.numel()
+    targets = (sentences != torch.arange(n, device=index.device)).nonzero().flatten()
+    sources = sentences[targets]
     if 2 * targets.numel() > n or not bool((sources >= n).all()):
         return None
     return targets, sources
@@ -248,11 +254,10 @@ class DecoderCache:
         With beam slots, such a reorder moves only the rows' ancestry, not the keys.
         """
         G_old, rows = self.group, self.batch_size
-        if (G_old == 1 and group in (None, 1) and self.slots == 1 and self.src is None and self.src_len is None
-                and not torch.is_grad_enabled()):
-            moves = tail_moves(index, rows)
-            if moves is not None:  # rows leaving, the last ones filling their places: move only those
-                self._move_rows(*moves, index.numel())
+        if group in (None, G_old) and self.src is None and self.src_len is None and not torch.is_grad_enabled():
+            moves = tail_moves(index, rows, G_old)
+            if moves is not None:  # sentences leaving, the last ones filling their places: move only those
+                self._move_sentences(*moves, index.numel() // G_old)
                 return
         self.group = G_old if group is None else group
         if self.slots > 1 and self.group != self.slots:  # beams regrouped: one buffer row per row again
@@ -292,17 +297,25 @@ class DecoderCache:
             if layer.coverage is not None:
                 layer.coverage = layer.coverage.index_select(0, index)
 
-    def _move_rows(self, targets: Tensor, sources: Tensor, n: int) -> None:
-        """Every per-row tensor's rows ``sources`` copied into rows ``targets``, the first n rows
-        kept, in place (a cache's own tensors: not a copy model's source ids or H_enc, which
-        its caller may hold)."""
-        def move(x: Optional[Tensor]) -> Optional[Tensor]:
+    def _move_sentences(self, targets: Tensor, sources: Tensor, n: int) -> None:
+        """Every per-sentence and per-row tensor's sentences ``sources`` copied into sentences
+        ``targets`` (each with its G rows), the first n sentences kept, in place (a cache's own
+        tensors: not a copy model's source ids or H_enc, which its caller may hold)."""
+        G = self.group
+        beams = torch.arange(G, device=targets.device)
+        row_targets, row_sources = ((x[:, None] * G + beams).flatten() for x in (targets, sources))
+
+        def move(x: Optional[Tensor], per_row: bool = True) -> Optional[Tensor]:
             if x is None:
                 return None
-            x[targets] = x[sources]
-            return x[:n]
+            to, fro = (row_targets, row_sources) if per_row else (targets, sources)
+            x[to] = x[fro]
+            return x[:n * G if per_row else n]
         self.src_mask, self.ancestry = move(self.src_mask), move(self.ancestry)
         for layer in self.layers:
-            layer.cross_k, layer.cross_v = move(layer.cross_k), move(layer.cross_v)
+            layer.cross_k, layer.cross_v = move(layer.cross_k, False), move(layer.cross_v, False)
             layer.coverage = move(layer.coverage)
-            layer.move_rows(targets, sources, n)
+            if layer.slots > 1:  # a buffer row per sentence
+                layer.move_rows(targets, sources, n)
+            else:
+                layer.move_rows(row_targets, row_sources, n * G)
