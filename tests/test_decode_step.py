@@ -180,6 +180,29 @@ def test_sentences_leaving_by_tail_moves_equal_a_gather_of_every_row(kw, K, layo
     assert N == 4 and moved.batch_size == 4 * K
 
 
+@torch.no_grad()
+def test_tail_moves_leave_the_encoder_state_and_inference_tensors_alone():
+    """The moves write only the cache's own tensors: another cache of the same encoder
+    state, and the state's mask, keep their rows; a cache made in inference mode and
+    selected outside it gathers as before (torch forbids writing its tensors there)."""
+    model = make_model()
+    src = right_pad([tokens(n, seed=20 + n) for n in (5, 3, 7, 4)])
+    enc = model.encode(src)
+    mask = enc.src_mask.clone()
+    first, second = model.start_decoding(enc), model.start_decoding(enc)
+    y = tokens(4, 1, seed=1)
+    model.decode_step(y, first), model.decode_step(y, second)
+    first.select(tail_filled(torch.tensor([True, False, False, False])))  # row 3 moves to row 0
+    assert first.batch_size == 3 and torch.equal(first.src_mask, mask[[3, 1, 2]])
+    assert torch.equal(enc.src_mask, mask) and torch.equal(second.src_mask, mask)
+    with torch.inference_mode():
+        frozen = model.start_decoding(model.encode(src))
+        model.decode_step(y, frozen)
+    frozen.select(tail_filled(torch.tensor([True, False, False, False])))  # outside inference mode
+    assert torch.equal(frozen.src_mask, mask[[3, 1, 2]])
+    torch.testing.assert_close(model.decode_step(y[:3], frozen)[0], model.decode_step(y[:3], first)[0])
+
+
 def _slot_and_row_caches(model, src, K):
     """Two caches of ``model`` over ``src``, each sentence made K beams: one with beam slots
     (what a beam search gets), one with a buffer row per beam (the layout slots replace)."""

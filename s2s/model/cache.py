@@ -252,9 +252,12 @@ class DecoderCache:
         are the rows kept per sentence (source mask, ids, H_enc, lengths) when, besides,
         each sentence keeps its G rows (beams reordered within their sentences).
         With beam slots, such a reorder moves only the rows' ancestry, not the keys.
+        When sentences leave and the last ones fill their places (:func:`tail_moves`), only
+        those move, within the cache's tensors: tensors taken from the cache before
+        are changed too.
         """
         G_old, rows = self.group, self.batch_size
-        if group in (None, G_old) and self.src is None and self.src_len is None and not torch.is_grad_enabled():
+        if group in (None, G_old) and index.numel() < rows and self._movable_in_place():
             moves = tail_moves(index, rows, G_old)
             if moves is not None:  # sentences leaving, the last ones filling their places: move only those
                 self._move_sentences(*moves, index.numel() // G_old)
@@ -296,6 +299,17 @@ class DecoderCache:
                 layer.select_sentences(sentences)
             if layer.coverage is not None:
                 layer.coverage = layer.coverage.index_select(0, index)
+
+    def _movable_in_place(self) -> bool:
+        """Whether a select may move rows within the cache's tensors: not with a copy model's
+        source ids and H_enc or a prefix model's cache (which others hold), not under
+        autograd, and not for tensors made in inference mode while it is off (torch forbids it)."""
+        if self.src is not None or self.src_len is not None or torch.is_grad_enabled():
+            return False
+        tensors = [self.src_mask] + [x for layer in self.layers for x in (layer.cross_k, layer.k_buf) if x is not None]
+        if any(x.requires_grad for x in tensors):
+            return False
+        return torch.is_inference_mode_enabled() or not any(x.is_inference() for x in tensors)
 
     def _move_sentences(self, targets: Tensor, sources: Tensor, n: int) -> None:
         """Every per-sentence and per-row tensor's sentences ``sources`` copied into sentences

@@ -187,7 +187,8 @@ class Seq2SeqTransformer(ModelBase):
             layers.append(LayerCache(cross_k=k, cross_v=v))
         if self.cfg.coverage:
             layers[-1].coverage = h_enc.new_zeros(h_enc.shape[:2], dtype=torch.float32)  # (B, S)
-        cache = DecoderCache(layers=layers, src_mask=enc.src_mask, beam_slots=True)
+        # the cache's own source mask: a select may move its rows in place (DecoderCache.select)
+        cache = DecoderCache(layers=layers, src_mask=enc.src_mask.clone(), beam_slots=True)
         if self.cfg.copy:
             cache.src, cache.h_enc = enc.src, h_enc
         return cache
