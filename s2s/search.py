@@ -470,8 +470,9 @@ def start_beams(decoder: StepDecoder, B: int, K: int, L: int,
 
 
 def still_searching(decoder: StepDecoder, done: Tensor, K: int) -> tuple[Tensor, Tensor]:
-    """The sentences not ``done`` (N,) bool, (N',) positions, and their beams' rows (N'*K,):
-    sentence n's rows n*K .. n*K+K-1; the decoder keeps only those rows (none: nothing left)."""
+    """The sentences not ``done`` (N,) bool, (N',) positions in :func:`tail_filled`'s order, and
+    their beams' rows (N'*K,): sentence n's rows n*K .. n*K+K-1; the decoder keeps only those
+    rows (none: nothing left)."""
     keep = tail_filled(done)  # the last sentences fill the places of those that ended
     keep_rows = (keep[:, None] * K + torch.arange(K, device=done.device)).flatten()
     if keep.numel():
