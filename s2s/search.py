@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from s2s.config import DecodeConfig
+from s2s.model.cache import sentence_rows
 from s2s.model.interface import S2SModel
 
 NEG_INF = float("-inf")
@@ -474,7 +475,7 @@ def still_searching(decoder: StepDecoder, done: Tensor, K: int) -> tuple[Tensor,
     their beams' rows (N'*K,): sentence n's rows n*K .. n*K+K-1; the decoder keeps only those
     rows (none: nothing left)."""
     keep = tail_filled(done)  # the last sentences fill the places of those that ended
-    keep_rows = (keep[:, None] * K + torch.arange(K, device=done.device)).flatten()
+    keep_rows = sentence_rows(keep, K)
     if keep.numel():
         decoder.select(keep_rows)
     return keep, keep_rows

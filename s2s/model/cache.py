@@ -175,6 +175,12 @@ def gather_rows(x: Tensor, index: Tensor, out: Tensor) -> None:
         torch.index_select(x, 0, index, out=out)
 
 
+def sentence_rows(sentences: Tensor, group: int) -> Tensor:
+    """The rows of sentences ``sentences`` (N,), G = ``group`` consecutive rows each:
+    sentence n's rows n G .. n G + G - 1, (N G,)."""
+    return (sentences[:, None] * group + torch.arange(group, device=sentences.device)).flatten()
+
+
 def tail_moves(index: Tensor, rows: int, group: int = 1) -> Optional[tuple[Tensor, Tensor]]:
     """For a select of ``index`` from ``rows`` rows, G = ``group`` rows per sentence, that keeps
     whole sentences, sentences 0 .. n - 1 where they are except some, taken from sentences n
@@ -184,8 +190,7 @@ def tail_moves(index: Tensor, rows: int, group: int = 1) -> Optional[tuple[Tenso
     if index.numel() >= rows or index.numel() % G:
         return None
     sentences = index[::G] // G
-    beams = torch.arange(G, device=index.device)
-    if G > 1 and not torch.equal(index, (sentences[:, None] * G + beams).flatten()):
+    if G > 1 and not torch.equal(index, sentence_rows(sentences, G)):
         return None
     n = sentences.numel()
     targets = (sentences != torch.arange(n, device=index.device)).nonzero().flatten()
@@ -316,8 +321,7 @@ class DecoderCache:
         ``targets`` (each with its G rows), the first n sentences kept, in place (a cache's own
         tensors: not a copy model's source ids or H_enc, which its caller may hold)."""
         G = self.group
-        beams = torch.arange(G, device=targets.device)
-        row_targets, row_sources = ((x[:, None] * G + beams).flatten() for x in (targets, sources))
+        row_targets, row_sources = sentence_rows(targets, G), sentence_rows(sources, G)
 
         def move(x: Optional[Tensor], per_row: bool = True) -> Optional[Tensor]:
             if x is None:
