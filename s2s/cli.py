@@ -404,7 +404,7 @@ def _decode_command(name: str, defaults: dict):
         spec = TranslatorSpec(tuple(str(m) for m in model), overrides, defaults, device, precision, quantize,
                               alignments, nbest_rows="nbest" in overrides, threads=threads,
                               weights=None if weights is None else tuple(weights),
-                              scores=scores, output_format=output_format)
+                              scores=scores, output_format=output_format, lean_torch=True)
         translate_file(spec, input, output, prefix_file, errors, unbuffered, workers, resume, chunk_lines, name)
 
     command.__name__ = name

@@ -125,6 +125,9 @@ def compile_decode_step(model: S2SModel) -> None:
     logged on its own; where compiling fails the step runs eagerly, with one warning."""
     if getattr(model, "_compiled_step", False):
         return
+    from s2s.leantorch import complete_torch
+
+    complete_torch()  # fake tensors read the Python meta kernels a lean import deferred
     import torch._inductor.config as inductor_config
 
     inductor_config.fx_graph_cache = True

@@ -87,6 +87,7 @@ class TranslatorSpec:
     weights: Optional[tuple[float, ...]] = None  # ensemble weights, one per model
     scores: bool = False  # --scores: each row ends in TAB and its confidence (s2s.output)
     output_format: str = "text"  # --format: text | jsonl (s2s.output)
+    lean_torch: bool = False  # build() imports torch through s2s.leantorch (the CLI's own process)
 
     def check(self) -> None:
         """The settings' errors, before any model loads."""
@@ -100,6 +101,10 @@ class TranslatorSpec:
 
     def build(self):
         """Load the model(s) with these settings, each checked by ``Translator.from_dirs``."""
+        if self.lean_torch:
+            from s2s.leantorch import import_torch
+
+            import_torch()
         from s2s.translate import Translator
 
         return Translator.from_dirs(list(self.models), self.device, weights=self.weights, decode=self.overrides,
@@ -271,9 +276,9 @@ def translate_stream(spec: TranslatorSpec, lines: Iterable[str], out: TextIO, wo
         _translate_here(spec, items, out, prefixes is not None, progress, chunk_lines, first_line_no, on_chunk)
         return 1
     if n == 1:
+        translator = spec.build()  # first: it chooses how torch is imported
         from s2s.translate import write_translations
 
-        translator = spec.build()
         sources, prefix_lines = (items, None) if prefixes is None else _unzip(items)
         write_translations(translator, sources, out, spec.output(translator), line_by_line, prefix_lines, progress)
         return 1
@@ -465,7 +470,8 @@ def _plan(index: int, line_no: int, lines: list[str], prefixes: Optional[list[st
 
 def worker_context():
     """How the workers start: forked from a server process that imported torch and the decoder
-    once (multiprocessing's forkserver, preloading s2s.translate and s2s.modeldir), so that N workers pay one
+    once (multiprocessing's forkserver, preloading s2s.workerboot: torch through s2s.leantorch,
+    s2s.translate and s2s.modeldir), so that N workers pay one
     import of torch instead of N side by side on the same cores; spawn where there is no
     forkserver (Windows).  Never a fork of this process: it may hold torch's threads and locks
     (the server never runs a torch operation, so forking it is safe)."""
@@ -474,7 +480,7 @@ def worker_context():
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["s2s.translate", "s2s.modeldir"])
+    ctx.set_forkserver_preload(["s2s.workerboot"])
     return ctx
 
 
