@@ -132,3 +132,15 @@ def test_compile_runs_them_first(model_dir):
         print("ok")
     """)
     assert out.strip() == "ok"
+
+
+def test_workerboot_leaves_a_programs_exit_alone():
+    """Only the forkserver skips its teardown: a program importing s2s.workerboot exits as ever
+    (an atexit handler registered before the import still runs)."""
+    out = probe("""
+        import atexit
+        atexit.register(print, "teardown ran")
+        import s2s.workerboot
+        assert not s2s.workerboot.imported_by_forkserver()
+    """)
+    assert out.strip() == "teardown ran"
