@@ -9,11 +9,16 @@ takes, so a quarter of what ``s2s translate`` spends before it translates a line
 
 :func:`import_torch` imports torch with those modules deferred: each is created (its
 ``__name__``, ``__file__``, ``__spec__`` and ``__path__`` set, so ``inspect`` and the import
-system see an ordinary module) but its code runs only when something first reads one of
-its attributes (``torch.export.export``, a ``from torch.export import ...``) or when
-:func:`complete_torch` runs it.  The meta kernels register for the Meta dispatch key
-alone, so no CPU or CUDA operation changes while they wait; :func:`complete_torch`
-(``--compile`` calls it before torch.compile) runs whatever is still deferred.
+system see an ordinary module) but its code waits.  The first use of any of them (one of
+its attributes, ``torch.export.export``; an ``import`` of it or of a submodule) or the first
+import of a torch module that torch's own import did not load (``torch._dynamo``,
+``torch._decomp``) runs all three first, in torch's own order: torch's modules import each
+other in cycles that hold only in that order (running the meta kernels alone in the middle
+of ``import torch._decomp.decompositions`` fails with duplicate registrations).  The meta
+kernels register for the Meta dispatch key alone, so no CPU or CUDA operation changes while
+they wait; :func:`complete_torch` (``--compile`` calls it before torch.compile) runs them at
+once.  The cyclic garbage collector is off during the import (it makes about a million
+objects, none garbage) and what it made is frozen after.
 
 Only the processes s2s owns take this path: the translate workers' forkserver and
 ``s2s translate`` / ``s2s summarize`` decoding in their own process.  A program that
