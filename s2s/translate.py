@@ -25,6 +25,7 @@ from s2s.data import pad_sequences, teacher_forcing_input, tokenizer_fingerprint
 from s2s.errors import ConfigError, S2SError
 from s2s.glossary import Glossary, load_glossary
 from s2s.langs import language_ids, with_forced
+from s2s.leantorch import complete_torch
 from s2s.model import S2SModel, Seq2SeqTransformer
 from s2s.output import OutputFormat, confidence, format_translation
 from s2s.precision import auto_arithmetic, auto_precision, resolve_precision  # noqa: F401 (auto_precision: importable from here too)
@@ -125,8 +126,6 @@ def compile_decode_step(model: S2SModel) -> None:
     logged on its own; where compiling fails the step runs eagerly, with one warning."""
     if getattr(model, "_compiled_step", False):
         return
-    from s2s.leantorch import complete_torch
-
     complete_torch()  # fake tensors read the Python meta kernels a lean import deferred
     import torch._inductor.config as inductor_config
 
@@ -390,6 +389,8 @@ class Translator:
             constraints = constraints.to(self.device)
             max_len = room_for_constraints(max_len, constraints, self.output_cap(self.decode))
         track = self.decode.coverage_penalty > 0
+        if self.decode.sampling:
+            complete_torch()  # torch.Generator needs torch._prims.rng_prims: a lean import defers it
         if self.decode.compile:
             for m in (self.model, *self.extra_models):
                 compile_decode_step(m)

@@ -84,6 +84,23 @@ def test_decoding_uses_none_of_them(model_dir):
     assert out.strip() == "ok"
 
 
+def test_sampling_runs_them_first(model_dir):
+    """torch.Generator needs torch._prims.rng_prims, which only the meta kernels import: --sampling
+    runs them before its first batch (without it: "torch.Generator() cannot be called before the
+    opaque metaclass is set")."""
+    out = probe(f"""
+        from s2s.workers import TranslatorSpec
+        spec = TranslatorSpec(({str(model_dir)!r},), {{"sampling": True, "seed": 5}}, device="cpu", threads=1,
+                              lean_torch=True)
+        translator = spec.build()
+        assert deferred() == sorted(DEFERRED)
+        first = translator.translate(["a b c", "port scanner"])
+        assert deferred() == [] and translator.translate(["a b c", "port scanner"]) == first
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
 def test_cli_translate_in_its_own_process_imports_lean(model_dir, tmp_path):
     (tmp_path / "in.txt").write_text("a b c\nport scanner\n")
     out = probe(f"""
