@@ -48,7 +48,7 @@ STATE_FORMAT = 1
 # the parts of a job, in the order a change is reported (the s2s version explains any other)
 JOB_KEYS = ("s2s_version", "command", "input", "prefix_file", "glossary", "models", "settings", "chunk_lines")
 # TranslatorSpec fields that do not change a line's translation (threads: cores/N per worker)
-NOT_OUTPUT_SETTINGS = ("models", "threads")
+NOT_OUTPUT_SETTINGS = ("models", "threads", "lean_torch")
 # the names a user knows TranslatorSpec's fields by (any other: "the setting NAME")
 SETTING_NAMES = {"overrides": "the decode settings",
                  "defaults": "the command's decode defaults", "device": "--device", "precision": "--precision",

@@ -315,3 +315,17 @@ def test_a_job_is_its_glossary_s_terms_not_only_its_name(models, src, tmp_path):
     glossary.write_text("port scanner\tPort-Scanner\n")
     assert job_change(before, job_identity(spec, src, None, 8, "translate"), spec.models) == (
         f"the glossary (--glossary) changed ({old_size} bytes then, {old_size + 1} now)")
+
+
+def test_how_torch_is_imported_is_not_part_of_a_job(models, src):
+    """TranslatorSpec.lean_torch (the CLI's own process imports torch lean) changes no output: a job
+    saved by the library, or before the field existed, resumes under the CLI."""
+    from s2s.bulk import job_change, job_identity
+    from s2s.workers import TranslatorSpec
+
+    library = job_identity(TranslatorSpec((str(models[0]),), device="cpu"), src, None, 8, "translate")
+    cli_spec = TranslatorSpec((str(models[0]),), device="cpu", lean_torch=True)
+    cli = job_identity(cli_spec, src, None, 8, "translate")
+    assert job_change(library, cli, cli_spec.models) is None
+    older = {**library, "settings": {k: v for k, v in library["settings"].items() if k != "lean_torch"}}
+    assert job_change(older, cli, cli_spec.models) is None
