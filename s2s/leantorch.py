@@ -10,15 +10,17 @@ takes, so a quarter of what ``s2s translate`` spends before it translates a line
 :func:`import_torch` imports torch with those modules deferred: each is created (its
 ``__name__``, ``__file__``, ``__spec__`` and ``__path__`` set, so ``inspect`` and the import
 system see an ordinary module) but its code waits.  The first use of any of them (one of
-its attributes, ``torch.export.export``; an ``import`` of it or of a submodule) or the first
+its attributes, ``torch.export.export`` or ``from torch.export import export``; an import of
+a submodule of it; not a bare ``import torch.export``, which reads nothing) or the first
 import of a torch module that torch's own import did not load (``torch._dynamo``,
 ``torch._decomp``) runs all three first, in torch's own order: torch's modules import each
 other in cycles that hold only in that order (running the meta kernels alone in the middle
 of ``import torch._decomp.decompositions`` fails with duplicate registrations).  The meta
-kernels register for the Meta dispatch key alone, so no CPU or CUDA operation changes while
-they wait; :func:`complete_torch` (``--compile`` calls it before torch.compile) runs them at
-once.  The cyclic garbage collector is off during the import (it makes about a million
-objects, none garbage) and what it made is frozen after.
+kernels register for the Meta dispatch key (and one MPS kernel), so no CPU or CUDA
+operation changes while they wait; :func:`complete_torch` (``--compile`` calls it before torch.compile) runs them at
+once.  The cyclic garbage collector is off during the import (it makes about 185,000
+objects that outlive it; under a thousand are garbage) and what it made is frozen after.
+Not thread-safe: the processes that use it import torch and decode on one thread.
 
 Only the processes s2s owns take this path: the translate workers' forkserver and
 ``s2s translate`` / ``s2s summarize`` decoding in their own process.  A program that
@@ -36,17 +38,20 @@ from typing import Optional
 
 DEFERRED = ("torch._meta_registrations", "torch.distributed._meta_registrations", "torch.export")
 
-_RUN_ON_READ = ("__spec__", "__path__")
+_RUN_ON_READ = ("__path__",)  # not __spec__: C's import reads it and drops any error raised there
 _pending: dict[str, importlib.abc.Loader] = {}  # deferred module name -> its loader, in torch's import order
 _completing = False  # complete_torch is running the deferred modules
+_failed: Optional[str] = None  # what stopped a run: torch's registrations are then half made, for good
 
 
 class _DeferredModule(types.ModuleType):
-    """A module whose code has not run yet.  Reading ``__spec__`` (an ``import`` statement of
-    it), ``__path__`` (importing a submodule of it) or any attribute it does not have yet
-    runs the deferred modules (:func:`_use`); the attributes the import system set
-    (``__name__``, ``__file__``, ``__loader__``, ``__package__``) read as they are, so scans
-    of ``sys.modules`` (``inspect.getmodule``) leave it waiting."""
+    """A module whose code has not run yet.  Reading ``__path__`` (importing a submodule of
+    it) or any attribute it does not have yet runs the deferred modules (:func:`_use`); the
+    attributes the import system set (``__name__``, ``__file__``, ``__loader__``,
+    ``__package__``, ``__spec__``) read as they are, so scans of ``sys.modules``
+    (``inspect.getmodule``) and a bare ``import`` of it leave it waiting.  (The import
+    statement reads ``__spec__`` in C and discards an exception raised there, a Ctrl-C
+    included, which would leave a module half run.)"""
 
     def __getattribute__(self, attr: str):
         if attr in _RUN_ON_READ:
@@ -64,6 +69,7 @@ def _use(module: types.ModuleType) -> bool:
     :func:`complete_torch` runs another is run there and then, as torch's own import would
     have run it); False if it has run already."""
     name = types.ModuleType.__getattribute__(module, "__name__")
+    _check_not_failed()
     if name not in _pending:
         return False
     if _completing:
@@ -73,14 +79,27 @@ def _use(module: types.ModuleType) -> bool:
     return True
 
 
+def _check_not_failed() -> None:
+    if _failed is not None:
+        raise ImportError(f"torch's deferred modules (s2s.leantorch) stopped half run earlier: {_failed}")
+
+
 def _run(name: str, module: types.ModuleType) -> None:
-    """Run a deferred module's code in its module object."""
+    """Run a deferred module's code in its module object.  An error there (a Ctrl-C included)
+    is raised, and every later use raises it again: the registrations it made cannot be undone
+    or made twice."""
+    global _failed
     loader = _pending.pop(name)
     module.__class__ = types.ModuleType
     module.__loader__ = loader
     if module.__spec__ is not None:
         module.__spec__.loader = loader
-    loader.exec_module(module)
+    try:
+        loader.exec_module(module)
+    except BaseException as e:
+        _failed = f"{name}: {type(e).__name__}: {e}"
+        module.__class__ = _DeferredModule  # what it lacks raises that, not a bare AttributeError
+        raise
 
 
 class _DeferringLoader(importlib.abc.Loader):
@@ -155,6 +174,7 @@ def complete_torch() -> None:
     own import would have (before torch.compile, fake or meta tensors: they need the Python
     meta kernels).  Nothing to do where none waits."""
     global _completing
+    _check_not_failed()
     if _completing or not _pending:
         return
     _completing = True

@@ -55,7 +55,7 @@ def test_import_defers_until_complete():
     "import torch._decomp.decompositions",  # a module torch imports only from the meta kernels
     "torch.export.export",  # an attribute
     "import torch.export.exported_program",  # a submodule (__path__)
-    "import torch._meta_registrations",  # an import statement (__spec__)
+    "import torch.export; torch.export.export",  # an attribute after a bare import
 ])
 def test_first_use_runs_them_all_in_torchs_order(use):
     """Running only the module used, in the middle of another torch import, breaks torch's import
@@ -161,3 +161,36 @@ def test_workerboot_leaves_a_programs_exit_alone():
         assert not s2s.workerboot.imported_by_forkserver()
     """)
     assert out.strip() == "teardown ran"
+
+
+def test_an_error_while_they_run_is_raised_not_lost():
+    """Ctrl-C while a first use runs them reaches the caller (the import statement, which reads
+    __spec__ in C, would drop it): a bare import runs nothing, an attribute raises."""
+    out = probe("""
+        import signal, sys
+        import torch.export  # reads nothing: nothing runs
+        assert deferred() == sorted(DEFERRED)
+        sys.modules["torch.export.custom_ops"] = None  # the run fails where torch.export imports it
+        try:
+            torch.export.export
+        except ImportError:
+            print("raised")
+    """)
+    assert out.strip() == "raised"
+
+
+def test_a_run_that_failed_is_never_taken_for_done():
+    out = probe("""
+        import sys
+        sys.modules["torch.export.custom_ops"] = None  # the run fails where torch.export imports it
+        for attempt in range(2):
+            try:
+                complete_torch()
+            except ImportError as e:
+                print("raised", "stopped half run" in str(e) if attempt else "first")
+        try:
+            torch.export.export
+        except ImportError:
+            print("raised again")
+    """)
+    assert out.split("\n")[:3] == ["raised first", "raised True", "raised again"]
