@@ -17,10 +17,11 @@ import of a torch module that torch's own import did not load (``torch._dynamo``
 other in cycles that hold only in that order (running the meta kernels alone in the middle
 of ``import torch._decomp.decompositions`` fails with duplicate registrations).  The meta
 kernels register for the Meta dispatch key (and one MPS kernel), so no CPU or CUDA
-operation changes while they wait; :func:`complete_torch` (``--compile`` calls it before torch.compile) runs them at
-once.  The cyclic garbage collector is off during the import (it makes about 185,000
-objects that outlive it; under a thousand are garbage) and what it made is frozen after.
-Not thread-safe: the processes that use it import torch and decode on one thread.
+operation changes while they wait; :func:`complete_torch` runs them at once (``--compile``
+calls it before torch.compile, ``--sampling`` before its first torch.Generator).  The cyclic
+garbage collector is off during the import (it makes about 185,000 objects that outlive it;
+under a thousand are garbage) and what it made is frozen after.  Not thread-safe: the
+processes that use it import torch and decode on one thread.
 
 Only the processes s2s owns take this path: the translate workers' forkserver and
 ``s2s translate`` / ``s2s summarize`` decoding in their own process.  A program that
@@ -147,7 +148,7 @@ def import_torch() -> types.ModuleType:
         return sys.modules["torch"]
     _finder = _DeferringFinder()
     collecting = gc.isenabled()
-    gc.disable()  # the import makes ~10^6 objects, none garbage: no cyclic collection while it runs
+    gc.disable()  # the import's objects outlive it (all but a few hundred): no cyclic collection while it runs
     sys.meta_path.insert(0, _finder)
     try:
         import torch
