@@ -11,11 +11,14 @@ The library API the CLI is built on:
 
 __version__ = "0.1.0"
 
-from s2s.config import ExperimentConfig, load_config  # noqa: E402
-from s2s.errors import S2SError  # noqa: E402
 
-
-def __getattr__(name):  # lazy: importing s2s stays cheap for `s2s --help`
+def __getattr__(name):  # lazy: `import s2s` reads no YAML loader, no typer, no torch (see s2s.launch)
+    if name in ("ExperimentConfig", "load_config"):
+        from s2s import config
+        return getattr(config, name)
+    if name == "S2SError":
+        from s2s.errors import S2SError
+        return S2SError
     if name == "train":
         from s2s.trainer import train
         return train

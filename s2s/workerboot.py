@@ -1,5 +1,5 @@
 """What the translate workers' forkserver imports once, before it forks any worker (see
-s2s.workers.worker_context): torch, through s2s.leantorch (its meta kernels and
+s2s.workerserver.worker_context): torch, through s2s.leantorch (its meta kernels and
 torch.export deferred), then the modules every worker builds its translator with.
 
 The server ends when the s2s process that started it does, and then skips the

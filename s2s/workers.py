@@ -35,8 +35,10 @@ import traceback
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator, Optional, TextIO
 
+from s2s import workerserver
 from s2s.errors import S2SError
 from s2s.output import OutputFormat, check_format, format_translation
+from s2s.workerserver import gpu_driver_present, usable_cores, worker_context
 
 log = logging.getLogger("s2s")
 
@@ -117,26 +119,13 @@ class TranslatorSpec:
                             scores=self.scores, format=self.output_format)
 
 
-def usable_cores() -> int:
-    """The CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
-
-
-def _gpu_device_files() -> bool:
-    """Whether the machine has a GPU driver at all (so only then is torch imported to ask)."""
-    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd"))
-
-
 def auto_workers(device: str, cores: int) -> int:
     """--workers 0 (auto): one single-thread worker per core on the CPU, one process on a GPU."""
     if device == "cpu":
         return cores
     if device != "auto":
         return 1
-    if not _gpu_device_files():
+    if not gpu_driver_present():
         return cores
     import torch
 
@@ -272,6 +261,8 @@ def translate_stream(spec: TranslatorSpec, lines: Iterable[str], out: TextIO, wo
         if len(head) <= MIN_PARALLEL_LINES:
             n = 1
         items = itertools.chain(head, items)
+    if n == 1:
+        workerserver.release_early()  # a server s2s.launch asked for, not used: one process decodes
     if n == 1 and (on_chunk is not None or first_line_no != 1):
         _translate_here(spec, items, out, prefixes is not None, progress, chunk_lines, first_line_no, on_chunk)
         return 1
@@ -468,27 +459,12 @@ def _plan(index: int, line_no: int, lines: list[str], prefixes: Optional[list[st
          None if prefixes is None else [prefixes[i] for i in rows]) for piece, rows in enumerate(runs)]
 
 
-def worker_context():
-    """How the workers start: forked from a server process that imported torch and the decoder
-    once (multiprocessing's forkserver, preloading s2s.workerboot: torch through s2s.leantorch,
-    s2s.translate and s2s.modeldir), so that N workers pay one
-    import of torch instead of N side by side on the same cores; spawn where there is no
-    forkserver (Windows).  Never a fork of this process: it may hold torch's threads and locks
-    (the server never runs a torch operation, so forking it is safe)."""
-    import multiprocessing
-
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["s2s.workerboot"])
-    return ctx
-
-
 def _start(ctx, procs) -> None:
     """Start the workers with SIGINT ignored from their first instruction on, so that Ctrl-C
     while they import torch prints no traceback of theirs: the parent alone handles it.  A
     new interpreter keeps an ignored SIGINT ignored: spawned workers are started with it
-    ignored here; with a forkserver, the server is, and its forks inherit that.
+    ignored here; with a forkserver, the server is (:func:`s2s.workerserver.start_server`),
+    and its forks inherit that.
 
     Starting a fork waits for the server to import torch, and a request sent cannot be
     taken back: a parent gone meanwhile would leave the server forking a worker whose queues
@@ -496,24 +472,21 @@ def _start(ctx, procs) -> None:
     have, then raised (:func:`_signals_held`)."""
     import threading
 
-    forked = ctx.get_start_method() == "forkserver"
-    main = threading.current_thread() is threading.main_thread()
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-    try:
-        if forked:
-            from multiprocessing import forkserver
-
-            forkserver.ensure_running()  # returns at once: the server imports on its own
-        else:
-            for p in procs:
-                p.start()
-    finally:
-        if main:
-            signal.signal(signal.SIGINT, old)
-    if forked:
+    if ctx.get_start_method() == "forkserver":
+        workerserver.start_server()  # returns at once if s2s.launch asked for it already
+        workerserver.mark_used()
         with _signals_held():
             for p in procs:
                 p.start()
+        return
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, old)
 
 
 @contextlib.contextmanager

@@ -251,11 +251,98 @@ def test_parameter_count_from_the_config_is_the_models(overrides):
     assert parameter_count(cfg, src_v, tgt_v) == count_parameters(make_model(cfg, src_v, tgt_v, 0))
 
 
+@pytest.mark.parametrize("argv, cores, gpu, want", [
+    (["translate", "-m", "M"], 2, False, True),
+    (["-q", "--debug", "summarize", "-m", "M"], 4, False, True),
+    (["translate", "-m", "M"], 1, False, False),  # auto on one core: one process
+    (["translate", "-m", "M"], 2, True, False),  # auto where a GPU may be: one process
+    (["translate", "-m", "M", "--device", "cpu"], 2, True, True),
+    (["translate", "-m", "M", "--device=cuda"], 8, True, False),
+    (["translate", "-m", "M", "--workers", "2"], 1, True, True),
+    (["translate", "-m", "M", "--workers=1"], 8, False, False),
+    (["translate", "-m", "M", "--workers", "two"], 8, False, False),
+    (["translate", "-m", "M", "--unbuffered"], 8, False, False),
+    (["translate", "--help"], 8, False, False),
+    (["score", "h", "r"], 8, False, False),
+    (["--version"], 8, False, False),
+    ([], 8, False, False),
+])
+def test_launch_guesses_from_the_words_whether_workers_will_decode(argv, cores, gpu, want):
+    from s2s.launch import decodes_in_workers
+
+    assert decodes_in_workers(argv, cores, gpu) is want
+
+
+def test_a_server_started_early_and_not_used_is_killed_a_used_one_kept(model_dir):
+    """s2s.launch asks for the workers' server before parsing; translate_stream kills it when
+    one process decodes after all, and a later use of workers starts a new one; a server the
+    workers forked from is kept, and one that ran before is never claimed."""
+    probe = f"""
+import os, sys, io
+from multiprocessing import forkserver
+from s2s import workerserver
+from s2s.workers import TranslatorSpec, translate_stream
+if workerserver.worker_context().get_start_method() != "forkserver":
+    print("no forkserver"); sys.exit(0)
+killed = []
+release = workerserver.release_early
+workerserver.release_early = lambda: killed.append(release())
+spec = TranslatorSpec(({str(model_dir)!r},), device="cpu", threads=1, overrides={{"max_len_b": 4, "max_len_a": 0.0}})
+assert workerserver.start_early()
+pid = workerserver._early["pid"]
+os.kill(pid, 0)  # running
+out = io.StringIO()
+assert translate_stream(spec, ["hello", "world"], out) == 1  # auto, a short input: this process
+assert killed == [pid], killed
+try:
+    os.kill(pid, 0)
+    raise AssertionError("the server asked for early still runs")
+except ProcessLookupError:
+    pass
+assert translate_stream(spec, ["hello", "world"], out, workers=2) == 2  # a new server
+assert not workerserver.start_early()  # one runs: not ours to kill
+workerserver.release_early = release
+server = forkserver._forkserver._forkserver_pid
+assert release() is None
+os.kill(server, 0)
+print(out.getvalue().count("\\n"))
+"""
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr
+    if r.stdout.strip() != "no forkserver":
+        assert r.stdout.strip() == "4"
+
+
+def test_workers_fork_from_a_server_started_early(model_dir):
+    """Once a worker is forked from the early server it is never killed: the workers' exit codes
+    reach the parent through it."""
+    probe = f"""
+import io, os, sys
+from s2s import workerserver
+from s2s.workers import TranslatorSpec, translate_stream
+if not workerserver.start_early():
+    print("no forkserver"); sys.exit(0)
+pid = workerserver._early["pid"]
+spec = TranslatorSpec(({str(model_dir)!r},), device="cpu", threads=1, overrides={{"max_len_b": 4, "max_len_a": 0.0}})
+out = io.StringIO()
+assert translate_stream(spec, ["a", "b", "c"], out, workers=2, chunk_lines=1) == 2
+assert workerserver.release_early() is None
+os.kill(pid, 0)
+print(out.getvalue().count("\\n"))
+"""
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr
+    if r.stdout.strip() != "no forkserver":
+        assert r.stdout.strip() == "3"
+
+
 def test_help_score_and_info_import_no_torch(tmp_path, model_dir):
     (tmp_path / "h.txt").write_text("a b c\n")
     probe = (
         "import sys\n"
-        "from s2s.cli import run\n"
+        "from s2s.launch import main as run\n"
         "for args in (['--help'], ['score', '{h}', '{h}'], ['info', 'recipes/quickstart.yaml'],"
         " ['info', '{m}']):\n"
         "    sys.argv = ['s2s', *args]\n"

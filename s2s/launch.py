@@ -1,0 +1,63 @@
+"""The ``s2s`` command's entry point (and ``python -m s2s``'s).
+
+Before the command line is parsed (typer, rich and the config loader take about 0.25 s),
+a ``translate`` or ``summarize`` that looks like it will decode in worker processes asks
+for the workers' server (:func:`s2s.workerserver.start_early`), so that the server's import
+of torch, the longest part of the start, runs beside the parsing.  The guess reads the
+words alone; it decides only when the server is asked for, never what runs: a server not
+used is killed, and one not asked for early is asked for when the workers start.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+DECODE_COMMANDS = ("translate", "summarize")
+GLOBAL_FLAGS = ("--debug", "--quiet", "-q")  # the options s2s takes before its command
+
+
+def option_value(args: list[str], name: str) -> Optional[str]:
+    """The value of ``--name VALUE`` or ``--name=VALUE`` in ``args`` (the last one given), else None."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg[len(name) + 1:]
+    return value
+
+
+def decodes_in_workers(argv: list[str], cores: int, gpu_driver: bool) -> bool:
+    """Whether ``s2s ARGV`` looks like a translate or summarize that will decode in worker
+    processes, as s2s.workers decides it: ``--workers N`` over 1, or ``--workers`` auto (one
+    worker per core) on a machine with more than one core and the CPU as the device
+    (``--device cpu``, or auto where there is no GPU driver).  Not with ``--unbuffered``
+    (line by line in one process) or ``--help``.  An input of 200 lines or fewer decodes in
+    one process too, which the words cannot tell."""
+    i = 0
+    while i < len(argv) and argv[i] in GLOBAL_FLAGS:
+        i += 1
+    if i == len(argv) or argv[i] not in DECODE_COMMANDS:
+        return False
+    args = argv[i + 1:]
+    if any(a in ("--help", "--unbuffered") for a in args):
+        return False
+    device = option_value(args, "--device") or "auto"
+    try:
+        workers = int(option_value(args, "--workers") or 0)
+    except ValueError:
+        return False  # an error the command line will report
+    if workers:
+        return workers > 1
+    return cores > 1 and (device == "cpu" or (device == "auto" and not gpu_driver))
+
+
+def main() -> None:
+    from s2s.workerserver import gpu_driver_present, start_early, usable_cores
+
+    if decodes_in_workers(sys.argv[1:], usable_cores(), gpu_driver_present()):
+        start_early()
+    from s2s.cli import run
+
+    run()
