@@ -32,13 +32,22 @@ from safetensors.torch import load_file, save_file
 from s2s import __version__
 from s2s.config import ExperimentConfig, load_config, to_dict
 from s2s.errors import S2SError
-from s2s.modeldir import CONFIG, META, WEIGHTS, check_finite, load_weights, read_meta, write_error, write_weights
+from s2s.modeldir import (
+    CHECKPOINTS,
+    CONFIG,
+    META,
+    WEIGHTS,
+    check_finite,
+    load_weights,
+    read_meta,
+    write_error,
+    write_weights,
+)
 from s2s.textio import atomic_dir, file_sha256
 from s2s.tokenizer import Tokenizer
 
 log = logging.getLogger("s2s")
 
-CHECKPOINTS = "checkpoints"  # in a run directory
 CHECKPOINT_STATE = "state.json"  # in checkpoints/step-N/, beside model.safetensors
 OPTIMIZER = "optimizer.safetensors"
 _CKPT_RE = re.compile(r"^step-(\d+)$")
@@ -72,11 +81,6 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 def is_checkpoint(path: Path) -> bool:
     """A training checkpoint (checkpoints/step-N: weights and state.json, no model.json)."""
     return path.is_dir() and not (path / META).exists() and (path / CHECKPOINT_STATE).is_file()
-
-
-def run_dir_of(path: Path) -> Path:
-    """The directory holding config.yaml and the tokenizer for a checkpoint or model directory."""
-    return path.parent.parent if path.parent.name == CHECKPOINTS else path
 
 
 def recorded_sha256(directory: Path) -> str:

@@ -36,6 +36,7 @@ FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
 META = "model.json"
 CONFIG = "config.yaml"
+CHECKPOINTS = "checkpoints"  # a run directory's checkpoints/step-N (s2s.checkpoint)
 
 
 def vocab_sizes(cfg: ExperimentConfig, tok: Tokenizer) -> tuple[int, int]:
@@ -262,6 +263,11 @@ def shape_mismatches(model: torch.nn.Module, path: Path) -> list[tuple[str, tupl
     return wrong
 
 
+def run_dir_of(path: Path) -> Path:
+    """The directory holding config.yaml and the tokenizer for a checkpoint or model directory."""
+    return path.parent.parent if path.parent.name == CHECKPOINTS else path
+
+
 def load_spec(directory: Path) -> tuple[ExperimentConfig, Tokenizer]:
     """The config and tokenizer a model or run directory holds."""
     cfg = load_config(directory / CONFIG)
@@ -276,7 +282,7 @@ def load_model_dir(directory: str | Path, device: str | torch.device = "cpu") ->
     """Load config, tokenizer and verified weights of a model directory (eval mode), or of a
     training checkpoint RUN/checkpoints/step-N (config and tokenizer from RUN, the checksum
     from its state.json; ``directory`` of the result is then RUN)."""
-    from s2s.checkpoint import is_checkpoint, recorded_sha256, run_dir_of
+    from s2s.checkpoint import is_checkpoint, recorded_sha256
 
     d = Path(directory)
     if is_checkpoint(d):
@@ -378,7 +384,7 @@ def average_checkpoints(paths: list[str | Path], out: str | Path, force: bool = 
 
 
 def _average_checkpoints(paths: list[str | Path], out: str | Path, force: bool) -> Path:
-    from s2s.checkpoint import recorded_sha256, run_dir_of
+    from s2s.checkpoint import recorded_sha256
 
     if not paths:
         raise S2SError("average: no checkpoints given")

@@ -33,7 +33,8 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Iterator, Optional, TextIO
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, TextIO
 
 from s2s import workerserver
 from s2s.errors import S2SError
@@ -45,6 +46,7 @@ log = logging.getLogger("s2s")
 CHUNK_LINES = 1000  # lines read, sorted by length and written as one chunk
 TASKS_PER_CHUNK = 8  # the pieces of about equal work a chunk is cut into for the workers
 SENTENCE_CHARS = 20  # a sentence's fixed cost in characters of source (its </s>, its batch row)
+SENTENCE_PIECES = 4  # the same in source pieces
 MIN_PARALLEL_LINES = 200  # --workers auto: a shorter input is translated in this one process
 CHUNKS_HELD = 2  # chunks read and not yet written: a worker can start the next while one ends
 
@@ -286,12 +288,19 @@ def translate_task(translator, fmt: OutputFormat, line_nos: int | list[int], lin
     return [format_translation(t, fmt) for t in found], sum(output_tokens(t) for t in found)
 
 
-def split_by_work(lines: list[str], pieces: int = TASKS_PER_CHUNK) -> list[list[int]]:
+def split_by_work(lines: list[str], pieces: int = TASKS_PER_CHUNK,
+                  lengths: Optional[Sequence[int]] = None) -> list[list[int]]:
     """The indices of ``lines``, longest first, cut into at most ``pieces`` runs of about equal
-    work, work(line) = len(line) + SENTENCE_CHARS (decoding time grows with the output,
-    which grows with the source).  Each run holds sentences of one length; the first runs
-    hold the longest, so the last tasks of an input are its cheapest."""
-    work = [len(line) + SENTENCE_CHARS for line in lines]
+    work, work(line) = |x| + SENTENCE_PIECES with |x| its source pieces (``lengths``, as
+    :func:`source_lengths` counts them), else len(line) + SENTENCE_CHARS (decoding time grows
+    with the output, which grows with the source).  Each run holds sentences of one length;
+    the first runs hold the longest, so the last tasks of an input are its cheapest.  Pieces
+    order lines as a worker batches them (by pieces), so that a batch's outputs end about
+    together; characters mix lengths across tasks (greedy: about 10% more decoding work)."""
+    if lengths is None:
+        work = [len(line) + SENTENCE_CHARS for line in lines]
+    else:
+        work = [n + SENTENCE_PIECES for n in lengths]
     order = sorted(range(len(lines)), key=lambda i: work[i], reverse=True)
     runs: list[list[int]] = []
     total, done, last = sum(work), 0, -1
@@ -380,6 +389,7 @@ def _translate_parallel(spec: TranslatorSpec, items: Iterator[Any], out: TextIO,
     clean = False
     try:
         _start(ctx, procs)
+        measure = source_lengths(spec.models)  # while the workers start
         reader = enumerate(_chunks(items, chunk_lines, paired, first_line_no))
         chunks: dict[int, _Chunk] = {}  # read and not yet written
         unsent: collections.deque = collections.deque()  # their tasks not yet sent
@@ -397,7 +407,7 @@ def _translate_parallel(spec: TranslatorSpec, items: Iterator[Any], out: TextIO,
                     except S2SError as e:  # a bad line: write what came before it, then fail
                         read_error, reading = e, False
                         break
-                    chunks[index], chunk_tasks = _plan(index, *read)
+                    chunks[index], chunk_tasks = _plan(index, *read, measure)
                     unsent.extend(chunk_tasks)
                 tasks.put(unsent.popleft())
                 in_flight += 1
@@ -450,10 +460,24 @@ class _Chunk:
         self.records[piece] = records
 
 
-def _plan(index: int, line_no: int, lines: list[str], prefixes: Optional[list[str]]) -> tuple[_Chunk, list[tuple]]:
+def source_lengths(models: Sequence[str]) -> Optional[Callable[[list[str]], list[int]]]:
+    """A function giving each line's length in source pieces, |x|, by the first model's
+    tokenizer (read here: sentencepiece, no torch), or None where that cannot be read (the
+    workers then load the model and say what is wrong)."""
+    from s2s.modeldir import load_spec, run_dir_of
+
+    try:
+        _, tok = load_spec(run_dir_of(Path(models[0])))
+    except (S2SError, OSError, RuntimeError):
+        return None
+    return lambda lines: [len(ids) for ids in tok.encode_src(lines)]
+
+
+def _plan(index: int, line_no: int, lines: list[str], prefixes: Optional[list[str]],
+          measure: Optional[Callable[[list[str]], list[int]]] = None) -> tuple[_Chunk, list[tuple]]:
     """Chunk ``index``'s record and its tasks, ((chunk index, piece, rows), line numbers,
-    lines, prefixes), cut by :func:`split_by_work`."""
-    runs = split_by_work(lines)
+    lines, prefixes), cut by :func:`split_by_work` (by ``measure``'s source lengths where given)."""
+    runs = split_by_work(lines, lengths=None if measure is None else measure(lines))
     return _Chunk([""] * len(lines), len(runs)), [
         ((index, piece, rows), [line_no + i for i in rows], [lines[i] for i in rows],
          None if prefixes is None else [prefixes[i] for i in rows]) for piece, rows in enumerate(runs)]

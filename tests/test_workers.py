@@ -15,8 +15,10 @@ from s2s.params import parameter_count
 from s2s.workers import (
     CHUNKS_HELD,
     SENTENCE_CHARS,
+    SENTENCE_PIECES,
     TranslatorSpec,
     auto_workers,
+    source_lengths,
     split_by_work,
     threads_per_worker,
     translate_stream,
@@ -152,6 +154,32 @@ def test_a_chunk_is_cut_longest_first_into_pieces_of_about_equal_work():
     assert len(runs[0]) < len(runs[-1])  # fewer long lines than short ones make a piece
     assert split_by_work(["a", "bb"], 8) == [[1], [0]] and split_by_work([], 8) == []
     assert split_by_work(["x" * 500] + ["y"] * 3, 2) == [[0], [1, 2, 3]]  # a line is never split
+
+
+def test_a_chunk_is_cut_by_source_pieces_where_the_tokenizer_can_be_read(model_dir, tmp_path):
+    """The parent orders and weighs lines by their source pieces, as a worker batches them
+    (torch-free: the model's tokenizer only); where the tokenizer cannot be read, by characters."""
+    from s2s.modeldir import load_spec
+    from s2s.workers import _plan
+
+    measure = source_lengths([str(model_dir)])
+    lines = ["port scanner for discovering services", "a", "", "clipboard manager with a long name indeed"]
+    want = [len(ids) for ids in load_spec(model_dir)[1].encode_src(lines)]
+    assert measure(lines) == want
+    assert split_by_work(lines, 8, lengths=[10, 1, 30, 2]) == [[2], [0], [3], [1]]  # not by characters
+    _, tasks = _plan(0, 1, lines, None, lambda ls: [10, 1, 30, 2])  # what the parent sends
+    assert [rows for (_, _, rows), *_ in tasks] == [[2], [0], [3], [1]]
+    # work |x| + SENTENCE_PIECES (4): 8, 4, 4, 4, 4 in halves of 12 (by |x| alone all in one run)
+    assert SENTENCE_PIECES == 4 and split_by_work(lines + ["x"], 2, lengths=[4, 0, 0, 0, 0]) == [[0, 1], [2, 3, 4]]
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000001"  # a checkpoint: its run's tokenizer
+    checkpoint.mkdir(parents=True)
+    for f in model_dir.iterdir():
+        if f.is_file():
+            (tmp_path / "run" / f.name).write_bytes(f.read_bytes())
+    assert source_lengths([str(checkpoint)])(lines) == want
+    assert source_lengths([str(tmp_path / "missing")]) is None
+    (tmp_path / "run" / "config.yaml").write_text("model: [")  # unreadable: the workers will say so
+    assert source_lengths([str(tmp_path / "run")]) is None
 
 
 def test_auto_workers_and_threads():
