@@ -388,8 +388,8 @@ def _translate_parallel(spec: TranslatorSpec, items: Iterator[Any], out: TextIO,
                          name=f"s2s-translate-{i + 1}", daemon=True) for i in range(n)]
     clean = False
     try:
+        measure = source_lengths(spec.models)  # while the server imports torch: starting a fork waits for it
         _start(ctx, procs)
-        measure = source_lengths(spec.models)  # while the workers start
         reader = enumerate(_chunks(items, chunk_lines, paired, first_line_no))
         chunks: dict[int, _Chunk] = {}  # read and not yet written
         unsent: collections.deque = collections.deque()  # their tasks not yet sent
