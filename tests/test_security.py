@@ -7,7 +7,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "s2s"
 
 FORBIDDEN = [
     (r"\bimport pickle\b|\bfrom pickle\b|\bcPickle\b|\bdill\b", "pickle"),
-    (r"\byaml\.(unsafe_)?load\(|yaml\.full_load|yaml\.Loader\b", "yaml.load (use yaml.safe_load)"),
+    (r"\byaml\.(unsafe_)?load\((?![^)]*Loader=YAML_LOADER\))|yaml\.full_load|yaml\.C?(Full|Unsafe)?Loader\b",
+     "yaml.load but with s2s.config.YAML_LOADER (use yaml.safe_load)"),
     (r"(?<![.\w])(?<!def )(eval|exec)\(", "eval/exec"),  # a method named eval (nn.Module's) is no eval
     (r"\bnp\.load\([^)]*allow_pickle\s*=\s*True", "np.load(allow_pickle=True)"),
 ]
@@ -24,6 +25,20 @@ def test_no_unsafe_deserialization_in_the_package():
             if "weights_only=True" not in m.group(1):
                 found.append(f"{path.relative_to(PACKAGE.parent)}: torch.load without weights_only=True")
     assert not found, "\n".join(found)
+
+
+def test_the_yaml_loader_constructs_no_python_objects():
+    """s2s.config.YAML_LOADER, the one yaml.load may take: PyYAML's safe loader (libyaml's or Python's)."""
+    import pytest
+    import yaml
+
+    from s2s.config import YAML_LOADER
+
+    assert YAML_LOADER in (yaml.SafeLoader, getattr(yaml, "CSafeLoader", None))
+    assert not issubclass(YAML_LOADER, yaml.constructor.FullConstructor)
+    with pytest.raises(yaml.constructor.ConstructorError):
+        yaml.load("!!python/object/apply:os.getpid []", Loader=YAML_LOADER)
+    assert yaml.load("a: [1, 2]", Loader=YAML_LOADER) == {"a": [1, 2]}
 
 
 def test_checkpoints_and_models_hold_no_pickles(tmp_path, prepared):

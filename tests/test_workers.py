@@ -301,21 +301,32 @@ def test_launch_guesses_from_the_words_whether_workers_will_decode(argv, cores, 
     assert decodes_in_workers(argv, cores, gpu) is want
 
 
-def test_a_server_started_early_and_not_used_is_killed_a_used_one_kept(model_dir):
-    """s2s.launch asks for the workers' server before parsing; translate_stream kills it when
-    one process decodes after all, and a later use of workers starts a new one; a server the
-    workers forked from is kept, and one that ran before is never claimed."""
-    probe = f"""
-import os, sys, io
+def early_server_probe(model_dir, body: str) -> str:
+    """Run ``body`` in a fresh interpreter (its forkserver its own) with workerserver, a
+    TranslatorSpec ``spec`` of the test model, and translate_stream at hand; its last output."""
+    head = f"""
+import io, os, sys
 from multiprocessing import forkserver
 from s2s import workerserver
 from s2s.workers import TranslatorSpec, translate_stream
 if workerserver.worker_context().get_start_method() != "forkserver":
     print("no forkserver"); sys.exit(0)
+spec = TranslatorSpec(({str(model_dir)!r},), device="cpu", threads=1, overrides={{"max_len_b": 4, "max_len_a": 0.0}})
+"""
+    r = subprocess.run([sys.executable, "-c", head + body], capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def test_a_server_started_early_and_not_used_is_killed_a_used_one_kept(model_dir):
+    """s2s.launch asks for the workers' server before parsing; translate_stream kills it when
+    one process decodes after all, and a later use of workers starts a new one; a server the
+    workers forked from is kept, and one that ran before is never claimed."""
+    probe = """
 killed = []
 release = workerserver.release_early
 workerserver.release_early = lambda: killed.append(release())
-spec = TranslatorSpec(({str(model_dir)!r},), device="cpu", threads=1, overrides={{"max_len_b": 4, "max_len_a": 0.0}})
 assert workerserver.start_early()
 pid = workerserver._early["pid"]
 os.kill(pid, 0)  # running
@@ -335,35 +346,22 @@ assert release() is None
 os.kill(server, 0)
 print(out.getvalue().count("\\n"))
 """
-    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert r.returncode == 0, r.stderr
-    if r.stdout.strip() != "no forkserver":
-        assert r.stdout.strip() == "4"
+    assert early_server_probe(model_dir, probe) in ("4", "no forkserver")
 
 
 def test_workers_fork_from_a_server_started_early(model_dir):
     """Once a worker is forked from the early server it is never killed: the workers' exit codes
     reach the parent through it."""
-    probe = f"""
-import io, os, sys
-from s2s import workerserver
-from s2s.workers import TranslatorSpec, translate_stream
-if not workerserver.start_early():
-    print("no forkserver"); sys.exit(0)
+    probe = """
+assert workerserver.start_early()
 pid = workerserver._early["pid"]
-spec = TranslatorSpec(({str(model_dir)!r},), device="cpu", threads=1, overrides={{"max_len_b": 4, "max_len_a": 0.0}})
 out = io.StringIO()
 assert translate_stream(spec, ["a", "b", "c"], out, workers=2, chunk_lines=1) == 2
 assert workerserver.release_early() is None
 os.kill(pid, 0)
 print(out.getvalue().count("\\n"))
 """
-    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert r.returncode == 0, r.stderr
-    if r.stdout.strip() != "no forkserver":
-        assert r.stdout.strip() == "3"
+    assert early_server_probe(model_dir, probe) in ("3", "no forkserver")
 
 
 def test_help_score_and_info_import_no_torch(tmp_path, model_dir):
