@@ -594,7 +594,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"--set {text}: empty key")
     try:
         parsed = yaml.load(value, Loader=YAML_LOADER) if value.strip() else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, UnicodeError):  # libyaml encodes the text: a lone surrogate (bytes not UTF-8) fails there
         parsed = value
     if isinstance(parsed, (dict, list)):
         parsed = value  # keep flow-looking strings as they are

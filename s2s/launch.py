@@ -10,6 +10,7 @@ used is killed, and one not asked for early is asked for when the workers start.
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import Optional
 
@@ -53,11 +54,26 @@ def decodes_in_workers(argv: list[str], cores: int, gpu_driver: bool) -> bool:
     return cores > 1 and (device == "cpu" or (device == "auto" and not gpu_driver))
 
 
+def _terminated(signum: int, frame) -> None:
+    print(f"s2s: terminated by {signal.Signals(signum).name}", file=sys.stderr)
+    sys.exit(128 + signum)  # an exit, not the signal's default death: atexit kills the early server
+
+
 def main() -> None:
     from s2s.workerserver import gpu_driver_present, start_early, usable_cores
 
-    if decodes_in_workers(sys.argv[1:], usable_cores(), gpu_driver_present()):
-        start_early()
-    from s2s.cli import run
-
+    if not decodes_in_workers(sys.argv[1:], usable_cores(), gpu_driver_present()):
+        from s2s.cli import run
+    else:
+        # until the command line installs its own handlers (s2s.cli, over SIG_DFL only),
+        # SIGTERM and SIGHUP exit through atexit, which kills the server started here
+        caught = [s for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) == signal.SIG_DFL]
+        for s in caught:
+            signal.signal(s, _terminated)
+        try:
+            start_early()
+            from s2s.cli import run
+        finally:
+            for s in caught:
+                signal.signal(s, signal.SIG_DFL)
     run()

@@ -264,8 +264,9 @@ def shape_mismatches(model: torch.nn.Module, path: Path) -> list[tuple[str, tupl
 
 
 def run_dir_of(path: Path) -> Path:
-    """The directory holding config.yaml and the tokenizer for a checkpoint or model directory."""
-    return path.parent.parent if path.parent.name == CHECKPOINTS else path
+    """The directory holding config.yaml and the tokenizer for a checkpoint (RUN/checkpoints/step-N:
+    RUN) or a model directory (itself, with its model.json, even in a folder named checkpoints)."""
+    return path.parent.parent if path.parent.name == CHECKPOINTS and not (path / META).exists() else path
 
 
 def load_spec(directory: Path) -> tuple[ExperimentConfig, Tokenizer]:

@@ -466,6 +466,8 @@ def source_lengths(models: Sequence[str]) -> Optional[Callable[[list[str]], list
     workers then load the model and say what is wrong)."""
     from s2s.modeldir import load_spec, run_dir_of
 
+    if not models:
+        return None
     try:
         _, tok = load_spec(run_dir_of(Path(models[0])))
     except (S2SError, OSError, RuntimeError):

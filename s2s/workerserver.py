@@ -80,9 +80,9 @@ def start_early() -> bool:
 
     if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
         return False  # started before (and perhaps in use): not ours to kill
+    atexit.register(release_early)  # before the server exists: an exit right after it starts kills it
     start_server()
     _early.update(pid=getattr(forkserver._forkserver, "_forkserver_pid", None), used=False)
-    atexit.register(release_early)
     return True
 
 
@@ -106,7 +106,11 @@ def release_early() -> Optional[int]:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    stop = getattr(forkserver._forkserver, "_stop", None)
+    server = forkserver._forkserver
+    stop = getattr(server, "_stop", None)
     if stop is not None:  # reap it and forget its address, so ensure_running starts a new one
-        stop()
+        try:
+            stop()
+        except ChildProcessError:  # SIGCHLD ignored (kept across exec): the kernel reaped it already
+            server._forkserver_pid = server._forkserver_address = None
     return pid

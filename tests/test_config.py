@@ -118,3 +118,26 @@ def test_quickstart_recipe_lists_every_key():
     for section in ("tokenizer", "data", "model", "train", "decode", "pretrain"):
         keys = {f.name for f in dataclasses.fields(getattr(cfg, section))}
         assert keys == set(raw[section]), section
+
+
+def test_a_set_value_that_is_not_utf8_is_kept_as_text_and_checked(tmp_path):
+    """Bytes that are not UTF-8 on the command line arrive as lone surrogates, which libyaml's
+    loader cannot encode: the value stays text and the key's check names it."""
+    from s2s.config import parse_override
+
+    assert parse_override("decode.beam=\udcff") == ("decode.beam", "\udcff")
+    assert parse_override("decode.beam=4") == ("decode.beam", 4)
+    (tmp_path / "c.yaml").write_text("{}\n")
+    with pytest.raises(ConfigError, match="decode.beam"):
+        load_config(tmp_path / "c.yaml", ["decode.beam=\udcff"])
+
+
+def test_run_dir_of_a_checkpoint_and_of_a_model_directory(tmp_path):
+    from s2s.modeldir import META, run_dir_of
+
+    step = tmp_path / "run" / "checkpoints" / "step-00000010"
+    assert run_dir_of(step) == tmp_path / "run"
+    model = tmp_path / "checkpoints" / "my-model"  # a model directory in a folder named checkpoints
+    model.mkdir(parents=True)
+    (model / META).write_text("{}")
+    assert run_dir_of(model) == model and run_dir_of(tmp_path / "run") == tmp_path / "run"

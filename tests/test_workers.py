@@ -301,10 +301,10 @@ def test_launch_guesses_from_the_words_whether_workers_will_decode(argv, cores, 
     assert decodes_in_workers(argv, cores, gpu) is want
 
 
-def early_server_probe(model_dir, body: str) -> str:
-    """Run ``body`` in a fresh interpreter (its forkserver its own) with workerserver, a
-    TranslatorSpec ``spec`` of the test model, and translate_stream at hand; its last output."""
-    head = f"""
+def early_server_head(model_dir) -> str:
+    """A fresh interpreter's set-up for the early-server probes: workerserver, a TranslatorSpec
+    ``spec`` of the test model and translate_stream at hand; no forkserver: prints so and ends."""
+    return f"""
 import io, os, sys
 from multiprocessing import forkserver
 from s2s import workerserver
@@ -313,8 +313,17 @@ if workerserver.worker_context().get_start_method() != "forkserver":
     print("no forkserver"); sys.exit(0)
 spec = TranslatorSpec(({str(model_dir)!r},), device="cpu", threads=1, overrides={{"max_len_b": 4, "max_len_a": 0.0}})
 """
-    r = subprocess.run([sys.executable, "-c", head + body], capture_output=True, text=True, timeout=300,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def early_server_run(model_dir, body: str) -> subprocess.CompletedProcess:
+    """Run ``body`` after :func:`early_server_head` in a fresh interpreter (its forkserver its own)."""
+    return subprocess.run([sys.executable, "-c", early_server_head(model_dir) + body], capture_output=True,
+                          text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def early_server_probe(model_dir, body: str) -> str:
+    """What ``body`` printed, having exited 0 (see :func:`early_server_run`)."""
+    r = early_server_run(model_dir, body)
     assert r.returncode == 0, r.stderr
     return r.stdout.strip()
 
@@ -339,14 +348,51 @@ try:
 except ProcessLookupError:
     pass
 assert translate_stream(spec, ["hello", "world"], out, workers=2) == 2  # a new server
-assert not workerserver.start_early()  # one runs: not ours to kill
-workerserver.release_early = release
-server = forkserver._forkserver._forkserver_pid
-assert release() is None
-os.kill(server, 0)
+assert not workerserver.start_early() and workerserver._early["pid"] is None  # one runs: not claimed
 print(out.getvalue().count("\\n"))
 """
     assert early_server_probe(model_dir, probe) in ("4", "no forkserver")
+    # SIGCHLD ignored (kept across exec from a caller): the kernel reaps the server, not waitpid
+    assert early_server_probe(model_dir, "import signal\nsignal.signal(signal.SIGCHLD, signal.SIG_IGN)\n"
+                              + probe) in ("4", "no forkserver")
+
+
+def test_an_early_server_is_killed_on_an_error_exit_and_on_sigterm(model_dir):
+    """An exit before any decoding (an error, SIGTERM while the command line is imported) kills
+    the server started early (atexit), so it holds no copy of stdout for a pipeline to wait on."""
+    check = """
+import atexit, signal
+import s2s.launch
+seen = {}
+def check():
+    try:
+        os.kill(seen["pid"], 0)
+        print("alive")
+    except ProcessLookupError:
+        print("gone")
+atexit.register(check)  # before start_early's: runs after it
+"""
+    error_exit = check + """
+assert workerserver.start_early()
+seen["pid"] = workerserver._early["pid"]
+sys.exit(3)
+"""
+    r = early_server_run(model_dir, error_exit)
+    assert (r.returncode, r.stdout.strip()) in ((3, "gone"), (0, "no forkserver")), r.stderr
+    sigterm = check + f"""
+start_early = workerserver.start_early
+def start_then_sigterm():
+    started = start_early()
+    seen["pid"] = workerserver._early["pid"]
+    os.kill(os.getpid(), signal.SIGTERM)  # while s2s.launch waits for nothing but the CLI's import
+    return started
+workerserver.start_early = start_then_sigterm
+sys.argv = ["s2s", "translate", "-m", {str(model_dir)!r}, "--workers", "2"]
+s2s.launch.main()
+"""
+    r = early_server_run(model_dir, sigterm)
+    if r.stdout.strip() != "no forkserver":
+        assert (r.returncode, r.stdout.strip(), r.stderr) == (128 + 15, "gone", "s2s: terminated by SIGTERM\n")
 
 
 def test_workers_fork_from_a_server_started_early(model_dir):
