@@ -62,18 +62,17 @@ def _terminated(signum: int, frame) -> None:
 def main() -> None:
     from s2s.workerserver import gpu_driver_present, start_early, usable_cores
 
-    if not decodes_in_workers(sys.argv[1:], usable_cores(), gpu_driver_present()):
-        from s2s.cli import run
-    else:
-        # until the command line installs its own handlers (s2s.cli, over SIG_DFL only),
-        # SIGTERM and SIGHUP exit through atexit, which kills the server started here
-        caught = [s for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) == signal.SIG_DFL]
-        for s in caught:
-            signal.signal(s, _terminated)
-        try:
+    early = decodes_in_workers(sys.argv[1:], usable_cores(), gpu_driver_present())
+    # until the command line installs its own handlers (s2s.cli, over SIG_DFL only), SIGTERM
+    # and SIGHUP exit through atexit, which kills the server started early
+    caught = [s for s in (signal.SIGTERM, signal.SIGHUP) if early and signal.getsignal(s) == signal.SIG_DFL]
+    for s in caught:
+        signal.signal(s, _terminated)
+    try:
+        if early:
             start_early()
-            from s2s.cli import run
-        finally:
-            for s in caught:
-                signal.signal(s, signal.SIG_DFL)
+        from s2s.cli import run
+    finally:
+        for s in caught:
+            signal.signal(s, signal.SIG_DFL)
     run()

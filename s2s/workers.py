@@ -496,8 +496,6 @@ def _start(ctx, procs) -> None:
     taken back: a parent gone meanwhile would leave the server forking a worker whose queues
     are gone.  So a Ctrl-C (or SIGTERM, SIGHUP) while the forks start is held until they
     have, then raised (:func:`_signals_held`)."""
-    import threading
-
     if ctx.get_start_method() == "forkserver":
         workerserver.start_server()  # returns at once if s2s.launch asked for it already
         workerserver.mark_used()
@@ -505,14 +503,9 @@ def _start(ctx, procs) -> None:
             for p in procs:
                 p.start()
         return
-    main = threading.current_thread() is threading.main_thread()
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-    try:
+    with workerserver.sigint_ignored():
         for p in procs:
             p.start()
-    finally:
-        if main:
-            signal.signal(signal.SIGINT, old)
 
 
 @contextlib.contextmanager

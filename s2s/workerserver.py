@@ -15,6 +15,7 @@ This module imports no torch and little else: s2s.launch imports it before anyth
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -49,20 +50,28 @@ def worker_context():
     return ctx
 
 
-def start_server() -> None:
-    """Ask for the forkserver; returns at once (the server imports on its own).  SIGINT is
-    ignored while it is spawned, and a new interpreter keeps it ignored: a Ctrl-C while it
-    imports torch prints no traceback of the server's, the parent alone handles it (the
-    workers forked from it inherit that)."""
-    from multiprocessing import forkserver
-
+@contextlib.contextmanager
+def sigint_ignored():
+    """SIGINT ignored inside (on the main thread; elsewhere signals are not this thread's to
+    set).  A process started inside keeps it ignored, a new interpreter too: a Ctrl-C while
+    it imports torch prints no traceback of its own, the parent alone handles it."""
     main = threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     try:
-        forkserver.ensure_running()
+        yield
     finally:
         if main:
             signal.signal(signal.SIGINT, old)
+
+
+def start_server() -> None:
+    """Ask for the forkserver; returns at once (the server imports on its own).  It is
+    spawned with SIGINT ignored (:func:`sigint_ignored`), and the workers forked from it
+    inherit that."""
+    from multiprocessing import forkserver
+
+    with sigint_ignored():
+        forkserver.ensure_running()
 
 
 # the server start_early asked for: its pid, and whether a worker has been forked from it
