@@ -18,11 +18,11 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from s2s import __version__
-from s2s.config import ExperimentConfig, load_config, to_yaml
-from s2s.errors import S2SError
+from s2s.config import DecodeConfig, ExperimentConfig, load_config, replace, to_yaml
+from s2s.errors import ConfigError, S2SError
 from s2s.outdir import check_output_dir, output_dir
 from s2s.textio import atomic_write, file_sha256, os_reason
 from s2s.tokenizer import Tokenizer
@@ -267,6 +267,36 @@ def run_dir_of(path: Path) -> Path:
     """The directory holding config.yaml and the tokenizer for a checkpoint (RUN/checkpoints/step-N:
     RUN) or a model directory (itself, with its model.json, even in a folder named checkpoints)."""
     return path.parent.parent if path.parent.name == CHECKPOINTS and not (path / META).exists() else path
+
+
+def explicit_decode_keys(directory: str | Path) -> Optional[frozenset[str]]:
+    """The decode keys a model's training config set on purpose (its YAML or --set), as
+    recorded in model.json's ``decode_keys``; None for a model directory without the record."""
+    try:
+        meta = json.loads((Path(directory) / META).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    keys = meta.get("decode_keys") if isinstance(meta, dict) else None
+    return frozenset(keys) if isinstance(keys, list) else None
+
+
+def decode_settings(model: DecodeConfig, overrides: Mapping[str, Any],
+                    defaults: Mapping[str, Any] = {}, explicit: Optional[frozenset[str]] = None) -> DecodeConfig:
+    """The decode settings of a run: the model's, then ``defaults`` for each key the model
+    did not choose (``explicit``: the keys its training config set; None, for a model
+    directory that does not record them: each key still at DecodeConfig's default),
+    then ``overrides``.  ``sampling: true`` among the overrides also means beam 1, nbest 1
+    and no coverage penalty unless the overrides say otherwise.  Errors name the key."""
+    untouched = DecodeConfig()
+    chosen = (lambda k: k in explicit) if explicit is not None else \
+        (lambda k: getattr(model, k) != getattr(untouched, k))
+    changes = {**{k: v for k, v in defaults.items() if not chosen(k)}, **overrides}
+    if overrides.get("sampling") is True:
+        changes = {"beam": 1, "nbest": 1, "coverage_penalty": 0.0, **changes}
+    try:
+        return replace(model, "decode.", **changes)
+    except ConfigError as e:
+        raise S2SError(f"translate options: {e}") from None
 
 
 def load_spec(directory: Path) -> tuple[ExperimentConfig, Tokenizer]:

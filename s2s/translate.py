@@ -10,7 +10,6 @@ empty (or all-whitespace) line yields an empty translation.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -19,14 +18,15 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, TextIO
 
 import torch
 
-from s2s.config import DecodeConfig, ExperimentConfig, check_arch_supports, replace
+from s2s.config import DecodeConfig, ExperimentConfig, check_arch_supports
 from s2s.constraints import pad_constraints, room_for_constraints, unmet_constraints
 from s2s.data import pad_sequences, teacher_forcing_input, tokenizer_fingerprint, truncate
-from s2s.errors import ConfigError, S2SError
+from s2s.errors import S2SError
 from s2s.glossary import Glossary, load_glossary
 from s2s.langs import language_ids, with_forced
 from s2s.leantorch import complete_torch
 from s2s.model import S2SModel, Seq2SeqTransformer
+from s2s.modeldir import decode_settings, explicit_decode_keys
 from s2s.output import OutputFormat, confidence, format_translation
 from s2s.precision import auto_arithmetic, auto_precision, resolve_precision  # noqa: F401 (auto_precision: importable from here too)
 from s2s.search import EnsembleDecoder, Hypothesis, ModelDecoder, SpecialIds, ensemble_log_weights, search
@@ -38,6 +38,7 @@ from s2s.workers import (
     TranslateProgress,  # noqa: F401 (TranslateProgress: re-exported)
     check_translator_options,
     paired_lines,
+    sorted_batches,
 )
 
 log = logging.getLogger("s2s")
@@ -153,38 +154,6 @@ def compile_decode_step(model: S2SModel) -> None:
 
     model.decode_step = step
     model._compiled_step = True
-
-
-def explicit_decode_keys(directory: str | Path) -> Optional[frozenset[str]]:
-    """The decode keys a model's training config set on purpose (its YAML or --set), as
-    recorded in model.json's ``decode_keys``; None for a model directory without the record."""
-    from s2s.modeldir import META
-
-    try:
-        meta = json.loads((Path(directory) / META).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    keys = meta.get("decode_keys") if isinstance(meta, dict) else None
-    return frozenset(keys) if isinstance(keys, list) else None
-
-
-def decode_settings(model: DecodeConfig, overrides: Mapping[str, Any],
-                    defaults: Mapping[str, Any] = {}, explicit: Optional[frozenset[str]] = None) -> DecodeConfig:
-    """The decode settings of a run: the model's, then ``defaults`` for each key the model
-    did not choose (``explicit``: the keys its training config set; None, for a model
-    directory that does not record them: each key still at DecodeConfig's default),
-    then ``overrides``.  ``sampling: true`` among the overrides also means beam 1, nbest 1
-    and no coverage penalty unless the overrides say otherwise.  Errors name the key."""
-    untouched = DecodeConfig()
-    chosen = (lambda k: k in explicit) if explicit is not None else \
-        (lambda k: getattr(model, k) != getattr(untouched, k))
-    changes = {**{k: v for k, v in defaults.items() if not chosen(k)}, **overrides}
-    if overrides.get("sampling") is True:
-        changes = {"beam": 1, "nbest": 1, "coverage_penalty": 0.0, **changes}
-    try:
-        return replace(model, "decode.", **changes)
-    except ConfigError as e:
-        raise S2SError(f"translate options: {e}") from None
 
 
 class Translator:
@@ -453,22 +422,13 @@ class Translator:
                       prefix_ids: Optional[Sequence[Sequence[int]]] = None,
                       constraint_ids: Optional[Sequence[Sequence[Sequence[int]]]] = None) -> list[list[Hypothesis]]:
         """Search many sources: sorted by length into token-bounded batches, order restored."""
-        order = sorted(range(len(src_ids)), key=lambda i: len(src_ids[i]), reverse=True)
         results: list[list[Hypothesis]] = [[] for _ in src_ids]
-        start = 0
-        while start < len(order):
-            end = start + 1
-            width = len(src_ids[order[start]])  # longest first: the first sets the width
-            cap = self.decode.batch_size or len(order)
-            while (end < len(order) and end - start < cap
-                   and width * (end - start + 1) <= self.decode.batch_tokens):
-                end += 1
-            batch = [src_ids[i] for i in order[start:end]]
-            prefixes = None if prefix_ids is None else [prefix_ids[i] for i in order[start:end]]
-            constraints = None if constraint_ids is None else [constraint_ids[i] for i in order[start:end]]
-            for i, hyps in zip(order[start:end], self.search_ids(batch, prefixes, constraints)):
+        for rows in sorted_batches([len(ids) for ids in src_ids], self.decode.batch_size, self.decode.batch_tokens):
+            batch = [src_ids[i] for i in rows]
+            prefixes = None if prefix_ids is None else [prefix_ids[i] for i in rows]
+            constraints = None if constraint_ids is None else [constraint_ids[i] for i in rows]
+            for i, hyps in zip(rows, self.search_ids(batch, prefixes, constraints)):
                 results[i] = hyps
-            start = end
         return results
 
     def encode_lines(self, lines: Sequence[str], first_line_no: int | Sequence[int]) -> list[Optional[list[int]]]:

@@ -1,15 +1,17 @@
 """Translating a stream of lines with one or N decoding processes, output in input order.
 
-    parent: read K lines -> chunk i -> its lines sorted by length, cut into tasks of about
-            equal work -> task queue -> worker 1..N (each its own model, cores/N torch
-            threads) -> result queue -> write chunk i once all its tasks and 0..i-1 are written
+    parent: read K lines -> chunk i -> its lines sorted by length, cut into the batches a
+            worker decodes, one task each -> task queue -> worker 1..N (each its own model,
+            cores/N torch threads) -> result queue -> write chunk i once all its tasks and
+            0..i-1 are written
 
 Each task is translated as ``Translator.translate_chunk`` translates its lines in one
 process, and the tasks do not depend on the number of workers, so the output is one line
 per input line, in input order, whatever the number of workers.  Cutting a chunk's lines
 sorted by length (as CTranslate2 cuts a read buffer for its ``inter_threads``) gives each
 task sentences of one length, so its batches pad little, and gives the workers the work
-of a chunk in pieces small enough that none waits long for the other at the end.  At
+of a chunk in pieces small enough that none waits long for the other at the end (a task
+is one batch, at most 1/8 of the chunk's lines).  At
 most 2N tasks are in flight (sent and not yet received) and two chunks held, so memory
 stays bounded however long the input.  A bad input line stops the reading: the chunks before it are written,
 then the error, as with one process.  A worker that dies (killed, out of memory) is one
@@ -44,9 +46,7 @@ from s2s.workerserver import gpu_driver_present, usable_cores, worker_context
 log = logging.getLogger("s2s")
 
 CHUNK_LINES = 1000  # lines read, sorted by length and written as one chunk
-TASKS_PER_CHUNK = 8  # the pieces of about equal work a chunk is cut into for the workers
-SENTENCE_CHARS = 20  # a sentence's fixed cost in characters of source (its </s>, its batch row)
-SENTENCE_PIECES = 4  # the same in source pieces
+TASKS_PER_CHUNK = 8  # a chunk is cut into at least this many tasks for the workers
 MIN_PARALLEL_LINES = 200  # --workers auto: a shorter input is translated in this one process
 CHUNKS_HELD = 2  # chunks read and not yet written: a worker can start the next while one ends
 
@@ -288,30 +288,22 @@ def translate_task(translator, fmt: OutputFormat, line_nos: int | list[int], lin
     return [format_translation(t, fmt) for t in found], sum(output_tokens(t) for t in found)
 
 
-def split_by_work(lines: list[str], pieces: int = TASKS_PER_CHUNK,
-                  lengths: Optional[Sequence[int]] = None) -> list[list[int]]:
-    """The indices of ``lines``, longest first, cut into at most ``pieces`` runs of about equal
-    work, work(line) = |x| + SENTENCE_PIECES with |x| its source pieces (``lengths``, as
-    :func:`source_lengths` counts them), else len(line) + SENTENCE_CHARS (decoding time grows
-    with the output, which grows with the source).  Each run holds sentences of one length;
-    the first runs hold the longest, so the last tasks of an input are its cheapest.  Pieces
-    order lines as a worker batches them (by pieces), so that a batch's outputs end about
-    together; characters mix lengths across tasks (greedy: about 10% more decoding work)."""
-    if lengths is None:
-        work = [len(line) + SENTENCE_CHARS for line in lines]
-    else:
-        work = [n + SENTENCE_PIECES for n in lengths]
-    order = sorted(range(len(lines)), key=lambda i: work[i], reverse=True)
-    runs: list[list[int]] = []
-    total, done, last = sum(work), 0, -1
-    for i in order:
-        piece = min(pieces - 1, int((done + work[i] / 2) * pieces / total))  # where its middle falls
-        if piece != last:
-            runs.append([])
-            last = piece
-        runs[-1].append(i)
-        done += work[i]
-    return runs
+def sorted_batches(lengths: Sequence[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
+    """The indices of ``lengths`` (sources' lengths in pieces), longest first (ties in their
+    order), cut into the batches a Translator decodes: each of at most ``batch_size`` sentences
+    (0: no cap) whose padded size, its longest length times its sentences, is at most
+    ``batch_tokens`` (a longer sentence alone is a batch)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+    cap = batch_size or len(order)
+    batches, start = [], 0
+    while start < len(order):
+        end = start + 1
+        width = lengths[order[start]]  # longest first: the first sets the width
+        while end < len(order) and end - start < cap and width * (end - start + 1) <= batch_tokens:
+            end += 1
+        batches.append(order[start:end])
+        start = end
+    return batches
 
 
 def _translate_here(spec: TranslatorSpec, items: Iterator[Any], out: TextIO, paired: bool,
@@ -388,7 +380,7 @@ def _translate_parallel(spec: TranslatorSpec, items: Iterator[Any], out: TextIO,
                          name=f"s2s-translate-{i + 1}", daemon=True) for i in range(n)]
     clean = False
     try:
-        measure = source_lengths(spec.models)  # while the server imports torch: starting a fork waits for it
+        plan = task_planner(spec)  # while the server imports torch: starting a fork waits for it
         _start(ctx, procs)
         reader = enumerate(_chunks(items, chunk_lines, paired, first_line_no))
         chunks: dict[int, _Chunk] = {}  # read and not yet written
@@ -407,7 +399,7 @@ def _translate_parallel(spec: TranslatorSpec, items: Iterator[Any], out: TextIO,
                     except S2SError as e:  # a bad line: write what came before it, then fail
                         read_error, reading = e, False
                         break
-                    chunks[index], chunk_tasks = _plan(index, *read, measure)
+                    chunks[index], chunk_tasks = _plan(index, *read, plan)
                     unsent.extend(chunk_tasks)
                 tasks.put(unsent.popleft())
                 in_flight += 1
@@ -460,26 +452,36 @@ class _Chunk:
         self.records[piece] = records
 
 
-def source_lengths(models: Sequence[str]) -> Optional[Callable[[list[str]], list[int]]]:
-    """A function giving each line's length in source pieces, |x|, by the first model's
-    tokenizer (read here: sentencepiece, no torch), or None where that cannot be read (the
-    workers then load the model and say what is wrong)."""
-    from s2s.modeldir import load_spec, run_dir_of
+def task_planner(spec: TranslatorSpec) -> Callable[[list[str]], list[list[int]]]:
+    """How the parent cuts a chunk into the workers' tasks: into the batches a worker decodes
+    (:func:`sorted_batches` of the lines' source pieces, by the first model's tokenizer and
+    decode settings, read here: sentencepiece, no torch), each of at most 1/TASKS_PER_CHUNK of
+    the chunk's lines.  A task of one batch keeps the worker's batches full: cut by equal work,
+    the longest sentences made tasks of a few dozen lines, decoded as small batches.  Where the
+    model cannot be read, by characters and the default batch size (the workers then load the
+    model and say what is wrong)."""
+    from s2s.config import DecodeConfig
+    from s2s.modeldir import decode_settings, explicit_decode_keys, load_spec, run_dir_of
 
-    if not models:
-        return None
+    def cut(lengths: list[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
+        cap = -(-len(lengths) // TASKS_PER_CHUNK)  # at least TASKS_PER_CHUNK tasks of a chunk
+        return sorted_batches(lengths, min(batch_size or cap, cap), batch_tokens)
+
     try:
-        _, tok = load_spec(run_dir_of(Path(models[0])))
-    except (S2SError, OSError, RuntimeError):
-        return None
-    return lambda lines: [len(ids) for ids in tok.encode_src(lines)]
+        run = run_dir_of(Path(spec.models[0]))
+        cfg, tok = load_spec(run)
+        decode = decode_settings(cfg.decode, spec.overrides, spec.defaults, explicit_decode_keys(run))
+    except (S2SError, OSError, RuntimeError, IndexError):
+        default = DecodeConfig()
+        return lambda lines: cut([len(line) for line in lines], default.batch_size, default.batch_tokens)
+    return lambda lines: cut([len(ids) for ids in tok.encode_src(lines)], decode.batch_size, decode.batch_tokens)
 
 
 def _plan(index: int, line_no: int, lines: list[str], prefixes: Optional[list[str]],
-          measure: Optional[Callable[[list[str]], list[int]]] = None) -> tuple[_Chunk, list[tuple]]:
+          plan: Callable[[list[str]], list[list[int]]]) -> tuple[_Chunk, list[tuple]]:
     """Chunk ``index``'s record and its tasks, ((chunk index, piece, rows), line numbers,
-    lines, prefixes), cut by :func:`split_by_work` (by ``measure``'s source lengths where given)."""
-    runs = split_by_work(lines, lengths=None if measure is None else measure(lines))
+    lines, prefixes), cut by ``plan`` (:func:`task_planner`)."""
+    runs = plan(lines)
     return _Chunk([""] * len(lines), len(runs)), [
         ((index, piece, rows), [line_no + i for i in rows], [lines[i] for i in rows],
          None if prefixes is None else [prefixes[i] for i in rows]) for piece, rows in enumerate(runs)]

@@ -12,7 +12,8 @@ import typer
 from s2s.cli import DECODE_FLAGS, SUMMARIZE_DEFAULTS, app
 from s2s.config import DecodeConfig, chosen_decode_keys, decode_overrides, load_training_config
 from s2s.errors import S2SError
-from s2s.translate import Translator, decode_settings, explicit_decode_keys
+from s2s.modeldir import decode_settings, explicit_decode_keys
+from s2s.translate import Translator
 
 FIELDS = {f.name for f in dataclasses.fields(DecodeConfig)}
 

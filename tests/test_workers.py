@@ -14,12 +14,11 @@ from s2s.errors import S2SError
 from s2s.params import parameter_count
 from s2s.workers import (
     CHUNKS_HELD,
-    SENTENCE_CHARS,
-    SENTENCE_PIECES,
+    TASKS_PER_CHUNK,
     TranslatorSpec,
     auto_workers,
-    source_lengths,
-    split_by_work,
+    sorted_batches,
+    task_planner,
     threads_per_worker,
     translate_stream,
 )
@@ -143,43 +142,61 @@ def test_a_bad_option_in_a_worker_is_the_one_line_error(model_dir):
     assert not active_children()
 
 
-def test_a_chunk_is_cut_longest_first_into_pieces_of_about_equal_work():
-    lines = [("word " * (i % 37)).strip() for i in range(1000)]
-    runs = split_by_work(lines, 8)
-    assert sorted(i for run in runs for i in run) == list(range(1000))  # every line once
-    order = [len(lines[i]) for run in runs for i in run]
-    assert order == sorted(order, reverse=True)  # the longest first, each run one stretch of lengths
-    work = [sum(len(lines[i]) + SENTENCE_CHARS for i in run) for run in runs]
-    assert len(runs) == 8 and max(work) - min(work) <= 2 * (max(map(len, lines)) + SENTENCE_CHARS)
-    assert len(runs[0]) < len(runs[-1])  # fewer long lines than short ones make a piece
-    assert split_by_work(["a", "bb"], 8) == [[1], [0]] and split_by_work([], 8) == []
-    assert split_by_work(["x" * 500] + ["y"] * 3, 2) == [[0], [1, 2, 3]]  # a line is never split
+def test_sorted_batches_are_a_translators_batches():
+    """Longest first, ties in input order; at most batch_size sentences and batch_tokens padded
+    tokens (the longest times the sentences); a sentence longer than batch_tokens alone."""
+    assert sorted_batches([3, 9, 3, 5], 0, 100) == [[1, 3, 0, 2]]
+    assert sorted_batches([3, 9, 3, 5], 2, 100) == [[1, 3], [0, 2]]
+    assert sorted_batches([3, 9, 3, 5], 0, 18) == [[1, 3], [0, 2]]  # 9 * 3 = 27 > 18
+    assert sorted_batches([3, 30, 3], 0, 10) == [[1], [0, 2]] and sorted_batches([], 4, 10) == []
 
 
-def test_a_chunk_is_cut_by_source_pieces_where_the_tokenizer_can_be_read(model_dir, tmp_path):
-    """The parent orders and weighs lines by their source pieces, as a worker batches them
-    (torch-free: the model's tokenizer only); where the tokenizer cannot be read, by characters."""
+def test_the_search_decodes_the_batches_the_parent_plans(model_dir):
+    """Translator.search_sorted runs sorted_batches: the batches the parent's tasks follow."""
+    from s2s.translate import Translator
+
+    tr = Translator.from_dirs([str(model_dir)], "cpu", decode={"batch_size": 2, "batch_tokens": 40})
+    seen = []
+    search_ids = tr.search_ids
+    tr.search_ids = lambda batch, *a: seen.append([len(x) for x in batch]) or search_ids(batch, *a)
+    src = [[5] * n for n in (3, 12, 7, 3, 7)]
+    tr.search_sorted(src)
+    assert seen == [[len(src[i]) for i in rows] for rows in sorted_batches([3, 12, 7, 3, 7], 2, 40)]
+    assert seen == [[12, 7], [7, 3], [3]]
+
+
+def test_a_chunk_is_cut_into_a_workers_batches_by_source_pieces(model_dir, tmp_path):
+    """The parent cuts a chunk by the first model's tokenizer and decode settings (torch-free),
+    one task per batch, each at most 1/TASKS_PER_CHUNK of the chunk's lines; where the model
+    cannot be read, by characters."""
     from s2s.modeldir import load_spec
     from s2s.workers import _plan
 
-    measure = source_lengths([str(model_dir)])
-    lines = ["port scanner for discovering services", "a", "", "clipboard manager with a long name indeed"]
-    want = [len(ids) for ids in load_spec(model_dir)[1].encode_src(lines)]
-    assert measure(lines) == want
-    assert split_by_work(lines, 8, lengths=[10, 1, 30, 2]) == [[2], [0], [3], [1]]  # not by characters
-    _, tasks = _plan(0, 1, lines, None, lambda ls: [10, 1, 30, 2])  # what the parent sends
-    assert [rows for (_, _, rows), *_ in tasks] == [[2], [0], [3], [1]]
-    # work |x| + SENTENCE_PIECES (4): 8, 4, 4, 4, 4 in halves of 12 (by |x| alone all in one run)
-    assert SENTENCE_PIECES == 4 and split_by_work(lines + ["x"], 2, lengths=[4, 0, 0, 0, 0]) == [[0, 1], [2, 3, 4]]
-    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000001"  # a checkpoint: its run's tokenizer
+    tok = load_spec(model_dir)[1]
+    lines = [("port scanner " * (i % 9)).strip() or "a" for i in range(90)] + ["q" * (20 + i) for i in range(10)]
+    pieces = [len(ids) for ids in tok.encode_src(lines)]
+    assert sorted_batches(pieces, 5, 4096) != sorted_batches([len(line) for line in lines], 5, 4096)
+    plan = task_planner(TranslatorSpec((str(model_dir),), {"batch_size": 5, "batch_tokens": 4096}))
+    assert plan(lines) == sorted_batches(pieces, 5, 4096)  # batches of 5: within 100 / 8
+    assert sorted(i for run in plan(lines) for i in run) == list(range(100))  # every line once
+    assert TASKS_PER_CHUNK == 8
+    wide = task_planner(TranslatorSpec((str(model_dir),), {"batch_size": 0, "batch_tokens": 10**6}))
+    assert wide(lines) == sorted_batches(pieces, 13, 10**6)  # at most ceil(100 / 8) lines a task
+    narrow = task_planner(TranslatorSpec((str(model_dir),), {"batch_tokens": 30}))
+    assert narrow(lines) == sorted_batches(pieces, 13, 30) and max(map(len, narrow(lines))) < 13
+    _, tasks = _plan(0, 1, lines, None, plan)  # what the parent sends
+    assert [rows for (_, _, rows), *_ in tasks] == plan(lines)
+    assert [nos for _, nos, *_ in tasks][0] == [1 + i for i in plan(lines)[0]]
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000001"  # a checkpoint: its run's model
     checkpoint.mkdir(parents=True)
     for f in model_dir.iterdir():
         if f.is_file():
             (tmp_path / "run" / f.name).write_bytes(f.read_bytes())
-    assert source_lengths([str(checkpoint)])(lines) == want
-    assert source_lengths([str(tmp_path / "missing")]) is None
+    assert task_planner(TranslatorSpec((str(checkpoint),), {"batch_size": 5}))(lines) == plan(lines)
+    by_chars = sorted_batches([len(line) for line in lines], 13, 4096)
+    assert task_planner(TranslatorSpec((str(tmp_path / "missing"),)))(lines) == by_chars
     (tmp_path / "run" / "config.yaml").write_text("model: [")  # unreadable: the workers will say so
-    assert source_lengths([str(tmp_path / "run")]) is None
+    assert task_planner(TranslatorSpec((str(tmp_path / "run"),)))(lines) == by_chars
 
 
 def test_auto_workers_and_threads():
