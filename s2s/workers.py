@@ -454,13 +454,15 @@ class _Chunk:
 
 def task_planner(spec: TranslatorSpec) -> Callable[[list[str]], list[list[int]]]:
     """How the parent cuts a chunk into the workers' tasks: into the batches a worker decodes
-    (:func:`sorted_batches` of the lines' source pieces, by the first model's tokenizer and
-    decode settings, read here: sentencepiece, no torch), each of at most 1/TASKS_PER_CHUNK of
-    the chunk's lines.  A task of one batch keeps the worker's batches full: cut by equal work,
+    (:func:`sorted_batches` of the lines' source pieces and language tokens, by the first
+    model's tokenizer and decode settings, read here: sentencepiece, no torch), each of at
+    most 1/TASKS_PER_CHUNK of the chunk's lines.  A task of one batch keeps the worker's
+    batches full: cut by equal work,
     the longest sentences made tasks of a few dozen lines, decoded as small batches.  Where the
     model cannot be read, by characters and the default batch size (the workers then load the
     model and say what is wrong)."""
     from s2s.config import DecodeConfig
+    from s2s.langs import language_ids
     from s2s.modeldir import decode_settings, explicit_decode_keys, load_spec, run_dir_of
 
     def cut(lengths: list[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
@@ -471,10 +473,12 @@ def task_planner(spec: TranslatorSpec) -> Callable[[list[str]], list[list[int]]]
         run = run_dir_of(Path(spec.models[0]))
         cfg, tok = load_spec(run)
         decode = decode_settings(cfg.decode, spec.overrides, spec.defaults, explicit_decode_keys(run))
+        extra = language_ids(tok.languages, tok.token_id, decode.tgt_lang).extra  # a language token or two
     except (S2SError, OSError, RuntimeError, IndexError):
         default = DecodeConfig()
         return lambda lines: cut([len(line) for line in lines], default.batch_size, default.batch_tokens)
-    return lambda lines: cut([len(ids) for ids in tok.encode_src(lines)], decode.batch_size, decode.batch_tokens)
+    return lambda lines: cut([len(ids) + extra for ids in tok.encode_src(lines)], decode.batch_size,
+                             decode.batch_tokens)
 
 
 def _plan(index: int, line_no: int, lines: list[str], prefixes: Optional[list[str]],

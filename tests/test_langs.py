@@ -190,3 +190,19 @@ def test_a_model_without_languages_refuses_tgt_lang(prepared, tmp_path, capsys, 
     with pytest.raises(S2SError, match="has no language tokens"):
         Translator.from_dir(model, tgt_lang="de")
     assert cfg.tokenizer.lang_scheme == "none"
+
+
+def test_the_workers_tasks_count_the_language_token(multi):
+    """The parent cuts a chunk into the batches a worker decodes, each source with the
+    language token --tgt-lang puts before it (<2de>: one more piece)."""
+    from s2s.modeldir import load_spec
+    from s2s.workers import TranslatorSpec, sorted_batches, task_planner
+
+    _, w = multi
+    model = w / "model"
+    lines = ["the package provides a tool"] * 64
+    n = len(load_spec(model)[1].encode_src(lines[:1])[0])
+    plan = task_planner(TranslatorSpec((str(model),), {"tgt_lang": "de", "batch_tokens": 4 * n}))
+    assert plan(lines) == sorted_batches([n + 1] * 64, 8, 4 * n) and len(plan(lines)) == 22  # 3 a batch
+    untold = task_planner(TranslatorSpec((str(model),), {"batch_tokens": 4 * n}))
+    assert untold(lines) == sorted_batches([n] * 64, 8, 4 * n) and len(untold(lines)) == 16  # 4 a batch
