@@ -57,33 +57,35 @@ def int8_min_rows(d_in: int, d_out: int) -> int:
     return -(-INT8_MIN_MACS // (d_in * d_out))
 
 
-def quantized_linear(weight: Tensor, bias: Optional[Tensor]) -> nn.Module:
-    """torch's dynamic int8 Linear of W (d_out, d_in) and b, made once from fp32: W quantized
-    as ``DynamicLinear.from_float`` does (its weight observer's scale), without building an
-    fp32 Linear first (one from the meta device imports sympy: 0.8 s of a worker's start-up)."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
-
+def packed_int8(weight: Tensor, bias: Optional[Tensor]) -> torch.ScriptObject:
+    """fbgemm's packed int8 W (d_out, d_in) and fp32 b, made once from fp32: W quantized
+    per tensor with the scale torch's dynamic quantization gives it (its default weight
+    observer, as ``DynamicLinear.from_float`` does), packed by the operator that module
+    packs with.  Without the module: building one packs a zero W of W's size first."""
     with warnings.catch_warnings():  # torch 2.13 flags its quantized tensor API as deprecated
         warnings.simplefilter("ignore", UserWarning)
         observer = torch.ao.quantization.default_dynamic_qconfig.weight()
         observer(weight)
         scale, zero_point = observer.calculate_qparams()
         q_weight = torch.quantize_per_tensor(weight.float(), float(scale), int(zero_point), torch.qint8)
-        linear = DynamicLinear(weight.size(1), weight.size(0), bias_=bias is not None, dtype=torch.qint8)
-        linear.set_weight_bias(q_weight, bias)
-    return linear
+        return torch.ops.quantized.linear_prepack(q_weight, bias)
 
 
 class Int8Linear(nn.Module):
     """y = x W^T + b in int8 where :func:`int8_pays`, else in fp32: the fp32 W (and b) are
     kept as they were (``weight``, ``bias``: what code reading a Linear's matrices sees) and
-    an int8 copy is made once.  For decoding only (no gradient flows to the int8 copy)."""
+    an int8 copy is packed once.  For decoding only (no gradient flows to the int8 copy)."""
 
     def __init__(self, weight: Tensor, bias: Optional[Tensor]):
         super().__init__()
         self.in_features, self.out_features = weight.size(1), weight.size(0)
         self.weight, self.bias = weight, bias  # the fp32 ones, shared (a Linear's state-dict keys stay)
-        self.int8 = quantized_linear(weight.detach(), None if bias is None else bias.detach())
+        self.packed = packed_int8(weight.detach(), None if bias is None else bias.detach())
+
+    def int8(self, x: Tensor) -> Tensor:
+        """x W^T + b by the int8 copy: torch's dynamic int8 product, as its quantized dynamic
+        Linear calls it (x quantized to 7 bits: ``reduce_range``)."""
+        return torch.ops.quantized.linear_dynamic(x, self.packed, True)
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // self.in_features
@@ -100,8 +102,8 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     """Every nn.Linear of ``model`` becomes an :class:`Int8Linear` in place, and the output
     projection W_U (``model.output_int8``, read by ModelBase.logits) is one too: the untied
     ``output_proj`` itself, or one over the embedding it is tied to.  Returns the model,
-    for decoding only: its state dict keeps every key it had and gains the int8 copies'
-    (and ``output_int8.weight``, the shared W_U), so it is not one to save."""
+    for decoding only: its state dict keeps every key it had and gains ``output_int8.weight``
+    (the shared W_U; the packed int8 copies are no tensors of it), so it is not one to save."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:
