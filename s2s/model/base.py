@@ -101,7 +101,7 @@ class ModelBase(nn.Module):
         b = None if self.output_bias is None else self.output_bias.index_select(0, ids)
         subset = VocabSubset(ids=ids, W=W.index_select(0, ids), b=b)
         if self.output_int8 is not None:
-            from s2s.model.int8 import Int8Linear  # torch.ao's quantized modules, only when asked
+            from s2s.model.int8 import Int8Linear  # torch's quantized operators, only when asked
 
             subset.int8 = Int8Linear(subset.W, b)
         return subset
