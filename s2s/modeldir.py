@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from s2s import __version__
-from s2s.config import DecodeConfig, ExperimentConfig, load_config, replace, to_yaml
+from s2s.config import DecodeConfig, ExperimentConfig, ModelConfig, load_config, replace, to_yaml
 from s2s.errors import ConfigError, S2SError
 from s2s.outdir import check_output_dir, output_dir
 from s2s.textio import atomic_write, file_sha256, os_reason
@@ -297,6 +297,21 @@ def decode_settings(model: DecodeConfig, overrides: Mapping[str, Any],
         return replace(model, "decode.", **changes)
     except ConfigError as e:
         raise S2SError(f"translate options: {e}") from None
+
+
+def position_table(model: ModelConfig) -> Optional[int]:
+    """The positions a source (or a target) may take in a learned position table: all of it,
+    or half for one stack over [x; y] (prefix_lm, decoder_only); None without one."""
+    if model.positions != "learned":
+        return None
+    return model.max_positions // (1 if model.arch == "encoder_decoder" else 2)
+
+
+def input_cap(model: ModelConfig, decode: DecodeConfig) -> int:
+    """The most source tokens a translator takes: decode.max_input_tokens, and no more than
+    a learned position table's share (:func:`position_table`)."""
+    table = position_table(model)
+    return decode.max_input_tokens if table is None else min(decode.max_input_tokens, table)
 
 
 def load_spec(directory: Path) -> tuple[ExperimentConfig, Tokenizer]:

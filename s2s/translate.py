@@ -26,7 +26,7 @@ from s2s.glossary import Glossary, load_glossary
 from s2s.langs import language_ids, with_forced
 from s2s.leantorch import complete_torch
 from s2s.model import S2SModel, Seq2SeqTransformer
-from s2s.modeldir import decode_settings, explicit_decode_keys
+from s2s.modeldir import decode_settings, explicit_decode_keys, input_cap, position_table
 from s2s.output import OutputFormat, confidence, format_translation
 from s2s.precision import auto_arithmetic, auto_precision, resolve_precision  # noqa: F401 (auto_precision: importable from here too)
 from s2s.search import EnsembleDecoder, Hypothesis, ModelDecoder, SpecialIds, ensemble_log_weights, search
@@ -164,14 +164,10 @@ class Translator:
         self.model = model.eval()
         self.tok = tokenizer
         self.device = torch.device(device)
-        learned = model.cfg.positions == "learned"
-        # one stack over [x; y] (prefix_lm, decoder_only) fits x and y in one position table: half each
-        table = model.cfg.max_positions // (1 if model.cfg.arch == "encoder_decoder" else 2)
-        self.position_cap = table - 1 if learned else None
+        table = position_table(model.cfg)
+        self.position_cap = None if table is None else table - 1
         self.decode = decode
-        self.max_input = decode.max_input_tokens
-        if learned:
-            self.max_input = min(self.max_input, table)
+        self.max_input = input_cap(model.cfg, decode)
         self.trained_src_tokens = trained_src_tokens
         self.alignments = False  # also align each hypothesis to its source (Pharaoh pairs)
         self.precision = "fp32"  # or bf16: the weights converted (set_arithmetic)

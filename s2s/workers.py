@@ -454,16 +454,15 @@ class _Chunk:
 
 def task_planner(spec: TranslatorSpec) -> Callable[[list[str]], list[list[int]]]:
     """How the parent cuts a chunk into the workers' tasks: into the batches a worker decodes
-    (:func:`sorted_batches` of the lines' source pieces and language tokens, by the first
-    model's tokenizer and decode settings, read here: sentencepiece, no torch), each of at
-    most 1/TASKS_PER_CHUNK of the chunk's lines.  A task of one batch keeps the worker's
-    batches full: cut by equal work,
-    the longest sentences made tasks of a few dozen lines, decoded as small batches.  Where the
-    model cannot be read, by characters and the default batch size (the workers then load the
-    model and say what is wrong)."""
+    (:func:`sorted_batches` of the lengths its sources will have, by the first model's
+    tokenizer and settings, read here: sentencepiece, no torch), each of at most
+    1/TASKS_PER_CHUNK of the chunk's lines.  A task of one batch keeps the worker's batches
+    full: cut by equal work, the longest sentences made tasks of a few dozen lines, decoded
+    as small batches.  Where the model cannot be read, by characters and the default batch
+    size (the workers then load the model and say what is wrong)."""
     from s2s.config import DecodeConfig
     from s2s.langs import language_ids
-    from s2s.modeldir import decode_settings, explicit_decode_keys, load_spec, run_dir_of
+    from s2s.modeldir import decode_settings, explicit_decode_keys, input_cap, load_spec, run_dir_of
 
     def cut(lengths: list[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
         cap = -(-len(lengths) // TASKS_PER_CHUNK)  # at least TASKS_PER_CHUNK tasks of a chunk
@@ -477,8 +476,15 @@ def task_planner(spec: TranslatorSpec) -> Callable[[list[str]], list[list[int]]]
     except (S2SError, OSError, RuntimeError, IndexError):
         default = DecodeConfig()
         return lambda lines: cut([len(line) for line in lines], default.batch_size, default.batch_tokens)
-    return lambda lines: cut([len(ids) + extra for ids in tok.encode_src(lines)], decode.batch_size,
-                             decode.batch_tokens)
+    trained, kept = cfg.data.max_src_tokens or math.inf, input_cap(cfg.model, decode) - extra
+
+    def source_length(ids: list[int], line: str) -> int:
+        """|x| as Translator.encode_lines makes x: cut to data.max_src_tokens and to the input
+        cap, the language tokens around it; an empty line is no source (0)."""
+        return min(len(ids), trained, kept) + extra if line.strip() else 0
+
+    return lambda lines: cut([source_length(ids, line) for ids, line in zip(tok.encode_src(lines), lines)],
+                             decode.batch_size, decode.batch_tokens)
 
 
 def _plan(index: int, line_no: int, lines: list[str], prefixes: Optional[list[str]],

@@ -42,6 +42,23 @@ def test_int8_linear_takes_int8_above_the_threshold_and_fp32_below(bias):
     torch.testing.assert_close(got, layer.int8(many))
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_products_are_torchs_dynamic_quantized_linear(bias):
+    """The packed copy gives what torch's DynamicQuantizedLinear.from_float of the same
+    Linear gives, bit for bit (2-D and 3-D inputs)."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    g = torch.Generator().manual_seed(1)
+    linear = torch.nn.Linear(192, 576, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(576, 192, generator=g) / 10)
+    linear.qconfig = torch.ao.quantization.default_dynamic_qconfig
+    torchs = DynamicLinear.from_float(linear)
+    ours = Int8Linear(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+    for x in (torch.randn(64, 192, generator=g), torch.randn(3, 7, 192, generator=g)):
+        assert torch.equal(ours.int8(x), torchs(x))
+
+
 def _model(arch: str, tie: bool, **kw) -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = ModelConfig(arch=arch, d_model=64, heads=4, enc_layers=1, dec_layers=1, d_ff=128, dropout=0.0,

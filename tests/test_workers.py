@@ -165,6 +165,40 @@ def test_the_search_decodes_the_batches_the_parent_plans(model_dir):
     assert seen == [[12, 7], [7, 3], [3]]
 
 
+@pytest.mark.parametrize("decode", [
+    {"batch_size": 4},
+    {"batch_tokens": 60},
+    {"batch_tokens": 60, "max_input_tokens": 8},  # long lines cut to 8 tokens, as the worker cuts them
+])
+def test_each_task_is_one_batch_of_the_worker(model_dir, decode):
+    """A worker decodes each task the parent plans as one batch of its non-empty lines, and
+    the tasks are the batches it makes of the whole chunk (with the cap of 1/8 of the chunk's
+    lines), also where it cuts over-long lines and drops empty ones."""
+    from s2s.translate import Translator
+
+    lines = [("port scanner for services " * (i % 13)).strip() for i in range(40)] + ["", "  "] * 3
+    cap = -(-len(lines) // TASKS_PER_CHUNK)
+    seen = []
+
+    def translator(**more):
+        tr = Translator.from_dirs([str(model_dir)], "cpu", decode={**decode, "beam": 1, "max_len_b": 3, **more})
+        search_ids = tr.search_ids
+        tr.search_ids = lambda batch, *a: seen.append(len(batch)) or search_ids(batch, *a)
+        return tr
+
+    tasks = task_planner(TranslatorSpec((str(model_dir),), {**decode, "beam": 1, "max_len_b": 3}))(lines)
+    tr = translator()
+    real = [sum(1 for i in rows if lines[i].strip()) for rows in tasks]
+    for rows, n in zip(tasks, real):
+        seen.clear()
+        tr.translate_chunk([lines[i] for i in rows])
+        assert seen == ([n] if n else [])
+    seen.clear()
+    translator(batch_size=min(decode.get("batch_size", 0) or cap, cap)).translate_chunk(lines)
+    assert seen == [n for n in real if n]  # as full as the worker's own batches
+    assert sorted(i for rows in tasks for i in rows) == list(range(len(lines)))
+
+
 def test_a_chunk_is_cut_into_a_workers_batches_by_source_pieces(model_dir, tmp_path):
     """The parent cuts a chunk by the first model's tokenizer and decode settings (torch-free),
     one task per batch, each at most 1/TASKS_PER_CHUNK of the chunk's lines; where the model
@@ -193,6 +227,16 @@ def test_a_chunk_is_cut_into_a_workers_batches_by_source_pieces(model_dir, tmp_p
         if f.is_file():
             (tmp_path / "run" / f.name).write_bytes(f.read_bytes())
     assert task_planner(TranslatorSpec((str(checkpoint),), {"batch_size": 5}))(lines) == plan(lines)
+    cut = tmp_path / "cut"  # a model trained on sources cut to 6 tokens (summarization's data.max_src_tokens)
+    cut.mkdir()
+    for f in model_dir.iterdir():
+        if f.is_file():
+            (cut / f.name).write_bytes(f.read_bytes())
+    config = (cut / "config.yaml").read_text()
+    assert "max_src_tokens: 0\n" in config
+    (cut / "config.yaml").write_text(config.replace("max_src_tokens: 0\n", "max_src_tokens: 6\n"))
+    assert task_planner(TranslatorSpec((str(cut),), {"batch_tokens": 60}))(lines) == \
+        sorted_batches([min(n, 6) for n in pieces], 13, 60)
     by_chars = sorted_batches([len(line) for line in lines], 13, 4096)
     assert task_planner(TranslatorSpec((str(tmp_path / "missing"),)))(lines) == by_chars
     (tmp_path / "run" / "config.yaml").write_text("model: [")  # unreadable: the workers will say so
