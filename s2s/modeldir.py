@@ -299,6 +299,14 @@ def decode_settings(model: DecodeConfig, overrides: Mapping[str, Any],
         raise S2SError(f"translate options: {e}") from None
 
 
+def model_decode_settings(directory: str | Path, cfg: ExperimentConfig, overrides: Mapping[str, Any],
+                          defaults: Mapping[str, Any] = {}) -> DecodeConfig:
+    """The decode settings a model (or run) directory with config ``cfg`` decodes with:
+    :func:`decode_settings` with the keys its training chose (:func:`explicit_decode_keys`).
+    A translator and the workers' parent, which cuts tasks by them, both read them here."""
+    return decode_settings(cfg.decode, overrides, defaults, explicit_decode_keys(directory))
+
+
 def position_table(model: ModelConfig) -> Optional[int]:
     """The positions a source (or a target) may take in a learned position table: all of it,
     or half for one stack over [x; y] (prefix_lm, decoder_only); None without one."""

@@ -26,7 +26,7 @@ from s2s.glossary import Glossary, load_glossary
 from s2s.langs import language_ids, with_forced
 from s2s.leantorch import complete_torch
 from s2s.model import S2SModel, Seq2SeqTransformer
-from s2s.modeldir import decode_settings, explicit_decode_keys, input_cap, position_table
+from s2s.modeldir import input_cap, model_decode_settings, position_table
 from s2s.output import OutputFormat, confidence, format_translation
 from s2s.precision import auto_arithmetic, auto_precision, resolve_precision  # noqa: F401 (auto_precision: importable from here too)
 from s2s.search import EnsembleDecoder, Hypothesis, ModelDecoder, SpecialIds, ensemble_log_weights, search
@@ -247,8 +247,7 @@ class Translator:
             if tokenizer_fingerprint(other.cfg, other.directory) != wanted:
                 raise S2SError(f"{other.directory}: another tokenizer than {first.directory}; "
                                "an ensemble needs models trained with the same SentencePiece model(s)")
-        settings = decode_settings(first.cfg.decode, decode or {}, decode_defaults or {},
-                                   explicit_decode_keys(first.directory))
+        settings = model_decode_settings(first.directory, first.cfg, decode or {}, decode_defaults or {})
         translator = cls(first.model, first.tokenizer, settings, device, first.cfg.data.max_src_tokens)
         translator.extra_models = [m.model.eval() for m in loaded[1:]]
         translator.directory = first.directory

@@ -462,7 +462,7 @@ def task_planner(spec: TranslatorSpec) -> Callable[[list[str]], list[list[int]]]
     size (the workers then load the model and say what is wrong)."""
     from s2s.config import DecodeConfig
     from s2s.langs import language_ids
-    from s2s.modeldir import decode_settings, explicit_decode_keys, input_cap, load_spec, run_dir_of
+    from s2s.modeldir import input_cap, load_spec, model_decode_settings, run_dir_of
 
     def cut(lengths: list[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
         cap = -(-len(lengths) // TASKS_PER_CHUNK)  # at least TASKS_PER_CHUNK tasks of a chunk
@@ -471,7 +471,7 @@ def task_planner(spec: TranslatorSpec) -> Callable[[list[str]], list[list[int]]]
     try:
         run = run_dir_of(Path(spec.models[0]))
         cfg, tok = load_spec(run)
-        decode = decode_settings(cfg.decode, spec.overrides, spec.defaults, explicit_decode_keys(run))
+        decode = model_decode_settings(run, cfg, spec.overrides, spec.defaults)
         extra = language_ids(tok.languages, tok.token_id, decode.tgt_lang).extra  # a language token or two
     except (S2SError, OSError, RuntimeError, IndexError):
         default = DecodeConfig()
