@@ -36,7 +36,6 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from s2s.allocator import keep_freed_memory
@@ -53,9 +52,10 @@ from s2s.config import ExperimentConfig, TrainConfig, replace
 from s2s.data import Batch, BinDataset, TrainingData, data_signature, token_batches, tokenizer_fingerprint
 from s2s.distributed import World, all_reduce_update, init_world, launch_local, process_split, shard
 from s2s.errors import Interrupted, S2SError
+from s2s.loss import label_smoothed_nll
 from s2s.metrics import corpus_bleu
 from s2s.model import S2SModel
-from s2s.model.gemm import resolve_gemm, use_openblas
+from s2s.model.gemm import resolve_gemm, use_openblas, use_row_blocks
 from s2s.modeldir import (
     CONFIG,
     META,
@@ -98,17 +98,6 @@ def inverse_sqrt_lr(step: int, peak: float, warmup: int) -> float:
         return peak
     s = max(step, 1)
     return peak * min(s / warmup, math.sqrt(warmup / s))
-
-
-def label_smoothed_nll(logits: Tensor, target: Tensor, epsilon: float, pad_id: int = PAD_ID) -> Tensor:
-    """sum over non-pad t of (1-eps)(-log p_t(y_t)) + eps * (1/V) sum_v (-log p_t(v)).
-
-    logits (B, T, V), target (B, T) (or only the real positions: (n, V), (n,))
-    -> scalar sum (divide by the token count for the mean).  eps = 0 gives the plain NLL.
-    """
-    V = logits.size(-1)
-    return F.cross_entropy(logits.reshape(-1, V).float(), target.reshape(-1), ignore_index=pad_id,
-                           reduction="sum", label_smoothing=epsilon)
 
 
 def distillation_loss(student: Tensor, teacher: Tensor, target: Tensor, lam: float, T: float,
@@ -324,6 +313,8 @@ class Trainer:
         # update, whose gradients flow back into the model's fp32 ones (the optimizer's master weights)
         self.bf16 = Bf16Copy(model) if self.precision == "bf16" else None
         self.work = model if self.bf16 is None else self.bf16.module
+        if self.bf16 is not None and device.type == "cpu":
+            use_row_blocks(self.work)  # oneDNN's bf16 kernels built once per row block, not per batch
         if self.precision == "fp32" and resolve_gemm(self.tc.gemm, device, "train.gemm") == "openblas":
             use_openblas(model)
             if self.tc.compile:

@@ -57,7 +57,7 @@ class ModelBase(nn.Module):
         self.output_proj = None if cfg.tie_output else nn.Linear(d, vocab, bias=False)
         self.output_bias = nn.Parameter(torch.zeros(vocab)) if cfg.output_bias else None
         self.output_scale = d ** -0.5 if cfg.scale_output else 1.0
-        self.gemm = "torch"  # or openblas, training (s2s.model.gemm.use_openblas)
+        self.gemm = "torch"  # or, training: openblas (s2s.model.gemm.use_openblas), rows (use_row_blocks)
         self.output_int8: Optional[nn.Module] = None  # W_U in int8 too, decoding (s2s.model.int8)
 
     def embed(self, tokens: Tensor, table: nn.Embedding, P: Optional[Tensor],
@@ -87,6 +87,8 @@ class ModelBase(nn.Module):
             z = self.output_proj(h)
         elif self.gemm == "openblas":  # training through OpenBLAS (s2s.model.gemm)
             z = gemm.linear(h, self.tgt_embed.weight)
+        elif self.gemm == "rows":  # bf16 training on the CPU: rows in blocks (s2s.model.gemm)
+            z = gemm.row_block_linear(h, self.tgt_embed.weight)
         else:
             z = h @ self.tgt_embed.weight.t()
         return z if self.output_bias is None else z + self.output_bias

@@ -1,0 +1,129 @@
+"""Training's CPU kernels against torch's own: the fused label-smoothed NLL (s2s.loss), bf16
+products in row blocks (s2s.model.gemm), the attention's matmul path while training, and the
+dropout mask drawn from raw bits (s2s.model.dropout)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from s2s.config import load_config
+from s2s.loss import ROWS, LabelSmoothedNLL, label_smoothed_nll
+from s2s.model.attention import MATH_KEYS, MultiHeadAttention, causal_mask, padding_mask
+from s2s.model.dropout import KEEP_BITS, Dropout, keep_mask
+from s2s.model.gemm import ROW_BLOCK, RowBlockLinear, RowBlockLinearModule, row_block_linear
+from s2s.trainer import make_trainer
+
+
+def _reference_nll(z, y, eps, pad):
+    return F.cross_entropy(z.float(), y, ignore_index=pad, reduction="sum", label_smoothing=eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_fused_nll_equals_cross_entropy_value_and_gradient(dtype, eps):
+    g = torch.Generator().manual_seed(0)
+    n, V, pad = 3 * ROWS + 5, 50, 0  # a last block of 5 rows
+    z = (3 * torch.randn(n, V, generator=g)).to(dtype).requires_grad_(True)
+    y = torch.randint(0, V, (n,), generator=g)
+    y[::7] = pad
+    before = z.detach().clone()
+    loss = LabelSmoothedNLL.apply(z, y, eps, pad)
+    (dz,) = torch.autograd.grad(2.5 * loss, z)
+    want = _reference_nll(z, y, eps, pad)
+    (want_dz,) = torch.autograd.grad(2.5 * want, z)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-3)
+    assert dz.dtype == dtype
+    torch.testing.assert_close(dz.float(), want_dz.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=1e-6)
+    assert torch.equal(z.detach(), before)  # the scores are not written over
+    assert float(dz[y == pad].abs().max()) == 0.0  # pad targets give no gradient
+
+
+def test_label_smoothed_nll_takes_batch_shapes():
+    z, y = torch.randn(2, 3, 11), torch.randint(1, 11, (2, 3))
+    torch.testing.assert_close(label_smoothed_nll(z, y, 0.1, 0), _reference_nll(z.view(6, 11), y.view(6), 0.1, 0))
+
+
+@pytest.mark.parametrize("rows", [5, ROW_BLOCK, 2 * ROW_BLOCK + 3])
+@pytest.mark.parametrize("bias", [True, False])
+def test_row_block_linear_gradients(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    W = torch.randn(6, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(6, dtype=torch.float64, generator=g, requires_grad=True) if bias else None
+    assert torch.autograd.gradcheck(lambda x, W, b: RowBlockLinear.apply(x.view(1, rows, 8), W, b), (x, W, b))
+    torch.testing.assert_close(RowBlockLinear.apply(x, W, b), F.linear(x, W, b))
+
+
+def test_row_block_linear_takes_bf16_training_products_only():
+    x = torch.randn(3, 7, 16, requires_grad=True)
+    W = torch.randn(4, 16, requires_grad=True)
+    assert not row_block_linear(x, W).grad_fn.name().startswith("RowBlockLinear")  # fp32: F.linear
+    xb, Wb = x.detach().bfloat16().requires_grad_(True), W.detach().bfloat16().requires_grad_(True)
+    y = row_block_linear(xb, Wb)
+    assert y.grad_fn.name().startswith("RowBlockLinear")
+    with torch.no_grad():
+        assert row_block_linear(xb, Wb).grad_fn is None
+    torch.testing.assert_close(y.float(), F.linear(xb, Wb).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_bf16_training_multiplies_in_row_blocks(prepared, tmp_path):
+    cfg = load_config(prepared, ["train.precision=bf16"])
+    trainer = make_trainer(cfg, tmp_path / "run", show_progress=False)
+    kinds = {type(m) for m in trainer.work.modules() if isinstance(m, torch.nn.Linear)}
+    assert kinds == {RowBlockLinearModule}
+    assert trainer.work.gemm == "rows"
+    assert all(type(m) is torch.nn.Linear for m in trainer.model.modules() if isinstance(m, torch.nn.Linear))
+    fp32 = make_trainer(load_config(prepared, ["train.precision=fp32"]), tmp_path / "run32", show_progress=False)
+    assert not any(isinstance(m, RowBlockLinearModule) for m in fp32.work.modules())
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_training_attention_path_equals_flash_forward_and_backward(cross):
+    """While training on the CPU with at most MATH_KEYS keys, attention runs as two matmuls and
+    an fp32 softmax: the same values and gradients as torch's scaled_dot_product_attention."""
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(32, 4, cross=cross)
+    B, T, S = 3, 9, 7
+    q = torch.randn(B, 4, T, 8, requires_grad=True)
+    k = torch.randn(B, 4, S if cross else T, 8, requires_grad=True)
+    v = torch.randn(B, 4, S if cross else T, 8, requires_grad=True)
+    src = torch.ones(B, S, dtype=torch.long)
+    src[0, -2:] = 0
+    mask = padding_mask(src, 0) if cross else causal_mask(T)
+    dout = torch.randn(B, 4, T, 8)
+    out, _ = mha.attend_heads(q, k, v, mask, need_weights=False)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    want_grads = torch.autograd.grad(want, (q, k, v), dout)
+    assert out.grad_fn.name() != want.grad_fn.name()  # the matmul path ran, not the flash kernel
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    for got, exp in zip(grads, want_grads):
+        torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-5)
+    assert MATH_KEYS >= 128
+
+
+def test_keep_mask_is_bernoulli_and_follows_the_seed():
+    p = 0.1
+    torch.manual_seed(3)
+    m = keep_mask(torch.Size([1000, 1000]), p, torch.device("cpu"))
+    assert m.dtype == torch.bool
+    p_grid = round(p * (1 << KEEP_BITS)) / (1 << KEEP_BITS)
+    # 10^6 draws: the kept fraction within 5 standard deviations (5 * 3e-4) of 1 - p'
+    assert abs(float(m.float().mean()) - (1 - p_grid)) < 1.5e-3
+    assert abs(float(m[:, :500].float().mean()) - float(m[:, 500:].float().mean())) < 3e-3  # no stripes
+    torch.manual_seed(3)
+    assert torch.equal(keep_mask(torch.Size([1000, 1000]), p, torch.device("cpu")), m)
+    assert keep_mask(torch.Size([5, 3]), p, torch.device("cpu")).shape == (5, 3)  # numel not a multiple of 4
+
+
+def test_dropout_scales_kept_values_and_passes_gradients_through_the_mask():
+    d = Dropout(0.25).train()
+    x = torch.randn(64, 33, requires_grad=True)
+    y = d(x)
+    kept = y != 0
+    torch.testing.assert_close(y[kept], x[kept] / 0.75)
+    (dx,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(dx, kept.float() / 0.75)
+    assert torch.equal(d.eval()(x), x)
