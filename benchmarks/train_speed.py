@@ -12,11 +12,12 @@ bf16 copy of the fp32 master weights made once per update, s2s.precision.Bf16Cop
 only layout) gets the same loss, clipping and AdamW in a plain loop, as a user runs it
 (``hf_fp32``) and with s2s's malloc setting (``hf_fp32_keep``: freed memory kept for the
 next update, s2s.allocator, which ``s2s train`` sets on the CPU), to show what that setting is worth.  The
-``s2s_fp32_2x1`` engine is two ranks of one gloo process group (one thread each),
-every update one batch per rank and one all-reduce; its tokens/s are those of both
-ranks together over the slower rank's time.  The s2s engines multiply through torch's
-BLAS (``train.gemm: torch``); ``s2s_fp32_openblas`` (by name in ``--engines`` only: one
-process of ``--threads`` threads, which ``auto`` never gives OpenBLAS) and
+``s2s_fp32_2x1`` engine (and ``s2s_bf16_2x1``, by name in ``--engines`` only) is two ranks
+of one gloo process group (one thread each), every update one batch per rank and one
+all-reduce; its tokens/s are those of both ranks together over the slower rank's time.
+The s2s engines multiply through torch's BLAS (``train.gemm: torch``);
+``s2s_fp32_openblas`` (by name in ``--engines`` only: one process of ``--threads`` threads,
+which ``auto`` never gives OpenBLAS) and
 ``s2s_fp32_2x1_openblas`` (what ``auto`` picks for one-thread processes on a CPU not made by
 Intel) through OpenBLAS (``train.gemm: openblas``, s2s.model.gemm).  ``s2s_fp32_compile`` (by name in
 ``--engines`` only) is ``s2s_fp32`` with ``train.compile: true``: its warmup updates
@@ -24,8 +25,11 @@ run twice, compiling, and that time is printed on its own.
 
 Measured properly on a shared machine: the engines take turns round by round
 (``--rounds``, at least 3), each round times ``--updates`` (>= 20) updates after
-``--warmup`` untimed ones, and the table gives the median tokens/s over the rounds
-with the min and max beside it (the spread says how far a rerun may land).
+``--warmup`` (20) untimed ones, and the table gives the median tokens/s over the rounds
+with the min and max beside it (the spread says how far a rerun may land).  The warmup
+is long because a long run's steady state is what is measured: bf16 products go through
+oneDNN, which builds a kernel for each new shape on first use (s2s.model.gemm), and a
+training run has met its shapes after its first few dozen updates.
 
 Tokens are source + target tokens, padding excluded.  Model FLOPs utilization
 (MFU) = 3 x the matmul FLOPs of the forward pass (output projection included,
@@ -67,12 +71,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 RECIPE = REPO / "recipes" / "ddtp-en-de.yaml"
 HF_ENV = REPO / "benchmarks" / ".hf-env"
-ENGINES = ("s2s_fp32", "s2s_fp32_2x1", "s2s_fp32_openblas", "s2s_fp32_2x1_openblas", "s2s_bf16",
+ENGINES = ("s2s_fp32", "s2s_fp32_2x1", "s2s_fp32_openblas", "s2s_fp32_2x1_openblas", "s2s_bf16", "s2s_bf16_2x1",
            "s2s_fp32_compile", "hf_fp32", "hf_fp32_keep")
 DEFAULT_ENGINES = ("s2s_fp32", "s2s_fp32_2x1", "s2s_fp32_2x1_openblas", "s2s_bf16",
                    "hf_fp32", "hf_fp32_keep")  # compile and 1 x N OpenBLAS: by name only
 PRECISION = {"s2s_fp32": "fp32", "s2s_fp32_2x1": "fp32", "s2s_fp32_openblas": "fp32",
-             "s2s_fp32_2x1_openblas": "fp32", "s2s_bf16": "bf16", "s2s_fp32_compile": "fp32",
+             "s2s_fp32_2x1_openblas": "fp32", "s2s_bf16": "bf16", "s2s_bf16_2x1": "bf16", "s2s_fp32_compile": "fp32",
              "hf_fp32": "fp32", "hf_fp32_keep": "fp32"}
 # the s2s engines' train.gemm (s2s.model.gemm): torch's BLAS unless the name says openblas
 GEMM = {e: "openblas" if e.endswith("_openblas") else "torch" for e in ENGINES}
@@ -293,7 +297,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one round of 8 timed updates: a smoke test")
     ap.add_argument("--updates", type=int, default=20, help="timed updates per engine and round")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed updates before each engine's timed ones")
+    ap.add_argument("--warmup", type=int, default=20, help="untimed updates before each engine's timed ones")
     ap.add_argument("--rounds", type=int, default=3, help="engines take turns this many times; median kept")
     ap.add_argument("--threads", type=int, default=2, help="cores: threads of one process, or processes x 1")
     ap.add_argument("--seed", type=int, default=1)
@@ -324,12 +328,12 @@ def main() -> None:
     unknown = sorted(set(chosen) - set(ENGINES))
     if unknown:
         sys.exit(f"train_speed: --engines: {', '.join(unknown)} not among {', '.join(ENGINES)}")
-    engines = [e for e in ENGINES if e in chosen and (e != "s2s_bf16" or native_bf16 or args.slow_bf16)]
+    engines = [e for e in ENGINES if e in chosen and (PRECISION[e] != "bf16" or native_bf16 or args.slow_bf16)]
     if args.threads < 2:
         engines = [e for e in engines if PROCS[e] == 1]
     count = {e: args.updates for e in ENGINES}
     if not native_bf16:
-        count["s2s_bf16"] = 2
+        count.update({e: 2 for e in ENGINES if PRECISION[e] == "bf16"})
     # the batches an engine's timed updates take: n_procs of them per update
     timed = {e: batches[args.warmup * n_procs[e]:(args.warmup + n) * n_procs[e]] for e, n in count.items()}
     tokens = {e: sum(b.n_src_tokens + b.n_tgt_tokens for b in t) for e, t in timed.items()}
@@ -340,7 +344,7 @@ def main() -> None:
              for e, bs in timed.items()}
     peak = {"fp32": matmul_peak_gflops(torch.float32),
             "bf16": matmul_peak_gflops(torch.bfloat16, repeats=10 if native_bf16 else 2)
-            if "s2s_bf16" in engines else float("nan")}
+            if any(PRECISION[e] == "bf16" for e in engines) else float("nan")}
     site = {e: hf_site() if e.startswith("hf_") else "" for e in engines}
     seconds: dict[str, list[float]] = {e: [] for e in engines}
     with tempfile.TemporaryDirectory() as tmp:
@@ -374,8 +378,8 @@ def main() -> None:
     print(f"{args.rounds} rounds of {args.updates} timed updates (after {args.warmup}) per engine, batches of "
           f"~{result['tokens_per_batch']:,} tokens (source + target, no padding), {args.threads} cores; "
           f"matmul peak fp32 {peak['fp32']:.0f} / bf16 {peak['bf16']:.0f} GFLOP/s")
-    if "s2s_bf16" not in engines:
-        print("s2s_bf16: left out, this CPU has no native bf16 matmul (run with --slow-bf16 to time it anyway)")
+    if not any(PRECISION[e] == "bf16" for e in engines):
+        print("bf16: left out, this CPU has no native bf16 matmul (run with --slow-bf16 to time it anyway)")
     print("| engine | precision | procs x threads | tokens/s (median) | min - max | target tokens/s | MFU "
           "| vs HF fp32 |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")

@@ -63,7 +63,7 @@ def test_row_block_linear_takes_bf16_training_products_only():
     xb, Wb = x.detach().bfloat16().requires_grad_(True), W.detach().bfloat16().requires_grad_(True)
     y = row_block_linear(xb, Wb)
     assert y.grad_fn.name().startswith("RowBlockLinear")
-    with torch.no_grad():
+    with torch.no_grad():  # decoding: F.linear
         assert row_block_linear(xb, Wb).grad_fn is None
     torch.testing.assert_close(y.float(), F.linear(xb, Wb).float(), rtol=2e-2, atol=2e-2)
 

