@@ -14,7 +14,7 @@ def keep_mask(shape: torch.Size, p: float, device: torch.device) -> Tensor:
     m_i ~ Bernoulli(1 - p'), p' = round(p 2^15) / 2^15 (|p' - p| <= 2^-16).  bool.
 
     Four u_i come from each 63-bit integer of torch's generator (``random_`` of an int64,
-    cut into 16-bit words whose top bit is dropped): on the CPU that is about 1/8 of the time
+    cut into 16-bit words whose top bit is dropped): on the CPU that is about 1/7 of the time
     ``torch.rand`` takes to draw one float per element, and the mask is a byte, not four.
     """
     n = shape.numel()
