@@ -54,11 +54,13 @@ def padding_mask(tokens: Tensor, pad_id: int) -> Tensor:
 # --------------------------------------------------------------------------- #
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None,
-              scale: bool = True, dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+              scale: bool = True, dropout_p: float = 0.0, return_weights: bool = True
+              ) -> tuple[Tensor, Optional[Tensor]]:
     """The reference path: A = softmax(Q K^T / sqrt(d_k) + M),  out = A V.
 
     q (..., T_q, d_k), k (..., T_k, d_k), v (..., T_k, d_v), mask broadcastable
-    to (..., T_q, T_k).  Returns (out (..., T_q, d_v), A (..., T_q, T_k)).
+    to (..., T_q, T_k).  Returns (out (..., T_q, d_v), A (..., T_q, T_k)), A None
+    with ``return_weights=False`` (in bf16 that spares casting A back).
     ``scale=False`` drops the 1/sqrt(d_k) (docs/model.md (3); worked example 5's "unscaled").
     Each row of A sums to 1 over the unmasked keys (before any dropout,
     which is applied to A only for the product with V).
@@ -73,7 +75,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None,
         scores = scores + mask
     A = torch.softmax(scores, dim=-1)
     out = F.dropout(A, dropout_p) @ v if dropout_p else A @ v
-    return out.to(dtype), A.to(dtype)
+    return out.to(dtype), A.to(dtype) if return_weights else None
 
 
 FEW_QUERIES = 16  # up to this many queries per key set (a decoding step: 1, or a sentence's beams)
@@ -187,7 +189,7 @@ class MultiHeadAttention(nn.Module):
         if need_weights:
             out, A = attention(q, k, v, mask, scale=self.scale, dropout_p=p)
         elif q.device.type == "cpu" and torch.is_grad_enabled() and k.size(-2) <= MATH_KEYS:
-            out, A = attention(q, k, v, mask, scale=self.scale, dropout_p=p)[0], None
+            out, A = attention(q, k, v, mask, scale=self.scale, dropout_p=p, return_weights=False)
         elif not p and q.size(-2) <= FEW_QUERIES and q.dtype == torch.float32 and q.device.type == "cpu":
             out, A = few_query_attention(q, k, v, mask, self.scale), None
         else:

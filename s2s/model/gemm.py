@@ -122,12 +122,16 @@ class LinearThroughBlas(torch.autograd.Function):
         return dx, dW, db
 
 
+def _recorded(*tensors: Optional[Tensor]) -> bool:
+    """Whether autograd records a product of these (a training step's)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def linear(x: Tensor, W: Tensor, b: Optional[Tensor] = None) -> Tensor:
     """y = x W^T + b: through OpenBLAS, forward and backward, where autograd records it on
     fp32 CPU tensors (a training step; :func:`_through_blas`), else F.linear (evaluation and
     decoding keep torch's: module docstring)."""
-    recorded = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, W, b))
-    if recorded and _through_blas(x, W, b):
+    if _recorded(x, W, b) and _through_blas(x, W, b):
         return LinearThroughBlas.apply(x, W, b)
     return F.linear(x, W, b)
 
@@ -145,14 +149,22 @@ def use_openblas(model: nn.Module) -> int:
     kernels) made a :class:`BlasLinear` over the same parameters, in place, and the
     model's other matrix products (the tied output projection) told to use it
     (``model.gemm``); OpenBLAS's threads matched to torch's.  Returns how many layers."""
+    swapped = _swap_linears(model, BlasLinear, "openblas")
+    match_blas_threads()
+    return swapped
+
+
+def _swap_linears(model: nn.Module, cls: type[nn.Linear], gemm: str) -> int:
+    """Every module of ``model`` that is exactly an nn.Linear made a ``cls`` (a subclass with
+    the same parameters and keys), in place, and every module with a ``gemm`` attribute (the
+    tied output projection's owner) set to ``gemm``.  Returns how many layers."""
     swapped = 0
     for m in model.modules():
         if type(m) is nn.Linear:
-            m.__class__ = BlasLinear  # the same object: its parameters, hooks and owner unchanged
+            m.__class__ = cls  # the same object: its parameters, hooks and owner unchanged
             swapped += 1
         elif hasattr(m, "gemm"):
-            m.gemm = "openblas"
-    match_blas_threads()
+            m.gemm = gemm
     return swapped
 
 
@@ -231,8 +243,8 @@ def row_block_linear(x: Tensor, W: Tensor, b: Optional[Tensor] = None) -> Tensor
     """y = x W^T + b: through :class:`RowBlockLinear` where autograd records it on bf16 CPU tensors
     (a training step), else F.linear.  Decoding keeps F.linear: the same blocks there left a bf16
     beam search and greedy as fast as they were (7.8 and 3.3 s for 1,000 sentences either way)."""
-    recorded = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, W, b))
-    if recorded and x.device.type == "cpu" and x.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
+    bf16_cpu = x.device.type == "cpu" and x.dtype == torch.bfloat16
+    if _recorded(x, W, b) and bf16_cpu and not torch.compiler.is_compiling():
         return RowBlockLinear.apply(x, W, b)
     return F.linear(x, W, b)
 
@@ -247,11 +259,4 @@ class RowBlockLinearModule(nn.Linear):
 def use_row_blocks(model: nn.Module) -> int:
     """Every nn.Linear of ``model`` made a :class:`RowBlockLinearModule`, in place, and the tied
     output projection told to use it (``model.gemm = "rows"``).  Returns how many layers."""
-    swapped = 0
-    for m in model.modules():
-        if type(m) is nn.Linear:
-            m.__class__ = RowBlockLinearModule
-            swapped += 1
-        elif hasattr(m, "gemm"):
-            m.gemm = "rows"
-    return swapped
+    return _swap_linears(model, RowBlockLinearModule, "rows")
