@@ -26,6 +26,7 @@ from s2s.glossary import Glossary, load_glossary
 from s2s.langs import language_ids, with_forced
 from s2s.leantorch import complete_torch
 from s2s.model import S2SModel, Seq2SeqTransformer
+from s2s.model.gemm import use_packed_bf16
 from s2s.modeldir import input_cap, model_decode_settings, position_table
 from s2s.output import OutputFormat, confidence, format_translation
 from s2s.precision import auto_arithmetic, auto_precision, resolve_precision  # noqa: F401 (auto_precision: importable from here too)
@@ -293,9 +294,13 @@ class Translator:
         """Convert every member's weights to bf16 once (no autocast per operation).  What
         accuracy needs stays fp32 inside the kernels: layer norm statistics and the
         attention softmax accumulate in fp32 (s2s.model.attention casts the reference
-        path's scores up), and the search takes log_softmax of fp32 logits."""
+        path's scores up), and the search takes log_softmax of fp32 logits.  On the CPU each
+        matrix is packed for oneDNN once (s2s.model.gemm.use_packed_bf16)."""
         self.model = self.model.to(torch.bfloat16)
         self.extra_models = [m.to(torch.bfloat16) for m in self.extra_models]
+        if self.device.type == "cpu":  # each W reordered for oneDNN once, not per product
+            for member in [self.model, *self.extra_models]:
+                use_packed_bf16(member)
 
     def quantize_int8(self) -> None:
         """int8 matrices where they pay (s2s.model.int8): every linear layer and the output

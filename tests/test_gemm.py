@@ -1,4 +1,5 @@
-"""Training's matrix products through OpenBLAS (s2s.model.gemm) against torch's."""
+"""Training's matrix products through OpenBLAS (s2s.model.gemm) against torch's; bf16 decoding's
+products through weights packed for oneDNN against F.linear."""
 
 import copy
 import logging
@@ -10,7 +11,18 @@ import torch.nn.functional as F
 from s2s.config import ModelConfig, load_config
 from s2s.errors import S2SError
 from s2s.model import make_model
-from s2s.model.gemm import BlasLinear, auto_gemm, linear, resolve_gemm, use_openblas
+from s2s.model.gemm import (
+    BlasLinear,
+    PackedLinear,
+    auto_gemm,
+    linear,
+    pack_bf16,
+    packed_linear,
+    packs_bf16,
+    resolve_gemm,
+    use_openblas,
+    use_packed_bf16,
+)
 from s2s.trainer import make_trainer
 from tests.test_precision import NO_DROPOUT
 
@@ -146,3 +158,62 @@ def test_bad_train_gemm_names_the_key(prepared):
 
     with pytest.raises(ConfigError, match="train.gemm"):
         load_config(prepared, ["train.gemm=mkl"])
+
+
+# --------------------------------------------------------------------------- #
+# bf16 decoding on the CPU: weights packed for oneDNN once
+# --------------------------------------------------------------------------- #
+needs_packing = pytest.mark.skipif(not packs_bf16(), reason="no native bf16 matmul on this CPU (or no oneDNN)")
+
+
+@needs_packing
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(5, 16), (3, 7, 16), (64, 16)])
+def test_packed_linear_equals_f_linear_in_bf16(bias, shape):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(*shape, generator=g).bfloat16()
+    W = torch.randn(40, 16, generator=g).bfloat16()
+    b = torch.randn(40, generator=g).bfloat16() if bias else None
+    packed = pack_bf16(W)
+    with torch.no_grad():
+        got = packed_linear(x, W, packed, b)
+        torch.testing.assert_close(got, F.linear(x, W, b), atol=2e-2, rtol=2e-2)
+        assert got.shape == (*shape[:-1], 40) and got.dtype == torch.bfloat16
+        strided = x.reshape(-1, 16)[::2]  # every other row: a view, not contiguous
+        torch.testing.assert_close(packed_linear(strided, W, packed, b), F.linear(strided, W, b), atol=2e-2, rtol=2e-2)
+
+
+def test_packed_linear_falls_back_where_oneDNN_does_not_apply():
+    """fp32 W is never packed; an fp32 input, or a product autograd records, takes F.linear."""
+    W = torch.randn(8, 4)
+    assert pack_bf16(W) is None
+    x = torch.randn(3, 4, requires_grad=True)
+    y = packed_linear(x, W, None)
+    assert torch.equal(y, F.linear(x, W)) and y.requires_grad
+
+
+@needs_packing
+@torch.no_grad()
+def test_bf16_model_decodes_the_same_with_packed_weights():
+    """use_packed_bf16 swaps every linear layer and the tied W_U: each step's log-probs equal the
+    unpacked bf16 model's up to bf16 rounding, with the full vocabulary and with a subset."""
+    from s2s.search import ModelDecoder
+    from tests.test_model import make_model as decode_model
+    from tests.test_model import right_pad, tokens
+
+    plain = decode_model().to(torch.bfloat16)
+    packed = copy.deepcopy(plain)
+    layers = use_packed_bf16(packed)
+    assert layers == sum(isinstance(m, torch.nn.Linear) for m in plain.modules()) > 0
+    assert packed.gemm == "packed" and packed.output_packed is not None
+    assert all(m.packed is not None for m in packed.modules() if isinstance(m, PackedLinear))
+    assert packed.state_dict().keys() == plain.state_dict().keys()
+    src = right_pad([tokens(5, seed=80), tokens(9, seed=81)])
+    tgt = tokens(2, 6, seed=82)
+    for subset in (None, torch.tensor([0, 1, 2, 3, 5, 8, 13, 21])):
+        ref, got = ModelDecoder(plain, src, vocab_subset=subset), ModelDecoder(packed, src, vocab_subset=subset)
+        if subset is not None:
+            assert got.cache.vocab_subset.packed is not None
+        for t in range(tgt.size(1)):
+            y = tgt[:, t:t + 1] if subset is None else torch.zeros_like(tgt[:, t:t + 1]) + t % 8
+            torch.testing.assert_close(got.step(y), ref.step(y), atol=0.05, rtol=0)

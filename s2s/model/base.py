@@ -35,6 +35,7 @@ class VocabSubset:
     W: Tensor  # (V', d_model): W_U[:, ids]^T
     b: Optional[Tensor]  # (V',): b_U[ids], or None without model.output_bias
     int8: Optional[nn.Module] = None  # W and b as an Int8Linear, when the model decodes in int8
+    packed: Optional[Tensor] = None  # W packed for oneDNN, when the model decodes in bf16 (s2s.model.gemm)
 
 
 class ModelBase(nn.Module):
@@ -57,8 +58,10 @@ class ModelBase(nn.Module):
         self.output_proj = None if cfg.tie_output else nn.Linear(d, vocab, bias=False)
         self.output_bias = nn.Parameter(torch.zeros(vocab)) if cfg.output_bias else None
         self.output_scale = d ** -0.5 if cfg.scale_output else 1.0
-        self.gemm = "torch"  # or, training: openblas (s2s.model.gemm.use_openblas), rows (use_row_blocks)
+        self.gemm = "torch"  # or, training: openblas (s2s.model.gemm.use_openblas), rows (use_row_blocks);
+        # decoding in bf16: packed (use_packed_bf16)
         self.output_int8: Optional[nn.Module] = None  # W_U in int8 too, decoding (s2s.model.int8)
+        self.output_packed: Optional[Tensor] = None  # the tied W_U packed for oneDNN, decoding in bf16
 
     def embed(self, tokens: Tensor, table: nn.Embedding, P: Optional[Tensor],
               norm: Optional[nn.Module]) -> Tensor:
@@ -79,7 +82,7 @@ class ModelBase(nn.Module):
         if subset is not None:
             if subset.int8 is not None:
                 return subset.int8(h)  # (..., V'), b included
-            z = h @ subset.W.t()  # (..., V')
+            z = gemm.packed_linear(h, subset.W, subset.packed)  # (..., V')
             return z if subset.b is None else z + subset.b
         if self.output_int8 is not None:  # --quantize int8 (its own choice of int8 or fp32 per call)
             z = self.output_int8(h)
@@ -89,13 +92,16 @@ class ModelBase(nn.Module):
             z = gemm.linear(h, self.tgt_embed.weight)
         elif self.gemm == "rows":  # bf16 training on the CPU: rows in blocks (s2s.model.gemm)
             z = gemm.row_block_linear(h, self.tgt_embed.weight)
+        elif self.gemm == "packed":  # bf16 decoding on the CPU: W_U packed once (s2s.model.gemm)
+            z = gemm.packed_linear(h, self.tgt_embed.weight, self.output_packed)
         else:
             z = h @ self.tgt_embed.weight.t()
         return z if self.output_bias is None else z + self.output_bias
 
     def vocab_subset(self, ids: Tensor) -> VocabSubset:
         """The output head's rows for target ids ``ids`` (V',), gathered once per batch;
-        under --quantize int8 also quantized once per batch (an int8 copy of V' rows)."""
+        under --quantize int8 also quantized once per batch (an int8 copy of V' rows), and
+        for bf16 decoding on the CPU packed once per batch (s2s.model.gemm.use_packed_bf16)."""
         if self.output_proj is None:
             W = self.tgt_embed.weight
         else:
@@ -106,6 +112,8 @@ class ModelBase(nn.Module):
             from s2s.model.int8 import Int8Linear  # torch's quantized operators, only when asked
 
             subset.int8 = Int8Linear(subset.W, b)
+        elif self.gemm == "packed":
+            subset.packed = gemm.pack_bf16(subset.W)
         return subset
 
     def embedding_tables(self) -> Iterable[nn.Embedding]:

@@ -1,4 +1,6 @@
-"""Which BLAS multiplies the model's matrices in training on the CPU: torch's or OpenBLAS.
+"""How the model's matrices are multiplied on the CPU: in training through torch's BLAS or OpenBLAS,
+bf16 rows in whole blocks (:class:`RowBlockLinear`); in bf16 decoding with each W packed for
+oneDNN once (:func:`use_packed_bf16`).
 
 torch's CPU wheels call Intel MKL for every x W^T.  MKL takes its tuned AVX2 and
 AVX-512 kernels only on CPUs whose vendor is GenuineIntel and a generic path
@@ -23,6 +25,7 @@ torch's: its matrices are a few rows, where numpy's per-call cost ate the gain (
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Optional
 
@@ -33,7 +36,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from s2s.errors import S2SError
-from s2s.precision import cpuinfo_field
+from s2s.precision import cpuinfo_field, native_bf16_cpu
 
 log = logging.getLogger("s2s")
 
@@ -260,3 +263,68 @@ def use_row_blocks(model: nn.Module) -> int:
     """Every nn.Linear of ``model`` made a :class:`RowBlockLinearModule`, in place, and the tied
     output projection told to use it (``model.gemm = "rows"``).  Returns how many layers."""
     return _swap_linears(model, RowBlockLinearModule, "rows")
+
+
+# --------------------------------------------------------------------------- #
+# bf16 decoding on the CPU: each W reordered for oneDNN once, not at every product
+# --------------------------------------------------------------------------- #
+# F.linear on bf16 CPU tensors hands W to oneDNN in torch's plain layout, and oneDNN reorders it
+# into its blocked (AMX/VNNI) layout inside every call.  A decoding step multiplies a few dozen rows,
+# so that reorder is a large share of each product: one thread of an Intel Xeon with AMX, 64 rows,
+# 256 x 1,024: 75 us through F.linear, 55 us with W reordered once (37 -> 27 us at 256 x 256,
+# 119 -> 79 us at 256 x 2,000).  Decoding reorders every matrix of a bf16 model once when it
+# loads (a shortlist's rows once per batch) and multiplies through oneDNN's linear on the packed
+# W: the same sums, so the same values.  fp32 keeps MKL: packed for oneDNN, fp32 was no faster.
+
+
+@functools.lru_cache(maxsize=None)
+def packs_bf16() -> bool:
+    """Whether bf16 products go through packed weights here: a CPU that multiplies bf16 natively
+    (s2s.precision.native_bf16_cpu; elsewhere oneDNN converts to fp32 and bf16 is not the choice)
+    and a torch with oneDNN's prepacked linear (CPU wheels built with mkldnn)."""
+    return (bool(native_bf16_cpu()) and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def pack_bf16(W: Tensor) -> Optional[Tensor]:
+    """W (out, in) bf16 on the CPU reordered once into oneDNN's layout for y = x W^T; None where
+    oneDNN cannot take it (another dtype or device, or a torch without the operator)."""
+    if W.dtype != torch.bfloat16 or W.device.type != "cpu" or not packs_bf16():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(W.detach(), PACK_ROWS)
+
+
+PACK_ROWS = 64  # the rows a decoding step usually multiplies (a batch of 64, or 13 sentences' 5 beams)
+
+
+def packed_linear(x: Tensor, W: Tensor, packed: Optional[Tensor], b: Optional[Tensor] = None) -> Tensor:
+    """y = x W^T + b through the packed W (:func:`pack_bf16`) where x is bf16 without autograd,
+    else F.linear on W itself."""
+    if packed is None or x.dtype != packed.dtype or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return F.linear(x, W, b)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+
+
+class PackedLinear(nn.Linear):
+    """nn.Linear multiplying through its W packed once (:func:`packed_linear`); same parameters
+    and keys.  The packed copy is made by :func:`use_packed_bf16` and is not part of the state."""
+
+    packed: Optional[Tensor] = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return packed_linear(x, self.weight, self.packed, self.bias)
+
+
+def use_packed_bf16(model: nn.Module) -> int:
+    """For decoding a bf16 model on the CPU: every nn.Linear made a :class:`PackedLinear` with its W
+    packed, and the tied output projection's W_U packed too (``model.gemm = "packed"``).  Returns
+    how many layers; 0 (and nothing changed) where oneDNN cannot pack the weights."""
+    if pack_bf16(next(model.parameters())) is None:
+        return 0
+    swapped = _swap_linears(model, PackedLinear, "packed")
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            m.packed = pack_bf16(m.weight)
+        elif getattr(m, "gemm", None) == "packed":  # W_U = E^T: the embedding's table, packed
+            m.output_packed = pack_bf16(m.tgt_embed.weight)
+    return swapped

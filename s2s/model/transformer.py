@@ -187,8 +187,9 @@ class Seq2SeqTransformer(ModelBase):
             layers.append(LayerCache(cross_k=k, cross_v=v))
         if self.cfg.coverage:
             layers[-1].coverage = h_enc.new_zeros(h_enc.shape[:2], dtype=torch.float32)  # (B, S)
-        # the cache's own source mask: a select may move its rows in place (DecoderCache.select)
-        cache = DecoderCache(layers=layers, src_mask=enc.src_mask.clone(), beam_slots=True)
+        # the cache's own source mask (a select may move its rows in place: DecoderCache.select), in
+        # H_enc's dtype (0 and -inf either way), so that a bf16 step's attention does not convert it
+        cache = DecoderCache(layers=layers, src_mask=enc.src_mask.to(h_enc.dtype, copy=True), beam_slots=True)
         if self.cfg.copy:
             cache.src, cache.h_enc = enc.src, h_enc
         return cache
