@@ -217,3 +217,21 @@ def test_bf16_model_decodes_the_same_with_packed_weights():
         for t in range(tgt.size(1)):
             y = tgt[:, t:t + 1] if subset is None else torch.zeros_like(tgt[:, t:t + 1]) + t % 8
             torch.testing.assert_close(got.step(y), ref.step(y), atol=0.05, rtol=0)
+
+
+@needs_packing
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("gated", [False, True])
+@torch.no_grad()
+def test_feed_forward_with_the_activation_inside_the_packed_product(activation, gated):
+    """A packed W_1 applies the activation in oneDNN's product (a post-op): the FFN's output equals
+    the unpacked bf16 FFN's up to bf16 rounding."""
+    from s2s.model.layers import FeedForward
+
+    torch.manual_seed(3)
+    plain = FeedForward(32, 64, activation, dropout=0.0, gated=gated).eval().to(torch.bfloat16)
+    packed = copy.deepcopy(plain)
+    use_packed_bf16(packed)
+    assert packed.post_op == activation
+    x = torch.randn(2, 5, 32).bfloat16()
+    torch.testing.assert_close(packed(x), plain(x), atol=0.05, rtol=0.02)

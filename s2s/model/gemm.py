@@ -297,12 +297,27 @@ def pack_bf16(W: Tensor) -> Optional[Tensor]:
 PACK_ROWS = 64  # the rows a decoding step usually multiplies (a batch of 64, or 13 sentences' 5 beams)
 
 
-def packed_linear(x: Tensor, W: Tensor, packed: Optional[Tensor], b: Optional[Tensor] = None) -> Tensor:
-    """y = x W^T + b through the packed W (:func:`pack_bf16`) where x is bf16 without autograd,
-    else F.linear on W itself."""
-    if packed is None or x.dtype != packed.dtype or torch.is_grad_enabled() or torch.compiler.is_compiling():
+# activations oneDNN applies to x W^T + b inside the product (a post-op), as (its name, algorithm)
+POST_OPS = {"relu": ("relu", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"), "silu": ("swish", "")}
+
+
+def takes_packed(x: Tensor, packed: Optional[Tensor]) -> bool:
+    """Whether x multiplies through a packed W: x in the packed dtype, and no autograd or compile."""
+    return (packed is not None and x.dtype == packed.dtype and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling())
+
+
+def packed_linear(x: Tensor, W: Tensor, packed: Optional[Tensor], b: Optional[Tensor] = None,
+                  activation: Optional[str] = None) -> Tensor:
+    """y = x W^T + b through the packed W (:func:`pack_bf16`) where :func:`takes_packed`, else
+    F.linear on W itself.  ``activation`` (a key of :data:`POST_OPS`, packed only): act(x W^T + b)
+    in the same call, before the result is rounded to bf16."""
+    if not takes_packed(x, packed):
+        if activation is not None:
+            raise ValueError("packed_linear: an activation is applied only with a packed W")
         return F.linear(x, W, b)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+    name, algorithm = POST_OPS[activation] if activation is not None else ("none", "")
+    return torch.ops.mkldnn._linear_pointwise(x, packed, b, name, [], algorithm)
 
 
 class PackedLinear(nn.Linear):

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from s2s.config import ModelConfig
+from s2s.model import gemm
 from s2s.model.attention import MultiHeadAttention, attention
 from s2s.model.cache import LayerCache
 from s2s.model.dropout import Dropout
@@ -54,6 +55,7 @@ class FeedForward(nn.Module):
         self.w_2 = nn.Linear(d_ff, d_model, bias=bias)
         self.act = ACTIVATIONS[activation]
         self.act_in_place = ACTIVATIONS_IN_PLACE.get(activation)
+        self.post_op = activation if activation in gemm.POST_OPS else None  # fused into a packed W_1
         self.dropout = Dropout(dropout)
 
         self.w_13: Optional[nn.Linear] = None  # [W_1; W_3] in one matrix: see fuse_matmuls
@@ -63,6 +65,10 @@ class FeedForward(nn.Module):
         if self.w_13 is not None:
             a, g = self.w_13(x).chunk(2, dim=-1)  # 2 x (B, L, d_ff)
             h = self.act(a) * g
+        elif self.post_op is not None and gemm.takes_packed(x, getattr(self.w_1, "packed", None)):
+            h = gemm.packed_linear(x, self.w_1.weight, self.w_1.packed, self.w_1.bias, self.post_op)
+            if self.w_3 is not None:
+                h = h.mul_(self.w_3(x))
         else:
             in_place = self.act_in_place is not None and not torch.is_grad_enabled()
             h = (self.act_in_place if in_place else self.act)(self.w_1(x))
