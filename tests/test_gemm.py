@@ -235,3 +235,19 @@ def test_feed_forward_with_the_activation_inside_the_packed_product(activation, 
     assert packed.post_op == activation
     x = torch.randn(2, 5, 32).bfloat16()
     torch.testing.assert_close(packed(x), plain(x), atol=0.05, rtol=0.02)
+
+
+@torch.no_grad()
+def test_int8_layers_are_not_taken_for_packed_bf16_ones():
+    """An int8 W_1 (s2s.model.int8, with its own fbgemm ``packed``) keeps its kernel: the
+    FFN's fused activation is for PackedLinear only."""
+    from s2s.model.int8 import quantize_int8
+    from s2s.search import ModelDecoder
+    from tests.test_model import make_model as decode_model, right_pad, tokens
+
+    model = decode_model().float().eval()
+    src = right_pad([tokens(5, seed=90), tokens(7, seed=91)])
+    y = tokens(2, 1, seed=92)
+    ref = ModelDecoder(model, src).step(y)
+    quantize_int8(model)
+    torch.testing.assert_close(ModelDecoder(model, src).step(y), ref, atol=0.1, rtol=0)

@@ -65,7 +65,8 @@ class FeedForward(nn.Module):
         if self.w_13 is not None:
             a, g = self.w_13(x).chunk(2, dim=-1)  # 2 x (B, L, d_ff)
             h = self.act(a) * g
-        elif self.post_op is not None and gemm.takes_packed(x, getattr(self.w_1, "packed", None)):
+        elif self.post_op is not None and isinstance(self.w_1, gemm.PackedLinear) and gemm.takes_packed(
+                x, self.w_1.packed):
             h = gemm.packed_linear(x, self.w_1.weight, self.w_1.packed, self.w_1.bias, self.post_op)
             if self.w_3 is not None:
                 h = h.mul_(self.w_3(x))
