@@ -19,9 +19,9 @@ The s2s engines multiply through torch's BLAS (``train.gemm: torch``);
 ``s2s_fp32_openblas`` (by name in ``--engines`` only: one process of ``--threads`` threads,
 which ``auto`` never gives OpenBLAS) and
 ``s2s_fp32_2x1_openblas`` (what ``auto`` picks for one-thread processes on a CPU not made by
-Intel) through OpenBLAS (``train.gemm: openblas``, s2s.model.gemm).  ``s2s_fp32_compile`` (by name in
-``--engines`` only) is ``s2s_fp32`` with ``train.compile: true``: its warmup updates
-run twice, compiling, and that time is printed on its own.
+Intel) through OpenBLAS (``train.gemm: openblas``, s2s.model.gemm).  ``s2s_fp32_compile`` and
+``s2s_bf16_compile`` (by name in ``--engines`` only) are ``s2s_fp32`` and ``s2s_bf16`` with
+``train.compile: true``: their warmup updates run twice, compiling, and that time is printed on its own.
 
 Measured properly on a shared machine: the engines take turns round by round
 (``--rounds``, at least 3), each round times ``--updates`` (>= 20) updates after
@@ -72,12 +72,12 @@ sys.path.insert(0, str(REPO))
 RECIPE = REPO / "recipes" / "ddtp-en-de.yaml"
 HF_ENV = REPO / "benchmarks" / ".hf-env"
 ENGINES = ("s2s_fp32", "s2s_fp32_2x1", "s2s_fp32_openblas", "s2s_fp32_2x1_openblas", "s2s_bf16", "s2s_bf16_2x1",
-           "s2s_fp32_compile", "hf_fp32", "hf_fp32_keep")
+           "s2s_fp32_compile", "s2s_bf16_compile", "hf_fp32", "hf_fp32_keep")
 DEFAULT_ENGINES = ("s2s_fp32", "s2s_fp32_2x1", "s2s_fp32_2x1_openblas", "s2s_bf16",
                    "hf_fp32", "hf_fp32_keep")  # compile and 1 x N OpenBLAS: by name only
 PRECISION = {"s2s_fp32": "fp32", "s2s_fp32_2x1": "fp32", "s2s_fp32_openblas": "fp32",
              "s2s_fp32_2x1_openblas": "fp32", "s2s_bf16": "bf16", "s2s_bf16_2x1": "bf16", "s2s_fp32_compile": "fp32",
-             "hf_fp32": "fp32", "hf_fp32_keep": "fp32"}
+             "s2s_bf16_compile": "bf16", "hf_fp32": "fp32", "hf_fp32_keep": "fp32"}
 # the s2s engines' train.gemm (s2s.model.gemm): torch's BLAS unless the name says openblas
 GEMM = {e: "openblas" if e.endswith("_openblas") else "torch" for e in ENGINES}
 PROCS = {e: 2 if "_2x1" in e else 1 for e in ENGINES}  # data-parallel processes of one thread
@@ -223,7 +223,7 @@ def engine_main(args) -> None:
         seconds = run_hf(batches, args.warmup, args.threads)
     else:
         seconds = run_s2s(PRECISION[args.engine], batches, args.warmup, args.threads,
-                          compile=args.engine == "s2s_fp32_compile", gemm=GEMM[args.engine])
+                          compile=args.engine.endswith("_compile"), gemm=GEMM[args.engine])
     print(json.dumps({"seconds": seconds}))
 
 
@@ -305,7 +305,7 @@ def main() -> None:
                     help="time s2s bf16 even on a CPU without native bf16 matmuls (2 updates, minutes)")
     ap.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
                     help=f"the engines to time, comma-separated, among {', '.join(ENGINES)} (default: all but "
-                         "s2s_fp32_compile); ratios need hf_fp32")
+                         "the compile engines and 1 x N OpenBLAS); ratios need hf_fp32")
     ap.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)
     ap.add_argument("--batches", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--site", default="", help=argparse.SUPPRESS)

@@ -48,10 +48,13 @@ class LabelSmoothedNLL(torch.autograd.Function):
         n, V = z.shape
         lse = torch.empty(n, dtype=torch.float32)
         z_sum = torch.empty(n, dtype=torch.float32)
+        z_f = torch.empty(min(ROWS, n), V, dtype=torch.float32)  # one fp32 block, reused
         for i in range(0, n, ROWS):
-            z_f = z[i:i + ROWS].float()
-            torch.logsumexp(z_f, -1, out=lse[i:i + ROWS])
-            torch.sum(z_f, -1, out=z_sum[i:i + ROWS])
+            rows = slice(i, i + ROWS)
+            z_b = z_f[:min(ROWS, n - i)].copy_(z[rows])
+            torch.sum(z_b, -1, out=z_sum[rows])
+            m = z_b.amax(-1, keepdim=True)  # lse = m + log sum_v exp(z_v - m), in place over the block
+            torch.add(z_b.sub_(m).exp_().sum(-1).log_(), m.squeeze(1), out=lse[rows])
         keep = y != pad_id
         z_y = z.gather(1, y[:, None]).squeeze(1).float()
         per_token = lse - (1 - epsilon) * z_y - (epsilon / V) * z_sum
@@ -71,7 +74,7 @@ class LabelSmoothedNLL(torch.autograd.Function):
         for i in range(0, n, ROWS):
             rows = slice(i, i + ROWS)
             p_b = p[:min(ROWS, n - i)]
-            torch.sub(z[rows], lse[rows, None], out=p_b).exp_()  # softmax(z_t), fp32
+            p_b.copy_(z[rows]).sub_(lse[rows, None]).exp_()  # softmax(z_t), fp32
             p_b.scatter_add_(1, y[rows, None], p_b.new_full((p_b.size(0), 1), epsilon - 1))
-            torch.addcmul(smooth[rows], p_b, g_t[rows], out=dz[rows])  # g (p - onehot (1-eps)) - g eps/V
+            dz[rows] = p_b.mul_(g_t[rows]).add_(smooth[rows])  # g (p - onehot (1-eps)) - g eps/V
         return dz, None, None, None
