@@ -243,7 +243,8 @@ def test_int8_layers_are_not_taken_for_packed_bf16_ones():
     FFN's fused activation is for PackedLinear only."""
     from s2s.model.int8 import quantize_int8
     from s2s.search import ModelDecoder
-    from tests.test_model import make_model as decode_model, right_pad, tokens
+    from tests.test_model import make_model as decode_model
+    from tests.test_model import right_pad, tokens
 
     model = decode_model().float().eval()
     src = right_pad([tokens(5, seed=90), tokens(7, seed=91)])
