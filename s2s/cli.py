@@ -355,8 +355,9 @@ def _decode_command(name: str, defaults: dict):
         threads: Annotated[int, typer.Option(help="torch threads (0: torch's default).")] = 0,
         precision: Annotated[str, typer.Option(
             help="fp32; bf16 (weights converted; fast only with native bf16 matmuls); "
-                 "auto: bf16 where the CPU has avx512_bf16/amx_bf16, else fp32 with int8 matrices "
-                 "where they are faster (CPUs with avx2 and no AVX-512).")] = "fp32",
+                 "auto: what was measured fastest on this kind of CPU: bf16 with amx_bf16, fp32 with "
+                 "int8 matrices with avx512_bf16+avx512_vnni and no AMX or with avx2 and no AVX-512, "
+                 "else bf16 where native, else fp32.")] = "fp32",
         compile: Annotated[bool, typer.Option(
             "--compile", help="torch.compile the decoder step (cached on disk; decode.compile).")] = False,
         shortlist: Annotated[bool, typer.Option(

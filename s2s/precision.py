@@ -7,8 +7,9 @@ where the hardware multiplies bf16 natively and fp32 elsewhere:
     CPU     bf16 with AVX-512 BF16 or AMX-BF16 (the CPU flags avx512_bf16, amx_bf16;
             torch.cpu._is_avx512_bf16_supported / _is_amx_tile_supported), else fp32
 
-and, decoding only (:func:`auto_arithmetic`), adds int8 matrices (s2s.model.int8) to the
-fp32 weights on the CPUs where they were measured faster: AVX2 without AVX-512.
+and, decoding only (:func:`auto_arithmetic`), takes fp32 weights with int8 matrices
+(s2s.model.int8) instead on the CPUs where those were measured faster: AVX2 without AVX-512,
+and AVX-512 BF16 with VNNI but without AMX.
 
 oneDNN "supports" bf16 on plain AVX-512 too (torch.ops.mkldnn._is_mkldnn_bf16_supported()
 is true there) by converting to fp32, many times slower than fp32 itself: that check
@@ -88,16 +89,24 @@ def auto_arithmetic(device: torch.device, flags: Optional[set[str] | frozenset[s
                     ) -> tuple[str, bool, str]:
     """What decoding's ``--precision auto`` picks on ``device``: (precision, int8, why).
 
-    The precision is :func:`auto_precision`'s.  int8 (fp32 weights with int8 copies where a
-    product is large enough, s2s.model.int8) is added on a CPU with AVX2 and without AVX-512
-    (no avx512f flag) that has no native bf16: there, on an AMD EPYC, it made beam search
-    and greedy faster than fp32 (README: decode speed).  On an AVX-512 CPU without VNNI the
-    earlier int8 (every layer, output projection fp32) was not faster than fp32 and the
-    present one is unmeasured, so auto keeps fp32 there."""
+    Measured on the CPUs seen (README: decode speed), int8 matrices (fp32 weights with int8
+    copies where a product is large enough, s2s.model.int8) or bf16, whichever decoded faster:
+
+        amx_bf16                              bf16 (Intel Xeon with AMX)
+        avx512_bf16 and avx512_vnni, no AMX   fp32 + int8 (AMD EPYC Zen 5: int8 beat bf16)
+        avx2 without avx512f                  fp32 + int8 (AMD EPYC Zen 2)
+        avx512f without bf16                  fp32 (int8 unmeasured there)
+
+    Anything else, and other devices, take :func:`auto_precision`'s choice."""
     precision, why = auto_precision(device, flags)
-    if precision != "fp32" or device.type != "cpu":
+    if device.type != "cpu":
         return precision, False, why
+    native = native_bf16_cpu(flags)
     flags = cpu_flags() if flags is None else frozenset(flags)
+    if precision == "bf16":
+        if "amx_bf16" in native or "avx512_vnni" not in flags:
+            return "bf16", False, why
+        return "fp32", True, why + " but no amx_bf16, and avx512_vnni: int8 matrices (faster than bf16 there)"
     if "avx2" not in flags:
         return "fp32", False, why + "; no avx2 for int8"
     if "avx512f" in flags:

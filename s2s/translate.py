@@ -268,8 +268,8 @@ class Translator:
 
     def set_arithmetic(self, precision: str = "fp32", quantize: Optional[str] = None) -> None:
         """``precision``: fp32; bf16 (the weights converted once, see :meth:`to_bf16`); or auto
-        (:func:`auto_arithmetic`: bf16 where the CPU multiplies bf16 natively, else fp32, with
-        int8 matrices on the CPUs where they were measured faster).
+        (:func:`auto_arithmetic`: bf16 or fp32 with int8 matrices, whichever was measured faster
+        on this kind of CPU).
         ``quantize``: None, or int8 (see :meth:`quantize_int8`), with fp32 weights only."""
         if precision not in PRECISIONS:
             raise S2SError(f"--precision: {precision!r} is not fp32, bf16 or auto")

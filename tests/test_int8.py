@@ -137,6 +137,20 @@ def test_auto_arithmetic_adds_int8_on_avx2_without_avx512():
     assert auto_arithmetic(cpu, {"avx2", "avx512f", "avx512_bf16"})[:2] == ("bf16", False)
 
 
+def test_auto_arithmetic_takes_int8_over_bf16_without_amx():
+    """AVX-512 BF16 with VNNI but no AMX (AMD EPYC Zen 5): int8 decoded faster than bf16 there;
+    with AMX (Intel Xeon) bf16 did."""
+    from s2s.precision import auto_arithmetic
+
+    cpu = torch.device("cpu")
+    zen5 = {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni"}
+    assert auto_arithmetic(cpu, zen5) == (
+        "fp32", True, "CPU flags avx512_bf16 but no amx_bf16, and avx512_vnni: int8 matrices "
+        "(faster than bf16 there)")
+    assert auto_arithmetic(cpu, zen5 | {"amx_bf16", "amx_int8"}) == (
+        "bf16", False, "CPU flags amx_bf16 avx512_bf16")
+
+
 @pytest.mark.parametrize("avx2", [True, False])
 def test_translator_precision_auto_adds_int8_where_it_pays(prepared, tmp_path, monkeypatch, caplog, avx2):
     import logging

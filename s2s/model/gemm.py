@@ -249,8 +249,9 @@ class RowBlockLinear(torch.autograd.Function):
 
 def row_block_linear(x: Tensor, W: Tensor, b: Optional[Tensor] = None) -> Tensor:
     """y = x W^T + b: through :class:`RowBlockLinear` where autograd records it on bf16 CPU tensors
-    (a training step), else F.linear.  Decoding keeps F.linear: the same blocks there left a bf16
-    beam search and greedy as fast as they were (7.8 and 3.3 s for 1,000 sentences either way)."""
+    (a training step), else F.linear.  Decoding takes no row blocks: they left a bf16 beam search
+    and greedy as fast as they were (7.8 and 3.3 s for 1,000 sentences either way); bf16 decoding
+    on the CPU multiplies by W packed once instead (:class:`PackedLinear`)."""
     bf16_cpu = x.device.type == "cpu" and x.dtype == torch.bfloat16
     if _recorded(x, W, b) and bf16_cpu and not torch.compiler.is_compiling():
         return RowBlockLinear.apply(x, W, b)
