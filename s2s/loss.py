@@ -6,10 +6,14 @@
 
 :func:`label_smoothed_nll` computes exactly what ``F.cross_entropy(..., label_smoothing=eps,
 reduction="sum")`` computes.  On the CPU it runs :class:`LabelSmoothedNLL`, which reads the
-(n, V) scores a few rows at a time, in fp32 whatever their dtype, and writes the gradient in
-their dtype: no fp32 copy of all the scores, no (n, V) one-hot or smoothing tensors to add,
-and each block of rows stays in the cache between its passes.  On 3,000 x 8,000 scores with
-2 threads that is forward + backward in 58 ms against 112 (fp32) and 48 against 157 (bf16).
+(n, V) scores once, a few rows at a time, in fp32 whatever their dtype: each block's softmax
+gives both the loss and the gradient's numerator g^-1 dL/dz_t, which is written, in the
+scores' dtype, where the gradient will be; the backward pass only scales it by g.  No fp32
+copy of all the scores, no (n, V) one-hot or smoothing tensors, one exp per score (torch's
+softmax kernel, about 3x the speed of ``exp_``), and each block stays in the cache between
+its passes.  On 3,840 x 8,000 scores with 2 threads of an AMD EPYC (Zen 5), forward +
+backward take 19-26 ms in bf16 and 26-30 ms in fp32, against 42-56 and 55-57 ms when the
+backward pass read the scores again and recomputed their softmax.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from torch import Tensor
 
 from s2s.tokenizer import PAD_ID
 
-ROWS = 32  # rows of scores per block: 32 x V fp32 values (1 MiB at V = 8,000) stay in the cache
+ROWS = 32  # rows of scores per block: two 32 x V fp32 blocks (1 MiB each at V = 8,000) stay in the cache
 
 
 def label_smoothed_nll(logits: Tensor, target: Tensor, epsilon: float, pad_id: int = PAD_ID) -> Tensor:
@@ -39,42 +43,45 @@ def label_smoothed_nll(logits: Tensor, target: Tensor, epsilon: float, pad_id: i
 class LabelSmoothedNLL(torch.autograd.Function):
     """L and dL/dz of the module docstring, block by block of :data:`ROWS` rows.
 
-    forward(z (n, V) any float dtype, y (n,), eps, pad_id) -> L (fp32 scalar).  Saves z and
-    lse(z_t) (n,); the backward pass recomputes softmax(z_t) = exp(z_t - lse(z_t)) from them.
+    forward(z (n, V) any float dtype, y (n,), eps, pad_id) -> L (fp32 scalar).  Per block:
+    p_t = softmax(z_t) in fp32; lse(z_t) = max_v z_t - log max_v p_t (max_v p_t >= 1/V never
+    underflows); and, when z needs a gradient, q_t = p_t - (1-eps) onehot(y_t) - eps/V, kept
+    in z's dtype (z itself is not saved, nor written).  backward(g) = q_t g, 0 at pad targets,
+    computed in place in q: the backward pass runs once (a second one raises).  In bf16, g is
+    rounded to bf16 (a relative 2^-9 at most, the same for every score of the batch).
     """
 
     @staticmethod
     def forward(ctx, z: Tensor, y: Tensor, epsilon: float, pad_id: int) -> Tensor:  # type: ignore[override]
         n, V = z.shape
+        block = min(ROWS, n)
         lse = torch.empty(n, dtype=torch.float32)
         z_sum = torch.empty(n, dtype=torch.float32)
-        z_f = torch.empty(min(ROWS, n), V, dtype=torch.float32)  # one fp32 block, reused
+        z_f = torch.empty(block, V, dtype=torch.float32)  # fp32 blocks, reused
+        p_f = torch.empty(block, V, dtype=torch.float32)
+        q = torch.empty_like(z) if ctx.needs_input_grad[0] else None
+        minus_target = torch.full((block, 1), epsilon - 1.0)  # -(1-eps) at y_t
         for i in range(0, n, ROWS):
             rows = slice(i, i + ROWS)
-            z_b = z_f[:min(ROWS, n - i)].copy_(z[rows])
+            r = min(ROWS, n - i)
+            z_b = z_f[:r].copy_(z[rows])
             torch.sum(z_b, -1, out=z_sum[rows])
-            m = z_b.amax(-1, keepdim=True)  # lse = m + log sum_v exp(z_v - m), in place over the block
-            torch.add(z_b.sub_(m).exp_().sum(-1).log_(), m.squeeze(1), out=lse[rows])
+            z_max = z_b.amax(-1)
+            p_b = torch.ops.aten._softmax.out(z_b, -1, False, out=p_f[:r])
+            torch.sub(z_max, p_b.amax(-1).log_(), out=lse[rows])
+            if q is not None:
+                q[rows] = p_b.sub_(epsilon / V).scatter_add_(1, y[rows, None], minus_target[:r])
         keep = y != pad_id
         z_y = z.gather(1, y[:, None]).squeeze(1).float()
         per_token = lse - (1 - epsilon) * z_y - (epsilon / V) * z_sum
-        ctx.save_for_backward(z, y, lse, keep)
-        ctx.epsilon = epsilon
+        ctx.q, ctx.keep = q, keep  # q: an intermediate, not an input or output
         return per_token[keep].sum()
 
     @staticmethod
     def backward(ctx, g: Tensor):  # type: ignore[override]
-        z, y, lse, keep = ctx.saved_tensors
-        epsilon = ctx.epsilon
-        n, V = z.shape
-        dz = torch.empty_like(z)
-        g_t = (g.float() * keep)[:, None]  # (n, 1): 0 at pad targets
-        smooth = g_t * (-epsilon / V)  # (n, 1): the -g eps/V of every score
-        p = torch.empty(min(ROWS, n), V, dtype=torch.float32)
-        for i in range(0, n, ROWS):
-            rows = slice(i, i + ROWS)
-            p_b = p[:min(ROWS, n - i)]
-            p_b.copy_(z[rows]).sub_(lse[rows, None]).exp_()  # softmax(z_t), fp32
-            p_b.scatter_add_(1, y[rows, None], p_b.new_full((p_b.size(0), 1), epsilon - 1))
-            dz[rows] = p_b.mul_(g_t[rows]).add_(smooth[rows])  # g (p - onehot (1-eps)) - g eps/V
-        return dz, None, None, None
+        q, keep = ctx.q, ctx.keep
+        if q is None:
+            raise RuntimeError("LabelSmoothedNLL's backward pass runs once: its saved gradient is spent")
+        ctx.q = None
+        g_t = (g.float() * keep)[:, None].to(q.dtype)  # (n, 1): 0 at pad targets
+        return q.mul_(g_t), None, None, None

@@ -40,6 +40,17 @@ def test_fused_nll_equals_cross_entropy_value_and_gradient(dtype, eps):
     assert float(dz[y == pad].abs().max()) == 0.0  # pad targets give no gradient
 
 
+def test_fused_nll_backward_runs_once_and_needs_no_gradient_to_score():
+    z = torch.randn(ROWS + 3, 20, requires_grad=True)
+    y = torch.randint(1, 20, (ROWS + 3,))
+    loss = LabelSmoothedNLL.apply(z, y, 0.1, 0)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="runs once"):
+        loss.backward()
+    with torch.no_grad():  # scoring (dev loss): the same value, no gradient kept
+        torch.testing.assert_close(LabelSmoothedNLL.apply(z, y, 0.1, 0), loss.detach())
+
+
 def test_label_smoothed_nll_takes_batch_shapes():
     z, y = torch.randn(2, 3, 11), torch.randint(1, 11, (2, 3))
     torch.testing.assert_close(label_smoothed_nll(z, y, 0.1, 0), _reference_nll(z.view(6, 11), y.view(6), 0.1, 0))
