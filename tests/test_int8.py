@@ -4,9 +4,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import s2s.model.int8 as int8_module
 from s2s.config import ModelConfig
 from s2s.model import make_model
-from s2s.model.int8 import INT8_MIN_MACS, Int8Linear, int8_min_rows, int8_pays, quantize_int8
+from s2s.model.int8 import (
+    INT8_MIN_MACS,
+    ONEDNN_MIN_ROWS,
+    Int8Linear,
+    int8_min_rows,
+    int8_pays,
+    onednn_pays,
+    quantize_int8,
+)
 
 
 def test_int8_pays_rule():
@@ -57,6 +66,37 @@ def test_int8_products_are_torchs_dynamic_quantized_linear(bias):
     ours = Int8Linear(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
     for x in (torch.randn(64, 192, generator=g), torch.randn(3, 7, 192, generator=g)):
         assert torch.equal(ours.int8(x), torchs(x))
+
+
+def test_onednn_pays_rule(monkeypatch):
+    monkeypatch.setattr(int8_module, "onednn_int8", lambda: True)
+    assert onednn_pays(ONEDNN_MIN_ROWS, 256, 8000) and not onednn_pays(ONEDNN_MIN_ROWS - 1, 256, 8000)
+    assert onednn_pays(320, 192, 4000) and onednn_pays(320, 256, 1024)  # wide: d_out >= 4 d_in
+    assert not onednn_pays(320, 256, 768) and not onednn_pays(640, 1024, 256)
+    monkeypatch.setattr(int8_module, "onednn_int8", lambda: False)  # no VNNI, or no oneDNN in torch
+    assert not onednn_pays(320, 256, 8000)
+
+
+@pytest.mark.skipif("onednn" not in torch.backends.quantized.supported_engines, reason="torch without oneDNN int8")
+@pytest.mark.parametrize("bias", [True, False])
+def test_wide_int8_product_with_many_rows_runs_through_a_onednn_copy_giving_the_same_values(monkeypatch, bias):
+    monkeypatch.setattr(int8_module, "onednn_int8", lambda: True)
+    g = torch.Generator().manual_seed(2)
+    W = torch.randn(1000, 64, generator=g) / 8
+    b = torch.randn(1000, generator=g) if bias else None
+    layer = Int8Linear(W, b)
+    engine = torch.backends.quantized.engine
+    few = torch.randn(ONEDNN_MIN_ROWS - 1, 64, generator=g)
+    layer(few)
+    assert layer.packed_onednn is None  # packed only when a product has the rows for it
+    many = torch.randn(2, ONEDNN_MIN_ROWS, 64, generator=g)
+    got = layer(many)
+    assert layer.packed_onednn is not None and torch.backends.quantized.engine == engine
+    fbgemm = torch.ops.quantized.linear_dynamic(many, layer.packed, True)  # the same int8 W and scale
+    assert got.shape == fbgemm.shape == (2, ONEDNN_MIN_ROWS, 1000)
+    torch.testing.assert_close(got, fbgemm, rtol=1e-5, atol=1e-5)
+    want = F.linear(many, W, b)
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
 
 
 def _model(arch: str, tie: bool, **kw) -> torch.nn.Module:

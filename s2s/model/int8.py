@@ -25,11 +25,31 @@ MKL's fp32, microseconds:
 so each matrix keeps both forms and picks per call by a rule fitted to those
 figures (:func:`int8_pays`).  The output projection W_U, tied to the embedding or
 not, is quantized too (the embedding lookup stays fp32), as CTranslate2's int8 does.
+
+torch packs W for one of two int8 libraries, fbgemm (its default on x86) or oneDNN, and
+the product runs in the library W was packed for.  On a wide W (the output projection)
+oneDNN is faster from a few dozen rows on, fbgemm below; elsewhere fbgemm is as fast or
+faster.  Measured on 2 cores of an AMD EPYC (Zen 5, AVX-512 VNNI), one thread, microseconds:
+
+    rows x d_in x d_out       fbgemm   oneDNN
+    8 x 256 x 8000                58       70
+    64 x 256 x 8000              352      320
+    128 x 256 x 8000             722      597
+    320 x 256 x 8000 (beam 5)   2579     1485
+    320 x 192 x 4000             761      574
+    320 x 256 x 768              184      171
+    320 x 1024 x 256             235      258
+
+so a wide W (:func:`onednn_pays`) also gets a oneDNN copy, packed the first time a product
+of :data:`ONEDNN_MIN_ROWS` or more rows meets it, where the CPU has AVX-512 VNNI (the
+CPUs measured; elsewhere fbgemm only).  Both copies hold the same int8 W and scale, so
+both give the same y up to the order of the int32 sums' conversion.
 """
 
 from __future__ import annotations
 
 import warnings
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -38,6 +58,8 @@ from torch import Tensor, nn
 
 INT8_MIN_MACS = 2 * 1024 * 1024  # rows * d_in * d_out from which the int8 product pays
 INT8_MIN_WEIGHT_BYTES = 1024 * 1024  # an fp32 W at least this large: int8 at any rows (memory-bound)
+ONEDNN_MIN_ROWS = 64  # rows from which a wide W multiplies through its oneDNN copy
+ONEDNN_MIN_WIDTH = 4  # d_out / d_in of a wide W (the output projection: 31 and 21 in the table)
 
 
 def int8_pays(rows: int, d_in: int, d_out: int) -> bool:
@@ -57,35 +79,68 @@ def int8_min_rows(d_in: int, d_out: int) -> int:
     return -(-INT8_MIN_MACS // (d_in * d_out))
 
 
-def packed_int8(weight: Tensor, bias: Optional[Tensor]) -> torch.ScriptObject:
-    """fbgemm's packed int8 W (d_out, d_in) and fp32 b, made once from fp32: W quantized
-    per tensor with the scale torch's dynamic quantization gives it (its default weight
-    observer, as ``DynamicLinear.from_float`` does), packed by the operator that module
-    packs with.  Without the module: building one packs a zero W of W's size first."""
+def onednn_pays(rows: int, d_in: int, d_out: int) -> bool:
+    """Whether an int8 product over ``rows`` rows runs faster through oneDNN than fbgemm:
+    a wide W (d_out >= ONEDNN_MIN_WIDTH d_in) at ONEDNN_MIN_ROWS rows or more, on a CPU
+    with AVX-512 VNNI and a torch built with oneDNN's int8 (module docstring)."""
+    return rows >= ONEDNN_MIN_ROWS and d_out >= ONEDNN_MIN_WIDTH * d_in and onednn_int8()
+
+
+@lru_cache(maxsize=1)
+def onednn_int8() -> bool:
+    """Whether this process may pack for oneDNN: torch has the engine, the CPU AVX-512 VNNI."""
+    from s2s.precision import cpu_flags
+
+    return "onednn" in torch.backends.quantized.supported_engines and "avx512_vnni" in cpu_flags()
+
+
+def packed_int8(weight: Tensor, bias: Optional[Tensor], engine: Optional[str] = None) -> torch.ScriptObject:
+    """The packed int8 W (d_out, d_in) and fp32 b for ``engine`` (by default torch's current
+    one, ``torch.backends.quantized.engine``: fbgemm's kernels on x86; or onednn), made
+    once from fp32: W quantized per tensor with the scale torch's dynamic quantization
+    gives it (its default weight observer, as ``DynamicLinear.from_float`` does), packed by
+    the operator that module packs with.  Without the module: building one packs a zero W
+    of W's size first.  The product runs in the library the copy was packed for, whatever
+    ``torch.backends.quantized.engine`` says when it runs."""
     with warnings.catch_warnings():  # torch 2.13 flags its quantized tensor API as deprecated
         warnings.simplefilter("ignore", UserWarning)
         observer = torch.ao.quantization.default_dynamic_qconfig.weight()
         observer(weight)
         scale, zero_point = observer.calculate_qparams()
         q_weight = torch.quantize_per_tensor(weight.float(), float(scale), int(zero_point), torch.qint8)
-        return torch.ops.quantized.linear_prepack(q_weight, bias)
+        engine_before = torch.backends.quantized.engine
+        torch.backends.quantized.engine = engine or engine_before
+        try:
+            return torch.ops.quantized.linear_prepack(q_weight, bias)
+        finally:
+            torch.backends.quantized.engine = engine_before
 
 
 class Int8Linear(nn.Module):
     """y = x W^T + b in int8 where :func:`int8_pays`, else in fp32: the fp32 W (and b) are
     kept as they were (``weight``, ``bias``: what code reading a Linear's matrices sees) and
-    an int8 copy is packed once.  For decoding only (no gradient flows to the int8 copy)."""
+    an int8 copy is packed once (fbgemm's, on x86), and for a wide W a second one for oneDNN when a
+    product first has the rows for it (:func:`onednn_pays`).  For decoding only (no gradient
+    flows to the int8 copies)."""
 
     def __init__(self, weight: Tensor, bias: Optional[Tensor]):
         super().__init__()
         self.in_features, self.out_features = weight.size(1), weight.size(0)
         self.weight, self.bias = weight, bias  # the fp32 ones, shared (a Linear's state-dict keys stay)
         self.packed = packed_int8(weight.detach(), None if bias is None else bias.detach())
+        self.packed_onednn: Optional[torch.ScriptObject] = None  # packed on first use
 
     def int8(self, x: Tensor) -> Tensor:
-        """x W^T + b by the int8 copy: torch's dynamic int8 product, as its quantized dynamic
-        Linear calls it (x quantized to 7 bits: ``reduce_range``)."""
-        return torch.ops.quantized.linear_dynamic(x, self.packed, True)
+        """x W^T + b by an int8 copy: torch's dynamic int8 product, as its quantized dynamic
+        Linear calls it (x quantized to 7 bits: ``reduce_range``), through oneDNN's copy
+        where :func:`onednn_pays`, else fbgemm's."""
+        packed = self.packed
+        if onednn_pays(x.numel() // self.in_features, self.in_features, self.out_features):
+            if self.packed_onednn is None:
+                bias = None if self.bias is None else self.bias.detach()
+                self.packed_onednn = packed_int8(self.weight.detach(), bias, "onednn")
+            packed = self.packed_onednn
+        return torch.ops.quantized.linear_dynamic(x, packed, True)
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // self.in_features
