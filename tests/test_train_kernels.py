@@ -115,6 +115,38 @@ def test_training_attention_path_equals_flash_forward_and_backward(cross):
     assert MATH_KEYS >= 128
 
 
+@pytest.mark.parametrize("cross", [False, True])
+def test_bf16_training_attention_multiplies_bf16_and_takes_the_softmax_in_fp32(cross, monkeypatch):
+    """bf16 inputs: Q K^T and A V multiply bf16 (as autocast does) and the softmax runs in fp32;
+    values and gradients stay within bf16 rounding of the fp32 path's."""
+    torch.manual_seed(1)
+    mha = MultiHeadAttention(64, 4, cross=cross)
+    B, T, S = 3, 11, 9
+    S = S if cross else T
+    q32, k32, v32 = (torch.randn(B, 4, L, 16) for L in (T, S, S))
+    src = torch.ones(B, S, dtype=torch.long)
+    src[0, -3:] = 0
+    mask = padding_mask(src, 0) if cross else causal_mask(T)
+    dout = torch.randn(B, 4, T, 16)
+
+    def run(dtype):
+        q, k, v = (x.to(dtype).requires_grad_() for x in (q32, k32, v32))
+        out, _ = mha.attend_heads(q, k, v, mask, need_weights=False)
+        return out, torch.autograd.grad(out, (q, k, v), dout.to(dtype))
+
+    seen = []
+    softmax = torch.softmax
+    monkeypatch.setattr(torch, "softmax", lambda x, *a, **kw: seen.append(x.dtype) or softmax(x, *a, **kw))
+    out16, grads16 = run(torch.bfloat16)
+    assert seen == [torch.float32]  # masked scores (an fp32 mask) reach the softmax in fp32
+    assert out16.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads16)
+    assert out16.grad_fn.name() == "UnsafeViewBackward0"  # the bf16 product A V, no cast after it
+    out32, grads32 = run(torch.float32)
+    torch.testing.assert_close(out16.float(), out32, rtol=0.03, atol=0.03)
+    for got, want in zip(grads16, grads32):
+        torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05)
+
+
 def test_keep_mask_is_bernoulli_and_follows_the_seed():
     p = 0.1
     torch.manual_seed(3)
