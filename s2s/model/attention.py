@@ -86,10 +86,11 @@ FEW_QUERIES = 16  # up to this many queries per key set (a decoding step: 1, or 
 # Training on the CPU, up to this many keys, attention runs as the reference path's two matmuls
 # (bf16 products for bf16 inputs, the softmax in fp32), forward and backward.  torch's CPU flash
 # kernel is slow backward in bf16: the reference model trained in bf16 at 9,600 tokens/s with it
-# against 14,400 with the two matmuls (an Intel Xeon with AMX).  With the products in bf16 rather
-# than fp32 a bf16 update of the reference model took 0.89-0.91 of the time (median over 30
-# batches, each timed both ways in turn in one process; 2 cores of an AMD EPYC Zen 5).  From about
-# 256 keys on, the flash kernel wins (it never holds the T_q x T_k weights).
+# against 14,400 with the two matmuls in bf16 and 15,000 with them in fp32 (an Intel Xeon with AMX,
+# rounds of separate processes, whose spread is larger than that difference).  Measured paired (each
+# of 30 batches timed both ways in turn in one process; 2 cores of an AMD EPYC Zen 5), a bf16
+# update with the products in bf16 took 0.89-0.91 of its time with them in fp32.  From about 256
+# keys on, the flash kernel wins (it never holds the T_q x T_k weights).
 MATH_KEYS = 128
 
 
