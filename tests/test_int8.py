@@ -71,8 +71,9 @@ def test_int8_products_are_torchs_dynamic_quantized_linear(bias):
 def test_onednn_pays_rule(monkeypatch):
     monkeypatch.setattr(int8_module, "onednn_int8", lambda: True)
     assert onednn_pays(ONEDNN_MIN_ROWS, 256, 8000) and not onednn_pays(ONEDNN_MIN_ROWS - 1, 256, 8000)
-    assert onednn_pays(320, 192, 4000) and onednn_pays(320, 256, 1024)  # wide: d_out >= 4 d_in
-    assert not onednn_pays(320, 256, 768) and not onednn_pays(640, 1024, 256)
+    assert onednn_pays(320, 192, 4000) and onednn_pays(320, 192, 1500)  # W_U, a shortlist's rows of it
+    assert not onednn_pays(320, 256, 1024) and not onednn_pays(320, 256, 768)  # an FFN's W_1, a fused QKV
+    assert not onednn_pays(640, 1024, 256)
     monkeypatch.setattr(int8_module, "onednn_int8", lambda: False)  # no VNNI, or no oneDNN in torch
     assert not onednn_pays(320, 256, 8000)
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from s2s.config import load_config
 from s2s.loss import ROWS, LabelSmoothedNLL, label_smoothed_nll
-from s2s.model.attention import MATH_KEYS, MultiHeadAttention, causal_mask, padding_mask
+from s2s.model.attention import MATH_KEYS, MultiHeadAttention, attention, causal_mask, padding_mask
 from s2s.model.dropout import KEEP_BITS, Dropout, keep_mask
 from s2s.model.gemm import ROW_BLOCK, RowBlockLinear, RowBlockLinearModule, row_block_linear
 from s2s.trainer import make_trainer
@@ -136,15 +136,30 @@ def test_bf16_training_attention_multiplies_bf16_and_takes_the_softmax_in_fp32(c
 
     seen = []
     softmax = torch.softmax
-    monkeypatch.setattr(torch, "softmax", lambda x, *a, **kw: seen.append(x.dtype) or softmax(x, *a, **kw))
+    monkeypatch.setattr(torch, "softmax",
+                        lambda x, *a, **kw: seen.append((x.dtype, kw.get("dtype"))) or softmax(x, *a, **kw))
+    attention(q32.bfloat16(), k32.bfloat16(), v32.bfloat16())  # no mask: the bf16 product's scores
+    assert seen == [(torch.bfloat16, torch.float32)]  # reach the softmax in bf16, which sums in fp32
+    seen.clear()
     out16, grads16 = run(torch.bfloat16)
-    assert seen == [torch.float32]  # masked scores (an fp32 mask) reach the softmax in fp32
+    assert seen == [(torch.float32, None)]  # masked by an fp32 mask: the scores are fp32 already
     assert out16.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads16)
     assert out16.grad_fn.name() == "UnsafeViewBackward0"  # the bf16 product A V, no cast after it
     out32, grads32 = run(torch.float32)
     torch.testing.assert_close(out16.float(), out32, rtol=0.03, atol=0.03)
     for got, want in zip(grads16, grads32):
         torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05)
+
+
+def test_attention_in_float64_keeps_float64_precision():
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(2, 3, L, 4, dtype=torch.float64, requires_grad=True) for L in (5, 6, 6))
+    mask = torch.zeros(2, 1, 1, 6, dtype=torch.float64)
+    mask[0, ..., -2:] = float("-inf")
+    assert torch.autograd.gradcheck(lambda q, k, v: attention(q, k, v, mask)[0], (q, k, v))
+    out, A = attention(q, k, v, mask)
+    assert out.dtype == A.dtype == torch.float64
+    torch.testing.assert_close(A.sum(-1), torch.ones(2, 3, 5, dtype=torch.float64), rtol=0, atol=1e-12)
 
 
 def test_keep_mask_is_bernoulli_and_follows_the_seed():

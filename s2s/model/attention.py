@@ -77,7 +77,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None,
         scores = scores / math.sqrt(q.size(-1))
     if mask is not None:
         scores = scores + mask
-    A = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    A = torch.softmax(scores, dim=-1, dtype=torch.float32 if scores.dtype == torch.bfloat16 else None).to(v.dtype)
     out = F.dropout(A, dropout_p) @ v if dropout_p else A @ v
     return out.to(dtype), A.to(dtype) if return_weights else None
 

@@ -28,8 +28,9 @@ not, is quantized too (the embedding lookup stays fp32), as CTranslate2's int8 d
 
 torch packs W for one of two int8 libraries, fbgemm (its default on x86) or oneDNN, and
 the product runs in the library W was packed for.  On a wide W (the output projection)
-oneDNN is faster from a few dozen rows on, fbgemm below; elsewhere fbgemm is as fast or
-faster.  Measured on 2 cores of an AMD EPYC (Zen 5, AVX-512 VNNI), one thread, microseconds:
+oneDNN is faster from a few dozen rows on, fbgemm below; on the layers' own matrices the
+two are within 10% of each other either way.  Measured on 2 cores of an AMD EPYC (Zen 5,
+AVX-512 VNNI), one thread, microseconds:
 
     rows x d_in x d_out       fbgemm   oneDNN
     8 x 256 x 8000                58       70
@@ -48,6 +49,7 @@ both give the same y up to the order of the int32 sums' conversion.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from functools import lru_cache
 from typing import Optional
@@ -59,7 +61,9 @@ from torch import Tensor, nn
 INT8_MIN_MACS = 2 * 1024 * 1024  # rows * d_in * d_out from which the int8 product pays
 INT8_MIN_WEIGHT_BYTES = 1024 * 1024  # an fp32 W at least this large: int8 at any rows (memory-bound)
 ONEDNN_MIN_ROWS = 64  # rows from which a wide W multiplies through its oneDNN copy
-ONEDNN_MIN_WIDTH = 4  # d_out / d_in of a wide W (the output projection: 31 and 21 in the table)
+ONEDNN_MIN_WIDTH = 6  # d_out / d_in of a wide W: the output projection (31 and 21 in the table) and
+# a shortlist's rows of it (7.8 for 1,500 of 192 and 2,000 of 256: 239 against 274 and 387 against
+# 436 us at 320 rows), not an FFN's W_1 (4: 65 against 60 us at 64 rows)
 
 
 def int8_pays(rows: int, d_in: int, d_out: int) -> bool:
@@ -94,6 +98,9 @@ def onednn_int8() -> bool:
     return "onednn" in torch.backends.quantized.supported_engines and "avx512_vnni" in cpu_flags()
 
 
+_ENGINE_SWITCH = threading.Lock()
+
+
 def packed_int8(weight: Tensor, bias: Optional[Tensor], engine: Optional[str] = None) -> torch.ScriptObject:
     """The packed int8 W (d_out, d_in) and fp32 b for ``engine`` (by default torch's current
     one, ``torch.backends.quantized.engine``: fbgemm's kernels on x86; or onednn), made
@@ -108,12 +115,15 @@ def packed_int8(weight: Tensor, bias: Optional[Tensor], engine: Optional[str] = 
         observer(weight)
         scale, zero_point = observer.calculate_qparams()
         q_weight = torch.quantize_per_tensor(weight.float(), float(scale), int(zero_point), torch.qint8)
-        engine_before = torch.backends.quantized.engine
-        torch.backends.quantized.engine = engine or engine_before
-        try:
+        if engine is None or engine == torch.backends.quantized.engine:
             return torch.ops.quantized.linear_prepack(q_weight, bias)
-        finally:
-            torch.backends.quantized.engine = engine_before
+        with _ENGINE_SWITCH:  # the engine is process-wide: one thread switches it at a time
+            engine_before = torch.backends.quantized.engine
+            torch.backends.quantized.engine = engine
+            try:
+                return torch.ops.quantized.linear_prepack(q_weight, bias)
+            finally:
+                torch.backends.quantized.engine = engine_before
 
 
 class Int8Linear(nn.Module):
