@@ -137,8 +137,12 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = weight.size(1), weight.size(0)
         self.weight, self.bias = weight, bias  # the fp32 ones, shared (a Linear's state-dict keys stay)
-        self.packed = packed_int8(weight.detach(), None if bias is None else bias.detach())
+        self.packed = self.pack()
         self.packed_onednn: Optional[torch.ScriptObject] = None  # packed on first use
+
+    def pack(self, engine: Optional[str] = None) -> torch.ScriptObject:
+        """This layer's W and b packed for ``engine`` (:func:`packed_int8`)."""
+        return packed_int8(self.weight.detach(), None if self.bias is None else self.bias.detach(), engine)
 
     def int8(self, x: Tensor) -> Tensor:
         """x W^T + b by an int8 copy: torch's dynamic int8 product, as its quantized dynamic
@@ -147,8 +151,7 @@ class Int8Linear(nn.Module):
         packed = self.packed
         if onednn_pays(x.numel() // self.in_features, self.in_features, self.out_features):
             if self.packed_onednn is None:
-                bias = None if self.bias is None else self.bias.detach()
-                self.packed_onednn = packed_int8(self.weight.detach(), bias, "onednn")
+                self.packed_onednn = self.pack("onednn")
             packed = self.packed_onednn
         return torch.ops.quantized.linear_dynamic(x, packed, True)
 
