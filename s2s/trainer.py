@@ -204,6 +204,10 @@ def batch_objective(model: nn.Module, src: Tensor, tgt_in: Tensor, tgt_out: Tens
     target = tgt_out[keep]  # (n,)
     if coverage_weight:
         logits, a = model(src, tgt_in, return_attention=True, keep=keep)  # (n, V), a (B, T, S)
+    elif teacher_scores is None and not model.cfg.copy:  # the head and the loss in one pass (head_nll)
+        h = model(src, tgt_in, keep=keep, head=False)  # (n, d_model)
+        loss = model.head_nll(h, target, epsilon, pad_id)
+        return loss, loss
     else:
         logits = model(src, tgt_in, keep=keep)  # (n, V)
     if teacher_scores is None:

@@ -180,7 +180,7 @@ def test_device_side_skip_leaves_weights_and_moments(prepared, tmp_path, monkeyp
     import s2s.trainer
 
     monkeypatch.setattr(s2s.trainer, "skips_on_device", lambda device: True)
-    monkeypatch.setattr(s2s.trainer, "label_smoothed_nll", nan_on(lambda i: i == 1))
+    monkeypatch.setattr(s2s.trainer, "batch_objective", nan_on(lambda i: i == 1))
     t = make_trainer(load_config(prepared, NO_DROPOUT), tmp_path / "run", show_progress=False)
     assert t.optimizer.defaults["fused"]
     b = t.train_data.batch(t.epoch_batches(0)[0])
@@ -201,11 +201,11 @@ def test_device_side_skips_are_reported_at_log_lines(prepared, tmp_path, monkeyp
     import s2s.trainer
 
     monkeypatch.setattr(s2s.trainer, "skips_on_device", lambda device: True)
-    monkeypatch.setattr(s2s.trainer, "label_smoothed_nll", nan_on(lambda i: i in (1, 2)))
+    monkeypatch.setattr(s2s.trainer, "batch_objective", nan_on(lambda i: i in (1, 2)))
     train(load_config(prepared), tmp_path / "run", show_progress=False)
     assert "step 2: 1 update(s) with a non-finite loss or gradient skipped since the last report (1 in all)" \
         in caplog.text
-    monkeypatch.setattr(s2s.trainer, "label_smoothed_nll", nan_on(lambda i: i >= 2))
+    monkeypatch.setattr(s2s.trainer, "batch_objective", nan_on(lambda i: i >= 2))
     monkeypatch.setattr(s2s.trainer, "MAX_BAD_UPDATES", 3)
     with pytest.raises(S2SError, match="3 non-finite updates in a row up to step 5"):
         train(load_config(prepared), tmp_path / "run2", show_progress=False)

@@ -234,26 +234,25 @@ def test_plot_draws_curves_lr_schedule_and_kept_step(prepared, tmp_path):
 
 
 def nan_on(calls):
-    """label_smoothed_nll that returns NaN on the given (0-based) training calls."""
+    """batch_objective whose loss (and objective) is NaN on the given (0-based) training calls."""
     import s2s.trainer
 
-    real = s2s.trainer.label_smoothed_nll
+    real = s2s.trainer.batch_objective
     count = {"n": 0}
 
-    def nll(logits, target, epsilon, pad_id=0):
-        loss = real(logits, target, epsilon, pad_id)
-        if epsilon > 0:  # training, not the dev loss
-            count["n"] += 1
-            if calls(count["n"] - 1):
-                return loss * float("nan")
-        return loss
-    return nll
+    def objective(*args, **kwargs):
+        loss, total = real(*args, **kwargs)
+        count["n"] += 1
+        if calls(count["n"] - 1):
+            return loss * float("nan"), total * float("nan")
+        return loss, total
+    return objective
 
 
 def test_non_finite_loss_skips_the_update(prepared, tmp_path, monkeypatch, caplog):
     import s2s.trainer
 
-    monkeypatch.setattr(s2s.trainer, "label_smoothed_nll", nan_on(lambda i: i in (1, 2)))
+    monkeypatch.setattr(s2s.trainer, "batch_objective", nan_on(lambda i: i in (1, 2)))
     run = train(load_config(prepared), tmp_path / "run", show_progress=False)
     assert "non-finite loss or gradient" in caplog.text and "update skipped" in caplog.text
     w = _weights(run)
@@ -265,7 +264,7 @@ def test_non_finite_loss_skips_the_update(prepared, tmp_path, monkeypatch, caplo
 def test_a_run_of_non_finite_losses_aborts(prepared, tmp_path, monkeypatch):
     import s2s.trainer
 
-    monkeypatch.setattr(s2s.trainer, "label_smoothed_nll", nan_on(lambda i: i >= 2))
+    monkeypatch.setattr(s2s.trainer, "batch_objective", nan_on(lambda i: i >= 2))
     monkeypatch.setattr(s2s.trainer, "MAX_BAD_UPDATES", 3)
     with pytest.raises(S2SError, match="3 non-finite updates in a row after step 2"):
         train(load_config(prepared), tmp_path / "run", show_progress=False)
@@ -276,7 +275,7 @@ def test_non_finite_abort_advises_resume_only_from_a_checkpoint(prepared, tmp_pa
     """Before the first checkpoint (validate_every 3) there is nothing to --resume from."""
     import s2s.trainer
 
-    monkeypatch.setattr(s2s.trainer, "label_smoothed_nll", nan_on(lambda i: i >= first_nan_call))
+    monkeypatch.setattr(s2s.trainer, "batch_objective", nan_on(lambda i: i >= first_nan_call))
     monkeypatch.setattr(s2s.trainer, "MAX_BAD_UPDATES", 3)
     run = tmp_path / "run"
     with pytest.raises(S2SError) as e:
@@ -316,10 +315,10 @@ def test_a_batch_out_of_memory_is_split(prepared, tmp_path, monkeypatch, caplog)
     trainer.optimizer.zero_grad()
     real = Seq2SeqTransformer.forward
 
-    def small_batches_only(self, src, tgt_in, return_attention=False, keep=None):
+    def small_batches_only(self, src, tgt_in, return_attention=False, keep=None, head=True):
         if src.size(0) > 3:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(self, src, tgt_in, return_attention, keep)
+        return real(self, src, tgt_in, return_attention, keep, head)
 
     monkeypatch.setattr(Seq2SeqTransformer, "forward", small_batches_only)
     split = trainer.forward_backward(batch, batch.n_tgt_tokens)

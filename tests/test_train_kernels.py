@@ -1,4 +1,5 @@
-"""Training's CPU kernels against torch's own: the fused label-smoothed NLL (s2s.loss), bf16
+"""Training's CPU kernels against torch's own: the fused label-smoothed NLL and the output head
+fused with it (s2s.loss), bf16
 products in row blocks (s2s.model.gemm), the attention's matmul path while training, and the
 dropout mask drawn from raw bits (s2s.model.dropout)."""
 
@@ -6,8 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import s2s.loss
+import s2s.model.base
 from s2s.config import load_config
-from s2s.loss import ROWS, LabelSmoothedNLL, label_smoothed_nll
+from s2s.loss import ROWS, LabelSmoothedNLL, OutputNLL, fuses_output_nll, label_smoothed_nll, output_nll
 from s2s.model.attention import MATH_KEYS, MultiHeadAttention, attention, causal_mask, padding_mask
 from s2s.model.dropout import KEEP_BITS, Dropout, keep_mask
 from s2s.model.gemm import ROW_BLOCK, RowBlockLinear, RowBlockLinearModule, row_block_linear
@@ -54,6 +57,74 @@ def test_fused_nll_backward_runs_once_and_needs_no_gradient_to_score():
 def test_label_smoothed_nll_takes_batch_shapes():
     z, y = torch.randn(2, 3, 11), torch.randint(1, 11, (2, 3))
     torch.testing.assert_close(label_smoothed_nll(z, y, 0.1, 0), _reference_nll(z.view(6, 11), y.view(6), 0.1, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_output_nll_equals_cross_entropy_of_the_head(dtype, bias, eps, monkeypatch):
+    """The head and the loss chunk by chunk: L and dL/dh, dL/dW, dL/db as F.linear + cross_entropy."""
+    monkeypatch.setattr(s2s.loss, "CHUNK", 16)
+    g = torch.Generator().manual_seed(1)
+    n, d, V, pad = 3 * 16 + 5, 8, 37, 0  # a last chunk of 5 rows, padded
+    h = torch.randn(n, d, generator=g).to(dtype).requires_grad_(True)
+    W = torch.randn(V, d, generator=g).to(dtype).requires_grad_(True)
+    b = torch.randn(V, generator=g).to(dtype).requires_grad_(True) if bias else None
+    y = torch.randint(1, V, (n,), generator=g)
+    y[::7] = pad
+    inputs = [t for t in (h, W, b) if t is not None]
+    loss = OutputNLL.apply(h, W, b, y, eps, pad)
+    grads = torch.autograd.grad(2.5 * loss, inputs)
+    if dtype == torch.float32:  # against float64
+        ref = [t.detach().double().requires_grad_(True) for t in inputs]
+        want = F.cross_entropy(F.linear(*ref), y, ignore_index=pad, reduction="sum", label_smoothing=eps)
+    else:  # against the scores path in bf16, which rounds the scores to bf16 too
+        ref = [t.detach().clone().requires_grad_(True) for t in inputs]
+        want = label_smoothed_nll(F.linear(*ref), y, eps, pad)
+    want_grads = torch.autograd.grad(2.5 * want, ref)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), want.detach().double(), rtol=1e-5, atol=1e-3)
+    for got, exp, t in zip(grads, want_grads, inputs):
+        assert got.dtype == t.dtype
+        scale = float(exp.abs().max())
+        torch.testing.assert_close(got.double(), exp.double(), rtol=1e-5 if dtype == torch.float32 else 2e-2,
+                                   atol=1e-6 * scale if dtype == torch.float32 else 1e-2 * scale)
+    assert float(grads[0][y == pad].abs().max()) == 0.0  # pad targets give h no gradient
+
+
+def test_output_nll_takes_bf16_training_steps_only():
+    h, W = torch.randn(5, 4, requires_grad=True), torch.randn(9, 4, requires_grad=True)
+    y = torch.randint(1, 9, (5,))
+    assert not fuses_output_nll(h, W)  # fp32 keeps its scores (the one pass was not faster)
+    hb, Wb = h.detach().bfloat16().requires_grad_(True), W.detach().bfloat16().requires_grad_(True)
+    assert fuses_output_nll(hb, Wb)
+    assert output_nll(hb, Wb, None, y, 0.1, 0).grad_fn.name().startswith("OutputNLL")
+    with torch.no_grad():
+        assert not fuses_output_nll(hb, Wb)
+        torch.testing.assert_close(output_nll(hb, Wb, None, y, 0.1, 0),
+                                   label_smoothed_nll(F.linear(hb, Wb), y, 0.1, 0))
+
+
+@pytest.mark.parametrize("head", [[], ["model.tie_output=false", "model.output_bias=true", "model.scale_output=true"]])
+def test_bf16_training_step_with_the_fused_head_equals_the_scores_path(prepared, tmp_path, monkeypatch, head):
+    """One bf16 batch: loss and every gradient of the one-pass head as through the (n, V) scores."""
+    cfg = load_config(prepared, ["train.precision=bf16", "model.dropout=0", *head])
+    trainer = make_trainer(cfg, tmp_path / "run", show_progress=False)
+    monkeypatch.setattr(s2s.loss, "CHUNK", 32)  # several chunks, the last one padded
+    batch = trainer.train_data.batch(trainer.epoch_batches(0)[0])
+    calls = []
+    monkeypatch.setattr(OutputNLL, "forward", staticmethod(lambda *a, f=OutputNLL.forward: calls.append(1) or f(*a)))
+    trainer.bf16.refresh()
+    fused = trainer.forward_backward(batch, batch.n_tgt_tokens)
+    fused_grads = [p.grad.clone() for p in trainer.model.parameters()]
+    assert calls and batch.n_tgt_tokens > 32
+    trainer.optimizer.zero_grad()
+    monkeypatch.setattr(s2s.model.base, "fuses_output_nll", lambda h, W: False)
+    scores = trainer.forward_backward(batch, batch.n_tgt_tokens)
+    assert len(calls) == 1
+    torch.testing.assert_close(fused, scores, rtol=1e-3, atol=1e-3)
+    for (name, p), g in zip(trainer.model.named_parameters(), fused_grads):
+        torch.testing.assert_close(g, p.grad, rtol=5e-2, atol=2e-3, msg=name)
 
 
 @pytest.mark.parametrize("rows", [5, ROW_BLOCK, 2 * ROW_BLOCK + 3])

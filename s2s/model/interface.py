@@ -52,10 +52,11 @@ class S2SModel(Protocol):
         """True when the scores read the last decoder layer's cross-attention (copy, coverage)."""
 
     def __call__(self, src: Tensor, tgt_in: Tensor, return_attention: bool = False,
-                 keep: Optional[Tensor] = None):
+                 keep: Optional[Tensor] = None, head: bool = True):
         """Teacher forcing: src (B, S), tgt_in (B, T) -> scores (B, T, V) (with ``keep`` (B, T)
-        bool, only those positions': (n, V)); with ``return_attention`` also the last decoder
-        layer's cross-attention averaged over heads (B, T, S), for the coverage loss."""
+        bool, only those positions': (n, V); with ``head`` False, for a model without copy,
+        their last decoder states h (n, d_model) instead); with ``return_attention`` also the
+        last decoder layer's cross-attention averaged over heads (B, T, S), for the coverage loss."""
 
     def encode(self, src: Tensor) -> EncoderState:
         """src (B, S) token ids -> the source's state, computed once."""
@@ -72,6 +73,10 @@ class S2SModel(Protocol):
     def logits(self, h: Tensor, subset: Optional[VocabSubset] = None) -> Tensor:
         """Decoder states (..., d_model) -> logits (..., V), or with a ``subset`` only its
         ids' (..., V')."""
+
+    def head_nll(self, h: Tensor, target: Tensor, epsilon: float, pad_id: int) -> Tensor:
+        """The label-smoothed NLL (fp32 sum) of logits(h) for h (n, d_model) and target (n,),
+        in one pass without the (n, V) scores where it can (s2s.loss.output_nll)."""
 
     def vocab_subset(self, ids: Tensor) -> VocabSubset:
         """The output head's rows for target ids (V',); set as ``cache.vocab_subset``,

@@ -89,9 +89,10 @@ class DecoderOnlyLM(ModelBase):
         return self.final_norm(x)
 
     def forward(self, src: Tensor, tgt_in: Tensor, return_attention: bool = False,
-                keep: Optional[Tensor] = None) -> Tensor:
+                keep: Optional[Tensor] = None, head: bool = True) -> Tensor:
         """Teacher forcing over [x; y_in]: logits (B, T, V) of the suffix positions
-        (with ``keep`` (B, T) bool, only those positions': (n, V))."""
+        (with ``keep`` (B, T) bool, only those positions': (n, V); with ``head`` False
+        their last states h (n, d_model) instead, for :meth:`head_nll`)."""
         if return_attention:
             raise ValueError(f"model.arch: {self.cfg.arch} has no cross-attention")
         B, S = src.shape
@@ -102,6 +103,10 @@ class DecoderOnlyLM(ModelBase):
         keys = torch.cat([padding_mask(src, self.pad_id), src.new_zeros(B, 1, 1, T, dtype=torch.float)], -1)
         mask = lm_mask(self.cfg.arch, S, S + T, src.device) + keys  # (B, 1, S+T, S+T)
         h = self._stack(self._embed(torch.cat([src, tgt_in], 1), pos), mask)[:, S:]
+        if not head:
+            if keep is None:
+                raise ValueError("forward: head=False takes the kept positions")
+            return h[keep]  # (n, d_model)
         return self.logits(h if keep is None else h[keep])
 
     # ------------------------------------------------------------------ #

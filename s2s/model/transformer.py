@@ -134,7 +134,7 @@ class Seq2SeqTransformer(ModelBase):
         return self.dec_final_norm(x), weights
 
     def decode(self, tgt_in: Tensor, enc: EncoderState, need_weights: bool = False,
-               keep: Optional[Tensor] = None) -> tuple[Tensor, list]:
+               keep: Optional[Tensor] = None, head: bool = True) -> tuple[Tensor, list]:
         """Teacher-forced decoder over the whole shifted target at once.
 
         tgt_in (B, T) -> scores (B, T, V) and, with ``need_weights``, the
@@ -142,13 +142,19 @@ class Seq2SeqTransformer(ModelBase):
         are the logits z, or with ``model.copy`` the log-probabilities log P
         of the pointer-generator (which reads the source ids ``enc.src``).  With
         ``keep`` (B, T) bool, only the scores (n, V) of the n kept positions (the
-        real, non-pad targets): the output projection skips the padding.
+        real, non-pad targets): the output projection skips the padding.  With ``head``
+        False, the last decoder states h (n, d_model) of the kept positions instead of their
+        scores (for :meth:`head_nll`; needs ``keep``, and a model without copy).
         """
         T = tgt_in.size(1)
         self_mask = self._self_mask(T, T, 0, tgt_in.device)
         x_in = self._embed(tgt_in, self.tgt_embed, self.dec_positions, self.dec_embed_norm)
         cache = self.start_decoding(enc)  # all T positions in one step
         h, weights = self._decoder_stack(x_in, self_mask, cache, need_weights, need_last=False)
+        if not head:
+            if keep is None or self.cfg.copy:
+                raise ValueError("decode: head=False takes the kept positions of a model without copy")
+            return h[keep], weights  # (n, d_model)
         if keep is not None and not self.cfg.copy:
             return self.logits(h[keep]), weights  # (n, V)
         scores = self._scores(h, x_in, weights[-1], cache)
@@ -165,14 +171,15 @@ class Seq2SeqTransformer(ModelBase):
         return self.copy_head(self.p_gen_proj, z, h, x_in, A_last.mean(1), cache.h_enc, cache.src)
 
     def forward(self, src: Tensor, tgt_in: Tensor, return_attention: bool = False,
-                keep: Optional[Tensor] = None):
+                keep: Optional[Tensor] = None, head: bool = True):
         """Teacher forcing: scores (B, T, V) of P(y_t | y_<t, x) for every t at once
-        (logits, or log P with copy); with ``keep`` (B, T) bool only those positions' (n, V).
+        (logits, or log P with copy); with ``keep`` (B, T) bool only those positions' (n, V),
+        and with ``head`` False too their last decoder states h (n, d_model) instead (no copy).
         With ``return_attention`` also the last decoder layer's cross-attention averaged
         over heads, a (B, T, S), for the coverage loss."""
         enc = self.encode(src)
         if not return_attention:
-            return self.decode(tgt_in, enc, keep=keep)[0]
+            return self.decode(tgt_in, enc, keep=keep, head=head)[0]
         scores, weights = self.decode(tgt_in, enc, need_weights=not self.needs_attention, keep=keep)
         return scores, weights[-1].mean(1)
 
