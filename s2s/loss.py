@@ -27,7 +27,8 @@ from torch.autograd.function import once_differentiable
 
 from s2s.tokenizer import PAD_ID
 
-ROWS = 32  # rows of scores per block: two 32 x V fp32 blocks (1 MiB each at V = 8,000) stay in the cache
+ROWS = 64  # rows of scores per block: two 64 x V fp32 blocks (2 MiB each at V = 8,000) stay in the cache
+# (one 512-row bf16 chunk of OutputNLL, Zen 5, 2 threads: 2.25 ms in blocks of 64, 2.70 in blocks of 32)
 
 
 def label_smoothed_nll(logits: Tensor, target: Tensor, epsilon: float, pad_id: int = PAD_ID) -> Tensor:
@@ -67,8 +68,8 @@ def smoothed_softmax_blocks(z: Tensor, y: Tensor, epsilon: float, lse: Tensor, z
         z_max = z_b.amax(-1)
         p_b = torch.ops.aten._softmax.out(z_b, -1, False, out=p_f[:k])
         torch.sub(z_max, p_b.amax(-1).log_(), out=lse[rows])
-        if q is not None:
-            q[rows] = p_b.sub_(epsilon / V).scatter_add_(1, y[rows, None], minus_target[:k])
+        if q is not None:  # p - (1-eps) onehot(y), then - eps/V written to q in q's dtype: one pass
+            torch.sub(p_b.scatter_add_(1, y[rows, None], minus_target[:k]), epsilon / V, out=q[rows])
 
 
 class LabelSmoothedNLL(torch.autograd.Function):
@@ -115,9 +116,9 @@ class LabelSmoothedNLL(torch.autograd.Function):
 # then at once dL/dh = q W and dL/dW += q^T h (and dL/db), so a chunk's scores are made and used
 # while they are in the cache and the whole (n, V) never is.  The backward pass only scales the
 # saved gradients by g.  2 threads of an AMD EPYC (Zen 5, avx512_bf16): the reference model's
-# head and loss, forward + backward, 125 -> 95 ms (3,968 rows); a whole bf16 update 0.948x
-# (paired, twice).  fp32, whose products are 4x slower, was level (1.009x, 1.024x) and keeps
-# the scores.
+# head and loss, forward + backward, 125 -> 95 ms (3,968 rows); a whole bf16 update 0.953x and
+# 0.948x (paired, README).  fp32, whose products are 4x slower, was level (1.024x, 1.009x) and
+# keeps the scores.
 
 CHUNK = 512  # rows of h per product (1,024: a bf16 update 0.966x)
 
