@@ -165,7 +165,7 @@ class OutputNLL(torch.autograd.Function):
         V = W.size(0)
         need_h, need_W, need_b = ctx.needs_input_grad[:3]
         grads = need_h or need_W or need_b
-        R = CHUNK if n >= CHUNK else n
+        R = min(CHUNK, max(n, 1))
         h, W = h.detach(), W.detach()
         W_t = W.t().contiguous()  # (d, V): the forward product as a plain GEMM (s2s.model.gemm.WIDE)
         z = h.new_empty(R, V)  # one chunk's scores; q is written over them
@@ -199,8 +199,10 @@ class OutputNLL(torch.autograd.Function):
                 z_r[~keep[rows]] = 0  # pad targets: no gradient
             if need_h:
                 dh[rows] = torch.mm(z, W, out=dh_c)[:r]
-            if need_W:
-                dW.add_(z.t() @ h_c) if z.dtype != torch.float32 else dW.addmm_(z.t(), h_c)
+            if need_W and z.dtype == torch.float32:
+                dW.addmm_(z.t(), h_c)
+            elif need_W:
+                dW.add_(z.t() @ h_c)  # the chunk's product in h's dtype, summed in fp32
             if need_b:
                 db.add_(z.sum(0, dtype=torch.float32))
         ctx.grads = (dh, dW, db)
