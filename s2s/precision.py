@@ -19,8 +19,8 @@ Training in bf16 (:class:`Bf16Copy`): the optimizer keeps the fp32 weights (the 
 weights theta).  Once per update they are rounded into a working copy,
     theta_16 = bf16(theta),
 the forward and backward passes run on theta_16 (activations bf16; softmax, layer-norm
-statistics and the loss accumulate in fp32 inside their kernels and in
-s2s.trainer.label_smoothed_nll), and each batch's gradients flow back into theta's
+statistics and the loss accumulate in fp32 inside their kernels and in s2s.loss, where
+the output head and the loss run in one pass, OutputNLL), and each batch's gradients flow back into theta's
 fp32 gradients,
     grad theta += fp32(grad theta_16),
 where clipping and AdamW work on them as in fp32 training.  The working copy may
