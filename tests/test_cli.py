@@ -309,11 +309,12 @@ def test_int8_and_bf16_decoding(model_dir, corpus, monkeypatch):
     # bf16: the same translations as fp32 but where bf16's 8-bit mantissa makes two candidates'
     # scores equal, and the search's tie order (torch's topk, or s2s.search.largest_k's groups)
     # picks one; that rewrites the rest of the (degenerate, repeating) line, so count lines, not
-    # BLEU: 7 of the 8 measured identical, the 8th rewritten after an exact tie
+    # BLEU: 7 of the 8 measured identical, the 8th rewritten after an exact tie; 5 once training's
+    # decoder ran on the real target positions (fewer dropout draws: another tiny model)
     r = s2s("translate", "-m", model_dir, "--beam", "2", "--precision", "bf16", input="\n".join(src) + "\n")
     assert r.returncode == 0 and len(r.stdout.splitlines()) == len(src), r.stderr
     identical = sum(a == b for a, b in zip(r.stdout.splitlines(), ref.stdout.splitlines()))
-    assert identical >= 6, (identical, r.stdout, ref.stdout)
+    assert identical >= 5, (identical, r.stdout, ref.stdout)
     r = s2s("translate", "-m", model_dir, "--quantize", "int4", input="x\n")
     assert r.returncode == 1 and "--quantize: 'int4' is not int8" in r.stderr
 

@@ -95,3 +95,47 @@ def test_a_packed_batch_takes_no_cache():
 
     with pytest.raises(ValueError, match="no cache"):
         layer(torch.randn(7, 32), None, LayerCache(None, None), packing=packing)
+
+
+@pytest.mark.parametrize("kw", [{}, {"norm": "post"}, {"positions": "t5_bias"}, {"tie_output": False}])
+def test_packed_teacher_forcing_equals_padded_states_and_gradients(kw, monkeypatch):
+    """Training's decoder pass (head=False) on the kept target positions only: the states and
+    every parameter's gradient as through the padded layout (float64, no dropout)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=32, heads=4, enc_layers=1, dec_layers=2, d_ff=64, dropout=0.0, **kw)
+    model = make_model(cfg, 60, 60, pad_id=PAD).double().train()
+    src = _sources([7, 3, 9, 5])
+    tgt_in = _sources([6, 2, 8, 3])  # 15 of 32 positions padded
+    keep = tgt_in != PAD
+    calls = []
+
+    def of_real(real, min_padding=MIN_PADDING, real_of=Packing.of_real):
+        calls.append(1)
+        return real_of(real, min_padding)
+
+    monkeypatch.setattr(Packing, "of_real", staticmethod(of_real))
+    packed = model(src, tgt_in, keep=keep, head=False)
+    grads = torch.autograd.grad(packed.square().sum(), list(model.parameters()), allow_unused=True)
+    assert calls and Packing.of_real(keep) is not None
+    monkeypatch.setattr(Packing, "of_real", staticmethod(lambda real, min_padding=MIN_PADDING: None))
+    padded = model(src, tgt_in, keep=keep, head=False)
+    want = torch.autograd.grad(padded.square().sum(), list(model.parameters()), allow_unused=True)
+    assert packed.shape == (int(keep.sum()), 32)
+    torch.testing.assert_close(packed, padded, rtol=1e-10, atol=1e-12)
+    for (name, _), g, w in zip(model.named_parameters(), grads, want):
+        assert (g is None) == (w is None), name
+        if g is not None:
+            torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_a_packed_decoder_pass_is_teacher_forcing_only():
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=32, heads=4, enc_layers=1, dec_layers=1, d_ff=64, dropout=0.0)
+    model = make_model(cfg, 60, 60, pad_id=PAD)
+    src, tgt_in = _sources([4, 2]), _sources([4, 1])
+    packing = Packing.of(tgt_in, PAD)
+    cache = model.start_decoding(model.encode(src))
+    cache.group = 2
+    with pytest.raises(ValueError, match="teacher forcing from t = 0"):
+        model.decoder_layers[0](packing.pack(torch.randn(2, 4, 32)), None, cache.src_mask, cache.layers[0],
+                                cache.group, packing=packing)

@@ -105,6 +105,14 @@ def _ffn(cfg: ModelConfig) -> FeedForward:
     return FeedForward(cfg.d_model, cfg.d_ff, cfg.activation, cfg.activation_dropout, cfg.bias, cfg.gated_ffn)
 
 
+def packed_self_attention(mha: MultiHeadAttention, x: Tensor, mask: Optional[Tensor], packing: Packing) -> Tensor:
+    """Self-attention of a packed batch (s2s.model.packing): x (N, d_model) the real rows; the
+    projections run on them, the attention on the padded (B, L) layout -> (N, d_model)."""
+    q, k, v = mha.split_qkv(packing.pad(mha.qkv_proj(x)))  # (B, heads, L, d_head)
+    out = mha.attend_heads(q, k, v, mask, need_weights=False)[0]
+    return mha.out_proj(packing.pack(mha.merge_heads(out)))  # (N, d_model)
+
+
 class EncoderLayer(nn.Module):
     """H' = H + MHA_bidir(Norm(H));  H_out = H' + FFN(Norm(H'))   (pre-norm form)."""
 
@@ -120,10 +128,8 @@ class EncoderLayer(nn.Module):
     def _self_attn(self, x: Tensor, mask: Optional[Tensor], cache: Optional[LayerCache],
                    packing: Optional[Packing]) -> Tensor:
         mha = self.self_attn
-        if packing is not None:  # x (N, d_model): the projections on the real rows, attention padded
-            q, k, v = mha.split_qkv(packing.pad(mha.qkv_proj(x)))  # (B, heads, S, d_head)
-            out = mha.attend_heads(q, k, v, mask, need_weights=False)[0]
-            return mha.out_proj(packing.pack(mha.merge_heads(out)))  # (N, d_model)
+        if packing is not None:
+            return packed_self_attention(mha, x, mask, packing)
         q, k, v = mha.project_qkv(x)  # (B, heads, S, d_head)
         if cache is not None:
             k, v = cache.append(k, v)  # the keys so far and these (a decoder-only stack's cache)
@@ -167,17 +173,26 @@ class DecoderLayer(nn.Module):
         self.norm3 = make_norm(cfg)
         self.dropout = Dropout(cfg.dropout)
 
-    def _self_attn(self, x: Tensor, self_mask: Optional[Tensor], cache: LayerCache) -> Tensor:
+    def _self_attn(self, x: Tensor, self_mask: Optional[Tensor], cache: LayerCache,
+                   packing: Optional[Packing] = None) -> Tensor:
+        if packing is not None:  # teacher forcing from t = 0: no K/V kept for later steps
+            return packed_self_attention(self.self_attn, x, self_mask, packing)
         q, k, v = self.self_attn.project_qkv(x)  # (B, heads, T, d_head)
         k, v = cache.append(k, v)  # (B, heads, t+T, d_head): the prefix is reused
         # with beam slots: (B / K, heads, (t+1) K, d_head), a sentence's beams as K queries
         return self.self_attn.attend(q, k, v, self_mask, group=cache.slots)[0]
 
     def _cross_attn(self, x: Tensor, src_mask: Tensor, cache: LayerCache, group: int,
-                    need_weights: bool) -> tuple[Tensor, Optional[Tensor]]:
+                    need_weights: bool, packing: Optional[Packing] = None) -> tuple[Tensor, Optional[Tensor]]:
         """Q from x, K/V from the cache (one per sentence: ``group`` G rows of x, a sentence's
         beams, share them; src_mask has one row per row of x).  A coverage layer also
-        advances the cache's coverage c^t over these T positions."""
+        advances the cache's coverage c^t over these T positions.  With ``packing``, x (N,
+        d_model) is the real rows (s2s.model.packing): Q and the output projected on them."""
+        mha = self.cross_attn
+        if packing is not None:
+            q = mha.split_heads(packing.pad(mha.q_proj(x)))  # (B, heads, T, d_head)
+            out, A = mha.attend_heads(q, cache.cross_k, cache.cross_v, src_mask, need_weights)
+            return mha.out_proj(packing.pack(mha.merge_heads(out))), A  # (N, d_model)
         q = self.cross_attn.project_q(x)  # (B, heads, T, d_head)
         if self.w_cov is None:
             return self.cross_attn.attend(q, cache.cross_k, cache.cross_v, src_mask[::group], need_weights,
@@ -210,26 +225,32 @@ class DecoderLayer(nn.Module):
         return self.cross_attn.out_proj(self.cross_attn.merge_heads(out)), torch.cat(weights, dim=2), c
 
     def forward(self, x: Tensor, self_mask: Optional[Tensor], src_mask: Tensor, cache: LayerCache,
-                group: int = 1, need_weights: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+                group: int = 1, need_weights: bool = False,
+                packing: Optional[Packing] = None) -> tuple[Tensor, Optional[Tensor]]:
         """x (B, T, d_model) at target positions t..t+T-1; ``cache`` this layer's state
         (cross K/V from H_enc, the self-attention K/V before t, which x's are appended to,
         and a coverage layer's c^t, which advances to c^{t+T}); ``group``: see _cross_attn.
+        With ``packing`` (teacher forcing from t = 0, no coverage) x is the real target
+        positions only (N, d_model): all but the attention runs on them, and the self-attention
+        K/V are not kept in the cache.
 
         Returns the block output (B, T, d_model) and, with ``need_weights``, the
         cross-attention weights A (B, heads, T, S) (else None).
         """
+        if packing is not None and (self.w_cov is not None or group > 1 or cache.length):
+            raise ValueError("a packed decoder pass is teacher forcing from t = 0 without coverage")
         drop = self.dropout if self.training else identity
         if self.pre_norm:
             # 1. target-target causal self-attention
-            x = x + drop(self._self_attn(self.norm1(x), self_mask, cache))
+            x = x + drop(self._self_attn(self.norm1(x), self_mask, cache, packing))
             # 2. target-source cross-attention: Q from the decoder, K/V from H_enc
-            h, A = self._cross_attn(self.norm2(x), src_mask, cache, group, need_weights)
+            h, A = self._cross_attn(self.norm2(x), src_mask, cache, group, need_weights, packing)
             x = x + drop(h)
             # 3. position-wise feed-forward
             x = x + drop(self.ffn(self.norm3(x)))
         else:
-            x = self.norm1(x + drop(self._self_attn(x, self_mask, cache)))
-            h, A = self._cross_attn(x, src_mask, cache, group, need_weights)
+            x = self.norm1(x + drop(self._self_attn(x, self_mask, cache, packing)))
+            h, A = self._cross_attn(x, src_mask, cache, group, need_weights, packing)
             x = self.norm2(x + drop(h))
             x = self.norm3(x + drop(self.ffn(x)))
         return x, A

@@ -120,16 +120,18 @@ class Seq2SeqTransformer(ModelBase):
         return mask
 
     def _decoder_stack(self, x: Tensor, self_mask: Optional[Tensor], cache: DecoderCache, need_weights: bool,
-                       need_last: bool) -> tuple[Tensor, list[Optional[Tensor]]]:
+                       need_last: bool, packing: Optional[Packing] = None) -> tuple[Tensor, list[Optional[Tensor]]]:
         """The decoder blocks over x (B, T, d_model), each with its cache entry -> the final
         states (B, T, d_model) and each layer's cross-attention A (B, heads, T, S): every
         layer's with ``need_weights``; the last one's with ``need_last`` or when copy or
-        coverage reads it; None elsewhere."""
+        coverage reads it; None elsewhere.  With ``packing``, x and the states are the real
+        positions only (N, d_model) (DecoderLayer.forward)."""
         last = len(self.decoder_layers) - 1
         want_last = need_last or self.needs_attention
         weights = []
         for i, (layer, lc) in enumerate(zip(self.decoder_layers, cache.layers)):
-            x, A = layer(x, self_mask, cache.src_mask, lc, cache.group, need_weights or (want_last and i == last))
+            x, A = layer(x, self_mask, cache.src_mask, lc, cache.group, need_weights or (want_last and i == last),
+                         packing)
             weights.append(A)
         return self.dec_final_norm(x), weights
 
@@ -150,10 +152,17 @@ class Seq2SeqTransformer(ModelBase):
         self_mask = self._self_mask(T, T, 0, tgt_in.device)
         x_in = self._embed(tgt_in, self.tgt_embed, self.dec_positions, self.dec_embed_norm)
         cache = self.start_decoding(enc)  # all T positions in one step
-        h, weights = self._decoder_stack(x_in, self_mask, cache, need_weights, need_last=False)
         if not head:
             if keep is None or self.cfg.copy:
                 raise ValueError("decode: head=False takes the kept positions of a model without copy")
+            # the position-wise layers on the kept positions only (s2s.model.packing); a target's
+            # real positions in tgt_in are its kept ones in tgt_out (one shift apart, same length)
+            packing = None if self.cfg.coverage or need_weights else Packing.of_real(keep)
+            if packing is not None:
+                h, weights = self._decoder_stack(packing.pack(x_in), self_mask, cache, need_weights, False, packing)
+                return h, weights  # (n, d_model)
+        h, weights = self._decoder_stack(x_in, self_mask, cache, need_weights, need_last=False)
+        if not head:
             return h[keep], weights  # (n, d_model)
         if keep is not None and not self.cfg.copy:
             return self.logits(h[keep]), weights  # (n, V)
