@@ -155,8 +155,9 @@ class Seq2SeqTransformer(ModelBase):
         if not head:
             if keep is None or self.cfg.copy:
                 raise ValueError("decode: head=False takes the kept positions of a model without copy")
-            # the position-wise layers on the kept positions only (s2s.model.packing); a target's
-            # real positions in tgt_in are its kept ones in tgt_out (one shift apart, same length)
+            # the position-wise layers on the kept positions only (s2s.model.packing): a target's
+            # real positions in tgt_in are its kept ones in tgt_out (one shift apart, same length),
+            # a prefix of its row, so no kept query attends to a position left out
             packing = None if self.cfg.coverage or need_weights else Packing.of_real(keep)
             if packing is not None:
                 h, weights = self._decoder_stack(packing.pack(x_in), self_mask, cache, need_weights, False, packing)
