@@ -170,7 +170,7 @@ class OutputNLL(torch.autograd.Function):
         W_t = W.t().contiguous()  # (d, V): the forward product as a plain GEMM (s2s.model.gemm.WIDE)
         z = h.new_empty(R, V)  # one chunk's scores; q is written over them
         h_pad = h.new_zeros(R, d)  # the last chunk, padded with zero rows
-        dh_c = h.new_empty(R, d)
+        dh_c = h.new_empty(R, d) if need_h else None
         lse, z_sum, z_y = (torch.empty(n, dtype=torch.float32) for _ in range(3))
         keep = y != pad_id
         has_pad = not bool(keep.all())

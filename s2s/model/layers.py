@@ -193,7 +193,7 @@ class DecoderLayer(nn.Module):
             q = mha.split_heads(packing.pad(mha.q_proj(x)))  # (B, heads, T, d_head)
             out, A = mha.attend_heads(q, cache.cross_k, cache.cross_v, src_mask, need_weights)
             return mha.out_proj(packing.pack(mha.merge_heads(out))), A  # (N, d_model)
-        q = self.cross_attn.project_q(x)  # (B, heads, T, d_head)
+        q = mha.project_q(x)  # (B, heads, T, d_head)
         if self.w_cov is None:
             return self.cross_attn.attend(q, cache.cross_k, cache.cross_v, src_mask[::group], need_weights,
                                           group)  # A: (B, heads, T, S)

@@ -159,12 +159,10 @@ class Seq2SeqTransformer(ModelBase):
             # real positions in tgt_in are its kept ones in tgt_out (one shift apart, same length),
             # a prefix of its row, so no kept query attends to a position left out
             packing = None if self.cfg.coverage or need_weights else Packing.of_real(keep)
-            if packing is not None:
-                h, weights = self._decoder_stack(packing.pack(x_in), self_mask, cache, need_weights, False, packing)
-                return h, weights  # (n, d_model)
+            x = x_in if packing is None else packing.pack(x_in)
+            h, weights = self._decoder_stack(x, self_mask, cache, need_weights, False, packing)
+            return (h[keep] if packing is None else h), weights  # (n, d_model)
         h, weights = self._decoder_stack(x_in, self_mask, cache, need_weights, need_last=False)
-        if not head:
-            return h[keep], weights  # (n, d_model)
         if keep is not None and not self.cfg.copy:
             return self.logits(h[keep]), weights  # (n, V)
         scores = self._scores(h, x_in, weights[-1], cache)
