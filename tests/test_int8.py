@@ -9,6 +9,7 @@ from s2s.config import ModelConfig
 from s2s.model import make_model
 from s2s.model.int8 import (
     INT8_MIN_MACS,
+    INT8_MIN_MACS_VNNI,
     ONEDNN_MIN_ROWS,
     Int8Linear,
     int8_min_rows,
@@ -18,7 +19,8 @@ from s2s.model.int8 import (
 )
 
 
-def test_int8_pays_rule():
+def test_int8_pays_rule(monkeypatch):
+    monkeypatch.setattr(int8_module, "vnni_int8", lambda: False)
     # the rule's thresholds (fitted to the figures in s2s/model/int8.py): a 192 x 576 matrix
     # takes int8 from 19 rows, a 192 x 192 one from 57, W_U (192 x 4000, 3 MB in fp32) at any rows
     assert not int8_pays(18, 192, 576) and int8_pays(19, 192, 576)
@@ -30,6 +32,18 @@ def test_int8_pays_rule():
         rows = int8_min_rows(d_in, d_out)
         assert int8_pays(rows, d_in, d_out) and (rows == 1 or not int8_pays(rows - 1, d_in, d_out))
     assert int8_min_rows(192, 4000) == 1 and int8_min_rows(192, 576) == 19
+
+
+def test_int8_pays_from_fewer_rows_with_vnni(monkeypatch):
+    """With AVX-512 VNNI the threshold is INT8_MIN_MACS_VNNI multiply-adds (the second table in
+    s2s/model/int8.py): a 256 x 768 matrix takes int8 from one row, a 256 x 256 one from three."""
+    monkeypatch.setattr(int8_module, "vnni_int8", lambda: True)
+    assert int8_module.int8_min_macs() == INT8_MIN_MACS_VNNI < INT8_MIN_MACS
+    assert int8_pays(1, 256, 768) and int8_min_rows(256, 256) == 3
+    assert not int8_pays(2, 256, 256) and int8_pays(3, 256, 256)
+    assert int8_min_rows(192, 576) == 2 and int8_min_rows(192, 4000) == 1
+    monkeypatch.setattr(int8_module, "vnni_int8", lambda: False)
+    assert int8_min_rows(256, 256) == 32 and int8_min_rows(256, 768) == 11
 
 
 @pytest.mark.parametrize("bias", [True, False])

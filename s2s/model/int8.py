@@ -23,8 +23,24 @@ MKL's fp32, microseconds:
     8 x 768 x 192             61      57
 
 so each matrix keeps both forms and picks per call by a rule fitted to those
-figures (:func:`int8_pays`).  The output projection W_U, tied to the embedding or
-not, is quantized too (the embedding lookup stays fp32), as CTranslate2's int8 does.
+figures (:func:`int8_pays`).  With AVX-512 VNNI (fbgemm's int8 kernels multiply-add four
+bytes per lane at once) int8 pays from far fewer rows; measured on 2 cores of an AMD EPYC
+(Zen 5), one thread, microseconds (the matrices rotated through more than the core's
+cache, as a decoder step's are):
+
+    rows x d_in x d_out      fp32    int8
+    1 x 256 x 256             7.1    11.8
+    2 x 256 x 256             9.7    11.8
+    8 x 256 x 256            17.9    12.9
+    32 x 256 x 256           49.1    19.2
+    1 x 256 x 768            16.6    13.6
+    16 x 256 x 768           86.2    21.7
+    1 x 1024 x 256           17.9    14.7
+    16 x 1024 x 256         146.3    24.7
+
+so there the threshold is :data:`INT8_MIN_MACS_VNNI` multiply-adds (:func:`int8_min_macs`).
+The output projection W_U, tied to the embedding or not, is quantized too (the embedding
+lookup stays fp32), as CTranslate2's int8 does.
 
 torch packs W for one of two int8 libraries, fbgemm (its default on x86) or oneDNN, and
 the product runs in the library W was packed for.  On a wide W (the output projection)
@@ -59,6 +75,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 INT8_MIN_MACS = 2 * 1024 * 1024  # rows * d_in * d_out from which the int8 product pays
+INT8_MIN_MACS_VNNI = 192 * 1024  # the same on a CPU with AVX-512 VNNI: 1 row of 256 x 768, 3 of 256 x 256
 INT8_MIN_WEIGHT_BYTES = 1024 * 1024  # an fp32 W at least this large: int8 at any rows (memory-bound)
 ONEDNN_MIN_ROWS = 64  # rows from which a wide W multiplies through its oneDNN copy
 ONEDNN_MIN_WIDTH = 6  # d_out / d_in of a wide W: the output projection (31 and 21 in the table) and
@@ -68,19 +85,34 @@ ONEDNN_MIN_WIDTH = 6  # d_out / d_in of a wide W: the output projection (31 and 
 
 def int8_pays(rows: int, d_in: int, d_out: int) -> bool:
     """Whether y = x W^T over ``rows`` rows runs faster in dynamic int8 than in fp32:
-    at rows * d_in * d_out >= 2M multiply-adds, or for any rows when the fp32 W has 1 MiB
-    or more (reading it dominates; the int8 W is a quarter of it).  A rule of thumb fitted
-    to the measurements in the module docstring, deterministic so that the same batch
-    always takes the same arithmetic."""
+    at rows * d_in * d_out >= :func:`int8_min_macs` multiply-adds (2M; 192K with AVX-512
+    VNNI), or for any rows when the fp32 W has 1 MiB or more (reading it dominates; the
+    int8 W is a quarter of it).  A rule of thumb fitted to the measurements in the module
+    docstring, deterministic on a machine so that the same batch always takes the same
+    arithmetic."""
     return rows >= int8_min_rows(d_in, d_out)
 
 
 def int8_min_rows(d_in: int, d_out: int) -> int:
     """The fewest rows from which :func:`int8_pays` takes int8 for a d_in x d_out matrix:
-    1 for an fp32 W of INT8_MIN_WEIGHT_BYTES or more, else ceil(INT8_MIN_MACS / (d_in d_out))."""
+    1 for an fp32 W of INT8_MIN_WEIGHT_BYTES or more, else ceil(int8_min_macs() / (d_in d_out))."""
     if 4 * d_in * d_out >= INT8_MIN_WEIGHT_BYTES:
         return 1
-    return -(-INT8_MIN_MACS // (d_in * d_out))
+    return -(-int8_min_macs() // (d_in * d_out))
+
+
+def int8_min_macs() -> int:
+    """The multiply-adds from which an int8 product pays: :data:`INT8_MIN_MACS_VNNI` on a CPU
+    with AVX-512 VNNI, else :data:`INT8_MIN_MACS` (the module docstring's two tables)."""
+    return INT8_MIN_MACS_VNNI if vnni_int8() else INT8_MIN_MACS
+
+
+@lru_cache(maxsize=1)
+def vnni_int8() -> bool:
+    """Whether the CPU has AVX-512 VNNI (lscpu's avx512_vnni), which fbgemm's int8 kernels use."""
+    from s2s.precision import cpu_flags
+
+    return "avx512_vnni" in cpu_flags()
 
 
 def onednn_pays(rows: int, d_in: int, d_out: int) -> bool:
@@ -93,9 +125,7 @@ def onednn_pays(rows: int, d_in: int, d_out: int) -> bool:
 @lru_cache(maxsize=1)
 def onednn_int8() -> bool:
     """Whether this process may pack for oneDNN: torch has the engine, the CPU AVX-512 VNNI."""
-    from s2s.precision import cpu_flags
-
-    return "onednn" in torch.backends.quantized.supported_engines and "avx512_vnni" in cpu_flags()
+    return "onednn" in torch.backends.quantized.supported_engines and vnni_int8()
 
 
 _ENGINE_SWITCH = threading.Lock()
