@@ -69,6 +69,13 @@ class OutputFormat:
     def __post_init__(self) -> None:
         check_format(self.format)
 
+    @property
+    def shows_scores(self) -> bool:
+        """Whether any score is written: --scores, n-best rows (their search score), or JSON
+        (always a score).  Without one a greedy search may skip normalizing its steps
+        (``Translator.scores``)."""
+        return self.scores or self.nbest or self.format == "jsonl"
+
 
 def hypothesis_json(text: str, h: Optional["Hypothesis"], scores: bool, alignments: bool) -> dict:
     """One hypothesis as JSON: text, and on request its score and its (j, t) alignment pairs."""

@@ -141,12 +141,19 @@ class ModelDecoder:
     cross-attention averaged over heads (for the coverage penalty).  With
     ``vocab_subset`` (V',) ascending target ids (a shortlist), the search runs
     over the subset: token i of the search is target id vocab_subset[i], the
-    log-probs are (N, V') and normalized over the subset."""
+    log-probs are (N, V') and normalized over the subset.
+
+    With ``normalized`` False a step returns the scores z (N, V) themselves, not
+    log p = z - log sum_v exp z_v: the same argmax, for a greedy search whose hypotheses
+    need no log-probability (:func:`greedy_search` then leaves their scores NaN).  The
+    normalization is an exp over every row's V scores, about 5% of a greedy translation
+    (CTranslate2's greedy search skips it too unless scores are asked for)."""
 
     def __init__(self, model: S2SModel, src: Tensor, track_attention: bool = False,
-                 vocab_subset: Optional[Tensor] = None):
+                 vocab_subset: Optional[Tensor] = None, normalized: bool = True):
         self.model = model
         self.track_attention = track_attention
+        self.normalized = normalized
         self._attention: Optional[Tensor] = None
         self.cache = model.start_decoding(model.encode(src))  # the source's K/V, once
         self.ids = vocab_subset
@@ -159,7 +166,7 @@ class ModelDecoder:
         logits, weights = self.model.decode_step(y_prev, self.cache, need_last=self.track_attention)
         if self.track_attention:
             self._attention = weights[-1][:, :, -1].float().mean(1)  # (N, S)
-        return torch.log_softmax(logits.float(), dim=-1)
+        return torch.log_softmax(logits.float(), dim=-1) if self.normalized else logits.float()
 
     def select(self, index: Tensor, group: Optional[int] = None) -> None:
         self.cache.select(index, group)
@@ -316,8 +323,13 @@ def greedy_search(decoder: StepDecoder, max_len: Tensor, s: DecodeConfig, ids: S
     drawn from a generator seeded with ``s.seed``; the hypothesis's score is
     still the model's log p of the drawn tokens.  Sampling draws ``s.nbest``
     independent samples per sentence (rows n*K + k, as a beam's), returned
-    best score first.
+    best score first.  A decoder whose steps are not normalized (``normalized``
+    False: scores z, not log p) gives the same tokens, and hypotheses whose
+    score and log_prob are NaN.
     """
+    if s.sampling and not getattr(decoder, "normalized", True):
+        raise ValueError("sampling draws from log p: its decoder must normalize its steps")
+    scored = getattr(decoder, "normalized", True)
     B = max_len.size(0)
     device = max_len.device
     K = s.nbest if s.sampling else 1  # samples per sentence
@@ -347,7 +359,7 @@ def greedy_search(decoder: StepDecoder, max_len: Tensor, s: DecodeConfig, ids: S
             m = t + 1
             norm = length_penalty(float(m), s.alpha, s.length_penalty)
             for row in done.nonzero().flatten().tolist():
-                lp = float(log_prob[row])
+                lp = float(log_prob[row]) if scored else math.nan
                 rows_out[int(active[row])] = Hypothesis(tokens[row, :-1].tolist(), lp / norm, lp)
             keep = tail_filled(done)
             if keep.numel() == 0:
@@ -515,6 +527,8 @@ def search(decoder: StepDecoder, max_len: Tensor, s: DecodeConfig, ids: SpecialI
     (s2s.constraints, dynamic beam allocation)."""
     if s.sampling and s.beam != 1:
         raise ValueError("sampling draws one token per step: use beam = 1")
+    if not greedy_search_runs(s, constraints) and not getattr(decoder, "normalized", True):
+        raise ValueError("a beam search compares log p: its decoder must normalize its steps")
     if s.sampling and s.coverage_penalty:
         raise ValueError("sampling does not rescore hypotheses: no coverage penalty")
     if constraints is not None:
@@ -523,6 +537,12 @@ def search(decoder: StepDecoder, max_len: Tensor, s: DecodeConfig, ids: SpecialI
         from s2s.constraints import constrained_beam_search  # it builds on this module
 
         return constrained_beam_search(decoder, max_len, s, ids, constraints, prefix)
-    if s.beam == 1 and (s.sampling or not s.coverage_penalty):
+    if greedy_search_runs(s, constraints):
         return greedy_search(decoder, max_len, s, ids, prefix)
     return beam_search(decoder, max_len, s, ids, prefix)
+
+
+def greedy_search_runs(s: DecodeConfig, constraints: Optional[Tensor] = None) -> bool:
+    """Whether :func:`search` runs :func:`greedy_search` (or sampling) for these settings: beam 1,
+    no lexical constraints, and no coverage penalty unless sampling (see :func:`search`)."""
+    return s.beam == 1 and constraints is None and (s.sampling or not s.coverage_penalty)

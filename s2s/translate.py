@@ -30,7 +30,15 @@ from s2s.model.gemm import use_packed_bf16
 from s2s.modeldir import input_cap, model_decode_settings, position_table
 from s2s.output import OutputFormat, confidence, format_translation
 from s2s.precision import auto_arithmetic, auto_precision, resolve_precision  # noqa: F401 (auto_precision: importable from here too)
-from s2s.search import EnsembleDecoder, Hypothesis, ModelDecoder, SpecialIds, ensemble_log_weights, search
+from s2s.search import (
+    EnsembleDecoder,
+    Hypothesis,
+    ModelDecoder,
+    SpecialIds,
+    ensemble_log_weights,
+    greedy_search_runs,
+    search,
+)
 from s2s.shortlist import Shortlist, load_shortlist, subset_positions, subset_search_ids
 from s2s.textio import line_numbers
 from s2s.tokenizer import BOS_ID, Tokenizer
@@ -171,6 +179,9 @@ class Translator:
         self.max_input = input_cap(model.cfg, decode)
         self.trained_src_tokens = trained_src_tokens
         self.alignments = False  # also align each hypothesis to its source (Pharaoh pairs)
+        # the hypotheses carry their log-probabilities; False (no score is shown): a greedy
+        # search may skip normalizing its steps, and its hypotheses' scores are NaN
+        self.scores = True
         self.precision = "fp32"  # or bf16: the weights converted (set_arithmetic)
         self.int8 = False  # int8 copies of the matrices beside the fp32 ones (set_arithmetic)
         self.extra_models: list[S2SModel] = []  # an ensemble's other members
@@ -367,7 +378,10 @@ class Translator:
         if ids is not None:  # the search runs over the subset's positions
             special, prefix = subset_search_ids(special, ids), subset_positions(ids, prefix)
             constraints = subset_positions(ids, constraints)
-        decoders = [ModelDecoder(m, src, track, ids) for m in [self.model, *self.extra_models]]
+        # greedy search ranks nothing: without a score to show, its steps need no normalizing
+        greedy = greedy_search_runs(self.decode, constraints)
+        normalized = self.scores or bool(self.extra_models) or not greedy or self.decode.sampling
+        decoders = [ModelDecoder(m, src, track, ids, normalized) for m in [self.model, *self.extra_models]]
         decoder = decoders[0] if len(decoders) == 1 else EnsembleDecoder(decoders, self.weights)
         found = search(decoder, max_len, self.decode, special, prefix, constraints)
         if ids is not None:

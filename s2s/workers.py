@@ -111,9 +111,11 @@ class TranslatorSpec:
             import_torch()
         from s2s.translate import Translator
 
-        return Translator.from_dirs(list(self.models), self.device, weights=self.weights, decode=self.overrides,
-                                    decode_defaults=self.defaults, precision=self.precision,
-                                    quantize=self.quantize, alignments=self.alignments, threads=self.threads)
+        translator = Translator.from_dirs(list(self.models), self.device, weights=self.weights, decode=self.overrides,
+                                          decode_defaults=self.defaults, precision=self.precision,
+                                          quantize=self.quantize, alignments=self.alignments, threads=self.threads)
+        translator.scores = self.output(translator).shows_scores  # none shown: greedy need not normalize
+        return translator
 
     def output(self, translator) -> OutputFormat:
         """How the translator's output is written (see s2s.output)."""

@@ -120,6 +120,34 @@ def test_scores_rows_cut_f1_is_the_plain_output(model_dir):
     assert "".join(row.split("\t")[0] + "\n" for row in scored.splitlines()) == plain
 
 
+def test_greedy_without_a_score_to_show_skips_the_normalization(model_dir, monkeypatch):
+    """Text rows without --scores: the greedy search's steps return the scores z, not log p (the
+    same argmax), and its rows are --scores' rows without the score; a score shown (--scores,
+    JSON, n-best rows) keeps every step normalized."""
+    from s2s import search
+
+    normalized = []
+    make = search.ModelDecoder.__init__
+
+    def spy(self, *args, **kwargs):
+        make(self, *args, **kwargs)
+        normalized.append(self.normalized)
+    monkeypatch.setattr(search.ModelDecoder, "__init__", spy)
+    greedy = {"beam": 1}
+    plain = stream(model_dir, overrides=greedy)
+    assert normalized and not any(normalized)
+    for spec in ({"scores": True}, {"output_format": "jsonl"}, {"nbest_rows": True}):
+        normalized.clear()
+        shown = stream(model_dir, overrides=greedy, **spec)
+        assert normalized and all(normalized), spec
+    rows = stream(model_dir, overrides=greedy, scores=True).splitlines()
+    assert [row.split("\t")[0] for row in rows] == plain.splitlines()
+    assert shown and not any(math.isnan(float(row.split("\t")[1])) for row in rows)
+    normalized.clear()
+    stream(model_dir, overrides={"beam": 2})
+    assert normalized and all(normalized)  # a beam search compares log p
+
+
 def test_jsonl_one_object_per_input_line(model_dir):
     """--format jsonl: one object per input line (empty and hostile lines included) with text,
     score, alignment and the n-best list, equal to the text rows' fields."""

@@ -197,6 +197,34 @@ def test_beam_one_equals_greedy_on_a_model(device):
         assert g[0].score == pytest.approx(b[0].score, abs=1e-5)
 
 
+def test_greedy_without_normalizing_takes_the_same_tokens(device):
+    """ModelDecoder(normalized=False) steps return the scores z, not log p = z - log sum exp z:
+    greedy search takes the same token at every step (with min_len, no_repeat_ngram, a forced
+    prefix and max_len's forced </s>) and leaves the hypotheses' scores NaN; a beam search,
+    which compares log p across rows, refuses such a decoder."""
+    model = _tiny_model(2).to(device)
+    src = torch.randint(4, 40, (6, 9))
+    src[2, 5:] = PAD
+    src[:, -1] = EOS
+    src = src.to(device)
+    max_len = torch.tensor([3, 12, 12, 5, 12, 12], device=device)
+    prefix = torch.tensor([[7, 8], [9, -1], [-1, -1], [7, -1], [-1, -1], [11, 12]], device=device)
+    cases = [(settings(beam=1, nbest=1), None), (settings(beam=1, nbest=1, min_len=3, no_repeat_ngram=2), None),
+             (settings(beam=1, nbest=1), prefix)]
+    for s, forced in cases:
+        with torch.no_grad():
+            want = greedy_search(ModelDecoder(model, src), max_len, s, IDS, forced)
+            got = greedy_search(ModelDecoder(model, src, normalized=False), max_len, s, IDS, forced)
+        assert [h[0].tokens for h in got] == [h[0].tokens for h in want]
+        assert all(math.isnan(h[0].score) and math.isnan(h[0].log_prob) for h in got)
+        assert not any(math.isnan(h[0].log_prob) for h in want)
+    assert len(got[0][0].tokens) <= 2 and got[0][0].tokens[:2] == [7, 8][:len(got[0][0].tokens)]
+    with pytest.raises(ValueError, match="normalize"):
+        search(ModelDecoder(model, src, normalized=False), max_len, settings(beam=2, nbest=1), IDS)
+    with pytest.raises(ValueError, match="normalize"):
+        search(ModelDecoder(model, src, normalized=False), max_len, settings(beam=1, nbest=1, sampling=True), IDS)
+
+
 def test_search_on_model_batch_invariance(device):
     model = _tiny_model(1).to(device)
     src = torch.randint(4, 40, (4, 7))
