@@ -234,3 +234,28 @@ def test_translator_precision_auto_adds_int8_where_it_pays(prepared, tmp_path, m
         assert len(taken) > 10 and any(rows == 4 for rows, _, _ in taken)  # the decoder's steps: 2 x 2 beams
     plain = Translator.from_dirs([model_dir], precision="fp32")  # an explicit fp32 stays fp32
     assert not any(isinstance(m, Int8Linear) for m in plain.model.modules())
+
+
+def test_relu_ffn_fuses_the_relu_into_its_int8_product(monkeypatch):
+    """A ReLU FFN whose W_1 takes int8 runs max(0, x W_1^T + b_1) as one fused int8 call, with
+    the values of the ReLU after the int8 product, bit for bit; below the threshold, fp32."""
+    from s2s.model.layers import FeedForward
+
+    torch.manual_seed(0)
+    ffn = quantize_int8(FeedForward(64, 256, "relu", 0.0).eval())
+    calls = []
+    int8 = Int8Linear.int8
+
+    def spy(self, x, relu=False):
+        calls.append(relu)
+        return int8(self, x, relu)
+    monkeypatch.setattr(Int8Linear, "int8", spy)
+    x = torch.randn(2, int8_min_rows(64, 256), 64)
+    with torch.no_grad():
+        got = ffn(x)
+        calls_fused = list(calls)
+        want = ffn.w_2(torch.relu(int8(ffn.w_1, x)))
+    assert calls_fused[0] is True and torch.equal(got, want)
+    few = torch.randn(1, 64)
+    if not int8_pays(1, 64, 256):
+        assert torch.equal(ffn(few), ffn.w_2(torch.relu(F.linear(few, ffn.w_1.weight, ffn.w_1.bias))))

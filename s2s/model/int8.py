@@ -174,20 +174,27 @@ class Int8Linear(nn.Module):
         """This layer's W and b packed for ``engine`` (:func:`packed_int8`)."""
         return packed_int8(self.weight.detach(), None if self.bias is None else self.bias.detach(), engine)
 
-    def int8(self, x: Tensor) -> Tensor:
+    def int8(self, x: Tensor, relu: bool = False) -> Tensor:
         """x W^T + b by an int8 copy: torch's dynamic int8 product, as its quantized dynamic
         Linear calls it (x quantized to 7 bits: ``reduce_range``), through oneDNN's copy
-        where :func:`onednn_pays`, else fbgemm's."""
+        where :func:`onednn_pays`, else fbgemm's.  With ``relu``, max(0, x W^T + b) in the
+        same call (the library's fused ReLU: the same values as a ReLU after it, without
+        a second pass over the output)."""
         packed = self.packed
         if onednn_pays(x.numel() // self.in_features, self.in_features, self.out_features):
             if self.packed_onednn is None:
                 self.packed_onednn = self.pack("onednn")
             packed = self.packed_onednn
+        if relu:
+            return torch.ops.quantized.linear_relu_dynamic(x, packed, True)
         return torch.ops.quantized.linear_dynamic(x, packed, True)
 
+    def pays(self, x: Tensor) -> bool:
+        """Whether this product of x takes the int8 copy (:func:`int8_pays` over x's rows)."""
+        return int8_pays(x.numel() // self.in_features, self.in_features, self.out_features)
+
     def forward(self, x: Tensor) -> Tensor:
-        rows = x.numel() // self.in_features
-        if int8_pays(rows, self.in_features, self.out_features):
+        if self.pays(x):
             return self.int8(x)
         return F.linear(x, self.weight, self.bias)
 

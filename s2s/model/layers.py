@@ -18,6 +18,7 @@ from s2s.model import gemm
 from s2s.model.attention import MultiHeadAttention, attention
 from s2s.model.cache import LayerCache
 from s2s.model.dropout import Dropout
+from s2s.model.int8 import Int8Linear
 from s2s.model.packing import Packing
 
 ACTIVATIONS = {
@@ -65,6 +66,10 @@ class FeedForward(nn.Module):
         if self.w_13 is not None:
             a, g = self.w_13(x).chunk(2, dim=-1)  # 2 x (B, L, d_ff)
             h = self.act(a) * g
+        elif self.post_op == "relu" and isinstance(self.w_1, Int8Linear) and self.w_1.pays(x):
+            h = self.w_1.int8(x, relu=True)  # the ReLU inside the int8 product
+            if self.w_3 is not None:
+                h = h.mul_(self.w_3(x))
         elif self.post_op is not None and isinstance(self.w_1, gemm.PackedLinear) and gemm.takes_packed(
                 x, self.w_1.packed):
             h = gemm.packed_linear(x, self.w_1.weight, self.w_1.packed, self.w_1.bias, self.post_op)
