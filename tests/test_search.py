@@ -549,3 +549,21 @@ def test_best_tokens_equals_max():
     want = logp.max(dim=-1)
     assert torch.equal(best, want.values) and torch.equal(y, want.indices)
     assert int(y[7]) == 11
+
+
+def test_model_decoder_step_is_log_softmax_of_the_models_scores():
+    """A step's log-probs (normalized in place over the step's own scores) equal log_softmax of
+    decode_step's scores, and the next step is unaffected by that."""
+    model = _tiny_model(3).float()
+    src = torch.randint(4, 40, (3, 6))
+    src[:, -1] = EOS
+    y = torch.full((3, 1), BOS)
+    with torch.no_grad():
+        ref = model.start_decoding(model.encode(src))
+        dec = ModelDecoder(model, src)
+        for _ in range(3):
+            z = model.decode_step(y, ref)[0]
+            want = torch.log_softmax(z.clone(), dim=-1)
+            got = dec.step(y)
+            assert torch.equal(got, want)
+            y = got.argmax(-1, keepdim=True)
