@@ -169,8 +169,9 @@ class ModelDecoder:
         z = logits.float()  # (N, V): this step's own tensor, which nothing else holds
         if not self.normalized:
             return z
-        if z.device.type == "cpu":  # in place: no second (N, V) tensor (at beam 5's 320 rows x 8,000
-            return torch.log_softmax(z, dim=-1, out=z)  # 1.6 against 2.0 ms on a Zen 5 core)
+        if z.device.type == "cpu":
+            # in place, no second (N, V) tensor: 1.6 against 2.0 ms for beam 5's 320 x 8,000 (a Zen 5 core)
+            return torch.log_softmax(z, dim=-1, out=z)
         return torch.log_softmax(z, dim=-1)
 
     def select(self, index: Tensor, group: Optional[int] = None) -> None:
@@ -332,9 +333,9 @@ def greedy_search(decoder: StepDecoder, max_len: Tensor, s: DecodeConfig, ids: S
     False: scores z, not log p) gives the same tokens, and hypotheses whose
     score and log_prob are NaN.
     """
-    if s.sampling and not getattr(decoder, "normalized", True):
+    scored = getattr(decoder, "normalized", True)  # log p (else z: the same argmax, no score)
+    if s.sampling and not scored:
         raise ValueError("sampling draws from log p: its decoder must normalize its steps")
-    scored = getattr(decoder, "normalized", True)
     B = max_len.size(0)
     device = max_len.device
     K = s.nbest if s.sampling else 1  # samples per sentence
