@@ -8,14 +8,6 @@ layer of a large batch) costs a page fault for each of its 4 KiB pages while the
 kernel hands out zeroed pages.  Serving every block from the heap and never trimming
 it keeps those pages mapped: the next update's tensors reuse them.  The price is that
 the process's resident memory stays at its peak instead of shrinking between updates.
-
-Decoding has the same pattern: every batch makes its self-attention buffers, scores and
-hidden layers anew.  ``s2s train``, ``s2s serve`` and the decoding processes of ``s2s
-translate`` / ``summarize`` (and their workers) call :func:`keep_freed_memory`; a program
-importing s2s as a library keeps its own malloc settings.  On 2 cores of an AMD EPYC (Zen 5,
-a virtual machine where a page fault costs microseconds), one thread, the reference model,
-1,000 sentences at beam 5 in int8: 280,000-330,000 page faults without it, 40,000-50,000
-with it, and 0.88, 0.90 and 0.76 of the time in three alternating rounds.
 """
 
 from __future__ import annotations

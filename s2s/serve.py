@@ -498,9 +498,6 @@ def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8080,
     _require_server_libraries()
     import torch
 
-    from s2s.allocator import keep_freed_memory
-
-    keep_freed_memory()  # a batch's tensors reuse the pages of the batches before (s2s.allocator)
     translator = Translator.from_dirs([model_dir], decode=decode, threads=threads)
     app = build_app(translator, limits, model_info(model_dir))
     sock = listen_socket(host, port)

@@ -105,12 +105,10 @@ class TranslatorSpec:
 
     def build(self):
         """Load the model(s) with these settings, each checked by ``Translator.from_dirs``."""
-        if self.lean_torch:  # s2s's own decoding process (the CLI's, or a worker of it)
-            from s2s.allocator import keep_freed_memory
+        if self.lean_torch:
             from s2s.leantorch import import_torch
 
             import_torch()
-            keep_freed_memory()  # a batch's tensors reuse the last one's pages (s2s.allocator)
         from s2s.translate import Translator
 
         translator = Translator.from_dirs(list(self.models), self.device, weights=self.weights, decode=self.overrides,

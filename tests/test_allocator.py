@@ -42,33 +42,3 @@ def test_elsewhere_it_changes_nothing(monkeypatch):
 
     monkeypatch.setattr(allocator.sys, "platform", "darwin")
     assert allocator.keep_freed_memory() is False
-
-
-def test_s2s_own_decoding_processes_keep_freed_memory(monkeypatch, tmp_path):
-    """The CLI's decoding process and its workers (a TranslatorSpec with ``lean_torch``) keep freed
-    memory, and so does ``s2s serve``; a Translator a library user builds leaves malloc alone."""
-    from s2s import allocator
-    from s2s.workers import TranslatorSpec
-
-    calls = []
-    monkeypatch.setattr(allocator, "keep_freed_memory", lambda: calls.append(1) or True)
-
-    class Built(Exception):
-        pass
-
-    def stop(*args, **kwargs):
-        raise Built
-    monkeypatch.setattr("s2s.translate.Translator.from_dirs", stop)
-    for lean, want in ((False, []), (True, [1])):
-        calls.clear()
-        with pytest.raises(Built):
-            TranslatorSpec((str(tmp_path),), lean_torch=lean).build()
-        assert calls == want, lean
-    from s2s import serve
-
-    calls.clear()
-    monkeypatch.setattr(serve, "_require_server_libraries", lambda: None)
-    monkeypatch.setattr(serve.Translator, "from_dirs", stop)
-    with pytest.raises(Built):
-        serve.serve(tmp_path)
-    assert calls == [1]
