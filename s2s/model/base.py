@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from s2s.config import ModelConfig
-from s2s.loss import fuses_output_nll, label_smoothed_nll, output_nll
+from s2s.loss import OutputNLL, fuses_output_nll, label_smoothed_nll
 from s2s.model import gemm
 from s2s.model.dropout import Dropout
 
@@ -102,14 +102,14 @@ class ModelBase(nn.Module):
     def head_nll(self, h: Tensor, target: Tensor, epsilon: float, pad_id: int) -> Tensor:
         """label_smoothed_nll(logits(h), target): h (n, d_model) -> the fp32 sum.  Where the head is
         x W_U + b_U in bf16 on the CPU and autograd records it (a bf16 training step), in one pass
-        that never holds the (n, V) scores (s2s.loss.output_nll); elsewhere through :meth:`logits`."""
+        that never holds the (n, V) scores (s2s.loss.OutputNLL); elsewhere through :meth:`logits`."""
         W = self.tgt_embed.weight if self.output_proj is None else self.output_proj.weight
         plain = self.output_int8 is None and self.gemm in ("torch", "rows")
         if not (plain and fuses_output_nll(h, W)):
             return label_smoothed_nll(self.logits(h), target, epsilon, pad_id)
         if self.output_scale != 1.0:
             h = h * self.output_scale
-        return output_nll(h, W, self.output_bias, target, epsilon, pad_id)
+        return OutputNLL.apply(h, W, self.output_bias, target, epsilon, pad_id)  # fuses_output_nll checked above
 
     def vocab_subset(self, ids: Tensor) -> VocabSubset:
         """The output head's rows for target ids ``ids`` (V',), gathered once per batch;
