@@ -7,12 +7,14 @@ configuration runs as its own processes, the configurations interleaved round
 by round (``--rounds``, >= 3 for figures; a busy machine slows each alike), and
 the median with min and max is kept:
 
-* s2s ``{fp32,int8,bf16,shortlist,int8shortlist,bf16shortlist}_{W}x{T}``: ``s2s translate --workers W
-  --threads T`` for every split W x T of the cores (int8 on the CPU only; bf16
-  where the CPU has native bf16 matmuls, AVX-512 BF16 or AMX, or on a GPU;
-  shortlist is fp32 with ``--shortlist`` where the model directory has one,
-  ``s2s shortlist CONFIG -m MODEL``; int8shortlist is ``--quantize int8 --shortlist``
-  on the CPU, bf16shortlist ``--precision bf16 --shortlist`` where bf16 runs).
+* s2s ``{fp32,int8,bf16,auto,shortlist,int8shortlist,bf16shortlist,autoshortlist}_{W}x{T}``:
+  ``s2s translate --workers W --threads T`` for every split W x T of the cores (int8 on
+  the CPU only; bf16 where the CPU has native bf16 matmuls, AVX-512 BF16 or AMX, or on a
+  GPU; auto, ``--precision auto``, on a CPU with native bf16, where it adds bf16 beam
+  slots to what it picks; shortlist is fp32 with ``--shortlist`` where the model directory
+  has one, ``s2s shortlist CONFIG -m MODEL``; int8shortlist is ``--quantize int8
+  --shortlist`` on the CPU, bf16shortlist ``--precision bf16 --shortlist`` where bf16 runs,
+  autoshortlist ``--precision auto --shortlist`` where auto runs).
 * ct2 ``{fp32,int8}_{I}x{J}``: CTranslate2 with ``inter_threads`` I x
   ``intra_threads`` J, every split (on a GPU: float32, float16, bfloat16, 1x1).
 * hf: ``s2s export hf`` run by ``generate`` (an architecture no Hugging Face
@@ -175,7 +177,7 @@ def cpu_name() -> str:
 class Config:
     engine: str  # s2s, ct2 or hf
     name: str  # e.g. s2s_fp32_2x1
-    precision: str  # fp32, int8, bf16, fp16; for s2s also shortlist, int8shortlist, bf16shortlist (s2s_arithmetic)
+    precision: str  # fp32, int8, bf16, fp16; for s2s also auto and the *shortlist ones (s2s_arithmetic)
     procs: int  # s2s workers, CTranslate2 inter_threads
     threads: int  # s2s threads per worker, CTranslate2 intra_threads
     whole_sent_s: list[float] = field(default_factory=list)
@@ -189,7 +191,7 @@ def configurations(device: str, cores: int, engines: set[str], has_ct2: bool, ha
     """The configurations this machine has, in the order each round runs them."""
     out = []
     if device == "cpu":
-        s2s_precisions = ["fp32", "int8"] + (["bf16"] if cpu_has_bf16() else [])
+        s2s_precisions = ["fp32", "int8"] + (["bf16", "auto"] if cpu_has_bf16() else [])
         ct2_precisions = ["fp32", "int8"]
         core_splits = splits(cores)
     else:  # one process drives the GPU
@@ -197,6 +199,7 @@ def configurations(device: str, cores: int, engines: set[str], has_ct2: bool, ha
     if has_shortlist:
         s2s_precisions += ["shortlist"] + (["int8shortlist"] if device == "cpu" else [])
         s2s_precisions += ["bf16shortlist"] if "bf16" in s2s_precisions else []
+        s2s_precisions += ["autoshortlist"] if "auto" in s2s_precisions else []
     for p in s2s_precisions if "s2s" in engines else []:
         out += [Config("s2s", f"s2s_{p}_{w}x{t}", p, w, t) for w, t in core_splits]
     for p in ct2_precisions if "ct2" in engines and has_ct2 else []:
@@ -275,8 +278,10 @@ def decode_flags(beam: int, batch: int, cap: int) -> dict:
 
 def s2s_arithmetic(c: Config) -> tuple[str, bool, bool]:
     """An s2s configuration's (precision, int8, shortlist): --precision, --quantize int8, --shortlist."""
-    return ("bf16" if c.precision in ("bf16", "bf16shortlist") else "fp32", c.precision in ("int8", "int8shortlist"),
-            c.precision in ("shortlist", "int8shortlist", "bf16shortlist"))
+    shortlist = c.precision.endswith("shortlist")
+    arithmetic = c.precision[:-len("shortlist")] if shortlist else c.precision  # "" for fp32 with a shortlist
+    return ("bf16" if arithmetic == "bf16" else "auto" if arithmetic == "auto" else "fp32", arithmetic == "int8",
+            shortlist)
 
 
 def s2s_command(model: Path, src: Path, hyp: Path, c: Config, device: str, flags: dict) -> list[str]:

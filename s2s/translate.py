@@ -29,7 +29,7 @@ from s2s.model import S2SModel, Seq2SeqTransformer
 from s2s.model.gemm import use_packed_bf16
 from s2s.modeldir import input_cap, model_decode_settings, position_table
 from s2s.output import OutputFormat, confidence, format_translation
-from s2s.precision import auto_arithmetic, auto_precision, resolve_precision  # noqa: F401 (auto_precision: importable from here too)
+from s2s.precision import auto_arithmetic, auto_precision, beam_slot_dtype, resolve_precision  # noqa: F401 (auto_precision: importable from here too)
 from s2s.search import (
     EnsembleDecoder,
     Hypothesis,
@@ -280,21 +280,27 @@ class Translator:
     def set_arithmetic(self, precision: str = "fp32", quantize: Optional[str] = None) -> None:
         """``precision``: fp32; bf16 (the weights converted once, see :meth:`to_bf16`); or auto
         (:func:`auto_arithmetic`: bf16 or fp32 with int8 matrices, whichever was measured faster
-        on this kind of CPU).
+        on this kind of CPU; with fp32, a beam search's self-attention K/V in bf16 where the CPU
+        multiplies bf16 natively, :func:`~s2s.precision.beam_slot_dtype`).
         ``quantize``: None, or int8 (see :meth:`quantize_int8`), with fp32 weights only."""
         if precision not in PRECISIONS:
             raise S2SError(f"--precision: {precision!r} is not fp32, bf16 or auto")
         if quantize not in (None, "int8"):
             raise S2SError(f"--quantize: {quantize!r} is not int8")
+        slot_dtype = None
         if precision == "auto":
             precision, int8, why = auto_arithmetic(self.device)
-            log.info("--precision auto: %s%s (%s)", precision, " and int8" if int8 else "", why)
+            slot_dtype = beam_slot_dtype(self.device, precision)
+            log.info("--precision auto: %s%s%s (%s)", precision, " and int8" if int8 else "",
+                     ", beams' self-attention K/V in bf16" if slot_dtype else "", why)
             if int8:
                 quantize = "int8"
         precision = resolve_precision(precision, self.device, "--precision")
         if quantize == "int8" and precision == "bf16":
             raise S2SError("--quantize int8 quantizes fp32 weights: use it with --precision fp32")
         self.precision = precision
+        for member in [self.model, *self.extra_models]:
+            member.beam_slot_dtype = slot_dtype
         if precision == "bf16":
             self.to_bf16()
         if quantize == "int8":

@@ -249,6 +249,64 @@ def test_beam_slots_equal_a_row_per_beam(kw, dtype):
             cache.select(index)
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(positions="t5_bias")], ids=["sinusoidal", "t5_bias"])
+@torch.no_grad()
+def test_bf16_beam_slots_read_whole_follow_a_row_per_beam_in_fp32(kw):
+    """Slots in bf16 (a cache's slot_dtype, as --precision auto keeps them on a CPU with native
+    bf16) are whole buffers, zeros past t K, read whole under a mask with -inf there, across
+    WHOLE_BUCKET boundaries, beams reordered, a sentence leaving and at last the beams regrouped
+    (back to fp32 rows): every step's log-probabilities stay within bf16's rounding of those of
+    the fp32 cache with one row per beam."""
+    from s2s.model.cache import WHOLE_BUCKET
+
+    model = make_model(**kw).float()
+    g = torch.Generator().manual_seed(6)
+    K, N = 3, 3
+    src = right_pad([tokens(5, seed=60), tokens(3, seed=61), tokens(4, seed=62)])
+    slots, rows = (model.start_decoding(model.encode(src)) for _ in range(2))
+    slots.slot_dtype, rows.beam_slots = torch.bfloat16, False
+    for cache in (slots, rows):
+        cache.select(torch.arange(3).repeat_interleave(K), group=K)
+    worst = 0.0
+    for t in range(2 * WHOLE_BUCKET + 3):
+        y = torch.randint(1, 20, (N * K, 1), generator=g)
+        got, want = (torch.log_softmax(model.decode_step(y, c)[0], -1) for c in (slots, rows))
+        worst = max(worst, (got - want).abs().max().item())
+        if K > 1:
+            layer = slots.layers[0]
+            assert layer.k_buf.dtype == torch.bfloat16 and layer.k_buf.size(2) == K * bucketed(t + 1, WHOLE_BUCKET)
+            assert not layer.k_buf[:, :, (t + 1) * K:].any()  # zeros past t K: finite, masked
+        parents = torch.randint(0, K, (N, K), generator=g) + torch.arange(N)[:, None] * K
+        index = parents.flatten()
+        if t == 4:  # the second sentence leaves
+            index, N = parents[[0, 2]].flatten(), 2
+        if t == WHOLE_BUCKET + 5:  # rows leave one by one from now on: fp32 rows again
+            for cache in (slots, rows):
+                cache.select(torch.tensor([0, 2, 3, 4, 5]), group=1)
+            assert slots.slots == 1 and slots.layers[0].k_buf.dtype == torch.float32
+            N, K = 5, 1
+            continue
+        for cache in (slots, rows):
+            cache.select(index)
+    assert 0 < worst < 0.05  # bf16's rounding, not a key read unmasked (fp32 rows: 0 apart)
+
+
+def test_few_query_attention_with_narrower_kv_multiplies_in_their_dtype():
+    """bf16 K/V with an fp32 query: the products of the K/V's dtype, the softmax of q's, the
+    output in q's dtype, equal to the reference on the same bf16-rounded operands."""
+    g = torch.Generator().manual_seed(8)
+    B, H, T_q, T_k, e = 2, 4, 5, 9, 8
+    q = torch.randn(B, H, T_q, e, generator=g)
+    k, v = (torch.randn(B, H, T_k, e, generator=g).bfloat16() for _ in range(2))
+    mask = torch.zeros(B, 1, T_q, T_k)
+    mask[0, ..., 6:] = float("-inf")
+    got = few_query_attention(q, k, v, mask)
+    assert got.dtype == torch.float32
+    scores = (q / e ** 0.5).bfloat16().float() @ k.float().transpose(-1, -2)
+    A = torch.softmax(scores.bfloat16().float() + mask, -1).bfloat16().float()
+    torch.testing.assert_close(got, (A @ v.float()).bfloat16().float(), atol=1e-2, rtol=1e-2)
+
+
 def test_beam_slots_regrouped_before_a_step_and_with_gradients():
     """Regrouping to one row per beam before any step leaves slots at once (no keys yet);
     with autograd on, a sentence leaving a slot cache still works (no out= gathers)."""
@@ -287,6 +345,17 @@ def test_beam_search_with_slots_finds_what_rows_find():
         found.append([[(h.tokens, round(h.score, 9)) for h in sent] for sent in hyps])
         assert decoder.cache.slots == (4 if beam_slots else 1) or not decoder.cache.layers
     assert found[0] == found[1]
+
+
+def test_beam_slots_in_bf16_only_for_an_fp32_model_on_a_cpu_with_native_bf16():
+    from s2s.precision import beam_slot_dtype
+
+    cpu, zen5 = torch.device("cpu"), {"avx2", "avx512f", "avx512_bf16", "avx512_vnni"}
+    assert beam_slot_dtype(cpu, "fp32", zen5) == torch.bfloat16
+    assert beam_slot_dtype(cpu, "fp32", {"avx2", "amx_bf16", "amx_tile"}) == torch.bfloat16
+    assert beam_slot_dtype(cpu, "bf16", zen5) is None  # its K/V are bf16 already
+    assert beam_slot_dtype(cpu, "fp32", {"avx2", "avx512f"}) is None
+    assert beam_slot_dtype(torch.device("cuda"), "fp32", zen5) is None
 
 
 def test_auto_precision_reads_the_cpu_flags():

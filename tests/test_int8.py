@@ -236,6 +236,31 @@ def test_translator_precision_auto_adds_int8_where_it_pays(prepared, tmp_path, m
     assert not any(isinstance(m, Int8Linear) for m in plain.model.modules())
 
 
+def test_translator_precision_auto_keeps_beam_slots_in_bf16_where_bf16_is_native(prepared, tmp_path, monkeypatch,
+                                                                                  caplog):
+    """On a CPU with AVX-512 BF16 and VNNI but no AMX (AMD EPYC Zen 5): fp32 with int8 matrices,
+    and a beam search's self-attention K/V in bf16; explicit fp32 keeps them fp32."""
+    import logging
+
+    from s2s import precision
+    from s2s.translate import Translator
+    from tests.conftest import untrained_model_dir
+
+    model_dir = untrained_model_dir(prepared, tmp_path / "m")
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni"}))
+    monkeypatch.setattr(precision, "native_bf16_cpu", lambda flags=None: ["avx512_bf16"])
+    with caplog.at_level(logging.INFO, logger="s2s"):
+        tr = Translator.from_dirs([model_dir], precision="auto", decode={"beam": 3})
+    assert tr.int8 and tr.precision == "fp32" and tr.model.beam_slot_dtype == torch.bfloat16
+    assert "--precision auto: fp32 and int8, beams' self-attention K/V in bf16 (" in caplog.text
+    from s2s.search import ModelDecoder
+
+    decoder = ModelDecoder(tr.model, torch.tensor([[5, 6, 7, 2]]))
+    assert decoder.cache.slot_dtype == torch.bfloat16
+    assert len(tr.translate(["a b c", "d e"])) == 2
+    assert Translator.from_dirs([model_dir], precision="fp32", decode={"beam": 3}).model.beam_slot_dtype is None
+
+
 def test_relu_ffn_fuses_the_relu_into_its_int8_product(monkeypatch):
     """A ReLU FFN whose W_1 takes int8 runs max(0, x W_1^T + b_1) as one fused int8 call, with
     the values of the ReLU after the int8 product, bit for bit; below the threshold, fp32."""

@@ -105,11 +105,22 @@ def few_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] 
     about 1.2-1.4x faster than torch's flash kernel, which tiles for many queries.
     k and v may be views of a preallocated cache (strided along T_k): folding B and
     heads into one batch dimension keeps them views.
+
+    k and v in a narrower dtype than q (bf16 beam slots, s2s.model.cache): the products
+    multiply in theirs (q rounded to it, sums in fp32 inside the kernel, the scores
+    rounded to it), the softmax runs in q's dtype (an fp32 mask promotes the scores), and
+    the output comes back in q's.
     """
     B, H, T_q, d_k = q.shape
     T_k = k.size(-2)
     if scale:
         q = q * (1.0 / math.sqrt(d_k))
+    if k.dtype != q.dtype:
+        scores = torch.bmm(q.to(k.dtype).reshape(B * H, T_q, d_k), k.flatten(0, 1).transpose(1, 2))
+        if mask is not None:
+            scores = scores.view(B, H, T_q, T_k) + mask
+        A = torch.softmax(scores, dim=-1, dtype=q.dtype).to(v.dtype).view(B * H, T_q, T_k)
+        return torch.bmm(A, v.flatten(0, 1)).view(B, H, T_q, v.size(-1)).to(q.dtype)
     scores = torch.bmm(q.reshape(B * H, T_q, d_k), k.flatten(0, 1).transpose(1, 2))  # (B*heads, T_q, T_k)
     if mask is not None:
         scores = (scores.view(B, H, T_q, T_k) + mask).view(B * H, T_q, T_k)
@@ -191,13 +202,18 @@ class MultiHeadAttention(nn.Module):
 
     def attend_heads(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
                      need_weights: bool) -> tuple[Tensor, Optional[Tensor]]:
-        """Every head's attention output (B, heads, T_q, d_head), and A with ``need_weights``."""
+        """Every head's attention output (B, heads, T_q, d_head), and A with ``need_weights``.
+        K/V in a dtype of their own (bf16 beam slots) take :func:`few_query_attention`,
+        which multiplies in theirs, or with ``need_weights`` are widened to q's."""
         p = self.dropout if self.training else 0.0
+        if k.dtype != q.dtype and (need_weights or p or q.device.type != "cpu" or torch.is_grad_enabled()):
+            k, v = k.to(q.dtype), v.to(q.dtype)
         if need_weights:
             out, A = attention(q, k, v, mask, scale=self.scale, dropout_p=p)
         elif q.device.type == "cpu" and torch.is_grad_enabled() and k.size(-2) <= MATH_KEYS:
             out, A = attention(q, k, v, mask, scale=self.scale, dropout_p=p, return_weights=False)
-        elif not p and q.size(-2) <= FEW_QUERIES and q.dtype == torch.float32 and q.device.type == "cpu":
+        elif k.dtype != q.dtype or (not p and q.size(-2) <= FEW_QUERIES and q.dtype == torch.float32
+                                    and q.device.type == "cpu"):
             out, A = few_query_attention(q, k, v, mask, self.scale), None
         else:
             if mask is not None:

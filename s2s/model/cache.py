@@ -30,6 +30,16 @@ the same K queries against one K/V as the cross-attention.  That is K times
 the attention's multiply-adds, in K times fewer and larger products, and it
 spares the gather of every row's t keys and values into their new rows at
 every step, which moved three times the bytes the attention reads.
+
+The slots may be kept in a narrower dtype than the model computes in
+(``DecoderCache.slot_dtype``: bf16 on a CPU that multiplies bf16 natively).  Those
+products are then bf16 and are fast only on a contiguous batch of matrices: torch
+copies a strided view of a buffer (its first t K of ``capacity`` columns) before a
+bf16 ``bmm`` (924 against 231 us for 64 sentences x 4 heads, 5 beams x 100 keys, on
+an AMD EPYC Zen 5).  So such a buffer is read whole: it grows
+:data:`WHOLE_BUCKET` positions at a time, starts as zeros (its columns past t K
+hold finite numbers), and the mask gives its columns past t K -inf (see
+:meth:`DecoderCache.self_attention_mask`).
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ from s2s.model.attention import beams_as_queries
 from s2s.model.base import VocabSubset
 
 CACHE_BUCKET = 32  # self-attention buffers hold a multiple of this many positions
+WHOLE_BUCKET = 8  # ... and slots read whole (a narrower slot_dtype): fewer unused columns to multiply
 
 
 def bucketed(n: int, bucket: int = CACHE_BUCKET) -> int:
@@ -68,6 +79,20 @@ class LayerCache:
     batch: int = 0  # rows in use (sentences, with slots)
     length: int = 0  # positions in use: t
     slots: int = 1  # K > 1: one buffer row per sentence, K columns per position (see the module doc)
+    slot_dtype: Optional[torch.dtype] = None  # with slots: their dtype, buffers read whole (module doc)
+
+    @property
+    def whole(self) -> bool:
+        """Whether the attention reads this layer's buffers whole (slots in a slot_dtype)."""
+        return self.slots > 1 and self.slot_dtype is not None
+
+    def columns_after_append(self) -> int:
+        """With slots read whole: the columns of the buffers the next step's append returns
+        (capacity K :func:`bucketed` (t + 1), or more where a buffer is already wider)."""
+        K = self.slots
+        if self.k_buf is not None and self.k_buf.size(2) >= (self.length + 1) * K:
+            return self.k_buf.size(2)
+        return bucketed(self.length + 1, WHOLE_BUCKET) * K
 
     @property
     def self_k(self) -> Optional[Tensor]:
@@ -80,7 +105,8 @@ class LayerCache:
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Add these positions' self-attention K/V (B, heads, n, d_head); return all of them
-        (with K slots, n = 1 and the sentences' (B / K, heads, (t + 1) K, d_head))."""
+        (with K slots, n = 1 and the sentences' (B / K, heads, (t + 1) K, d_head); slots
+        read whole: the whole buffers, (B / K, heads, columns_after_append(), d_head))."""
         if self.slots > 1:
             if k.size(2) != 1:
                 raise ValueError("a cache with beam slots takes one position per step")
@@ -89,9 +115,14 @@ class LayerCache:
         B, heads, n, d_head = k.shape
         t, K = self.length * self.slots, self.slots  # columns in use; K columns per position
         if self.k_buf is None or self.k_buf.size(2) < t + n:
-            capacity = bucketed(self.length + n // K) * K
-            k_buf = k.new_empty(max(B, self.batch), heads, capacity, d_head)
-            v_buf = v.new_empty(max(B, self.batch), heads, capacity, d_head)
+            if self.whole:  # zeros: the columns past t K are multiplied too (and masked)
+                capacity = bucketed(self.length + n // K, WHOLE_BUCKET) * K
+                k_buf = k.new_zeros(max(B, self.batch), heads, capacity, d_head, dtype=self.slot_dtype)
+                v_buf = v.new_zeros(max(B, self.batch), heads, capacity, d_head, dtype=self.slot_dtype)
+            else:
+                capacity = bucketed(self.length + n // K) * K
+                k_buf = k.new_empty(max(B, self.batch), heads, capacity, d_head)
+                v_buf = v.new_empty(max(B, self.batch), heads, capacity, d_head)
             if t:
                 k_buf[:self.batch, :, :t] = self.self_k
                 v_buf[:self.batch, :, :t] = self.self_v
@@ -100,6 +131,8 @@ class LayerCache:
         self.k_buf[:B, :, t:t + n] = k
         self.v_buf[:B, :, t:t + n] = v
         self.length += n // K
+        if self.whole:
+            return self.k_buf[:B], self.v_buf[:B]
         return self.self_k, self.self_v
 
     def select_sentences(self, sentences: Tensor) -> None:
@@ -108,24 +141,26 @@ class LayerCache:
         capacity: the next steps append in place, without growing them again."""
         if self.k_buf is not None:
             used = self.length * self.slots
-            k_buf = self.k_buf.new_empty(sentences.numel(), *self.k_buf.shape[1:])
-            v_buf = self.v_buf.new_empty(k_buf.shape)
+            make = self.k_buf.new_zeros if self.whole else self.k_buf.new_empty  # whole: finite past t K
+            shape = (sentences.numel(), *self.k_buf.shape[1:])
+            k_buf, v_buf = make(shape), make(shape)
             gather_rows(self.self_k, sentences, k_buf[:, :, :used])
             gather_rows(self.self_v, sentences, v_buf[:, :, :used])
             self.k_buf, self.v_buf, self.batch = k_buf, v_buf, sentences.numel()
 
-    def slots_to_rows(self, columns: Tensor) -> None:
+    def slots_to_rows(self, columns: Tensor, dtype: torch.dtype) -> None:
         """Leave the slot layout: row r's keys become columns ``columns[r]`` (B, t) of its
-        sentence's (row r // K), one buffer row per decoding row again."""
+        sentence's (row r // K), one buffer row per decoding row again (in ``dtype``, the
+        model's, where the slots had a slot_dtype of their own)."""
         K = self.slots
-        self.slots = 1
+        self.slots, self.slot_dtype = 1, None
         if self.k_buf is None:
             return
         B, t = columns.shape
         sentence = torch.arange(B, device=columns.device) // K
         at = columns[:, None, :, None].expand(B, self.k_buf.size(1), t, self.k_buf.size(3))
-        k = self.k_buf.index_select(0, sentence).gather(2, at)  # (B, heads, t, d_head)
-        v = self.v_buf.index_select(0, sentence).gather(2, at)
+        k = self.k_buf.index_select(0, sentence).gather(2, at).to(dtype)  # (B, heads, t, d_head)
+        v = self.v_buf.index_select(0, sentence).gather(2, at).to(dtype)
         self.k_buf, self.v_buf, self.spare = self._with_capacity(k), self._with_capacity(v), None
         self.batch = B
 
@@ -220,6 +255,7 @@ class DecoderCache:
     group: int = 1  # consecutive rows per sentence (its beams); the cross K/V have B / group rows
     vocab_subset: Optional[VocabSubset] = None  # score only these target ids (a shortlist); all rows share it
     beam_slots: bool = False  # the model's layers take slots: a beam search from an empty cache uses them
+    slot_dtype: Optional[torch.dtype] = None  # the slots' dtype where not the model's (module doc)
     ancestry: Optional[Tensor] = None  # (B, t) long: with slots, the slot of each row's ancestor at each t'
 
     @property
@@ -230,7 +266,8 @@ class DecoderCache:
     def self_attention_mask(self, position_mask: Optional[Tensor]) -> Optional[Tensor]:
         """The mask of this step's self-attention, over the t + 1 positions (a relative
         position bias (1, heads, 1, t + 1), or None); with slots also over the ancestry,
-        (B / K, 1 or heads, K, (t + 1) K), the position bias repeated over the slots.
+        (B / K, 1 or heads, K, (t + 1) K), the position bias repeated over the slots, and
+        with slots read whole over the buffers' columns, -inf past (t + 1) K.
         Records this step's own slots, so call it once per step, before the layers."""
         K = self.slots
         if K == 1:
@@ -240,6 +277,9 @@ class DecoderCache:
         mask = ancestry_mask(self.ancestry, K, self.src_mask.dtype)
         if position_mask is not None:
             mask = mask + position_mask.repeat_interleave(K, dim=-1)
+        if self.layers[0].whole:  # every layer's buffers have the same columns
+            past = self.layers[0].columns_after_append() - mask.size(-1)
+            mask = torch.nn.functional.pad(mask, (0, past), value=float("-inf"))
         return mask
 
     @property
@@ -271,16 +311,16 @@ class DecoderCache:
         if self.slots > 1 and self.group != self.slots:  # beams regrouped: one buffer row per row again
             if self.ancestry is None:  # before the first step: no keys to move
                 for layer in self.layers:
-                    layer.slots = 1
+                    layer.slots, layer.slot_dtype = 1, None
             else:
                 columns = self.ancestry + self.slots * torch.arange(self.ancestry.size(1), device=index.device)
                 for layer in self.layers:
-                    layer.slots_to_rows(columns)
+                    layer.slots_to_rows(columns, self.src_mask.dtype)  # the model's dtype
                 self.ancestry = None
         elif (self.beam_slots and self.group > 1 and G_old == 1 and self.step == 0
               and all(layer.k_buf is None for layer in self.layers)):
             for layer in self.layers:  # a beam search begins: its beams' keys in slots
-                layer.slots = self.group
+                layer.slots, layer.slot_dtype = self.group, self.slot_dtype
         sentences = index[::self.group] // G_old
         n_sent = self.batch_size // G_old
         same = sentences.numel() == n_sent and bool(

@@ -204,7 +204,8 @@ class Seq2SeqTransformer(ModelBase):
             layers[-1].coverage = h_enc.new_zeros(h_enc.shape[:2], dtype=torch.float32)  # (B, S)
         # the cache's own source mask (a select may move its rows in place: DecoderCache.select), in
         # H_enc's dtype (0 and -inf either way), so that a bf16 step's attention does not convert it
-        cache = DecoderCache(layers=layers, src_mask=enc.src_mask.to(h_enc.dtype, copy=True), beam_slots=True)
+        cache = DecoderCache(layers=layers, src_mask=enc.src_mask.to(h_enc.dtype, copy=True), beam_slots=True,
+                             slot_dtype=self.beam_slot_dtype)
         if self.cfg.copy:
             cache.src, cache.h_enc = enc.src, h_enc
         return cache
