@@ -357,7 +357,8 @@ def _decode_command(name: str, defaults: dict):
             help="fp32; bf16 (weights converted; fast only with native bf16 matmuls); "
                  "auto: what was measured fastest on this kind of CPU: bf16 with amx_bf16, fp32 with "
                  "int8 matrices with avx512_bf16+avx512_vnni and no AMX or with avx2 and no AVX-512, "
-                 "else bf16 where native, else fp32.")] = "fp32",
+                 "else bf16 where native, else fp32; with fp32 where bf16 is native, a beam search's "
+                 "self-attention K/V in bf16.")] = "fp32",
         compile: Annotated[bool, typer.Option(
             "--compile", help="torch.compile the decoder step (cached on disk; decode.compile).")] = False,
         shortlist: Annotated[bool, typer.Option(
