@@ -2,6 +2,7 @@
 
 import gzip
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -64,6 +65,14 @@ def wait_until(ready: Callable[[], bool], timeout: float, proc: Optional[subproc
             return True
         time.sleep(0.05)
     return ready()
+
+
+def default_stop_signals() -> None:
+    """SIGINT, SIGTERM and SIGHUP back to their default handling: a child's ``preexec_fn`` for a
+    test that sends it one.  A shell's background job inherits SIGINT ignored and a run under
+    nohup SIGHUP, which s2s keeps ignored as the user asked; a user's Ctrl-C or hangup is not."""
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, signal.SIG_DFL)
 
 
 def logged_lines(run: Path) -> int:

@@ -20,7 +20,7 @@ import pytest
 
 from s2s.checkpoint import list_checkpoints
 from s2s.cli import run
-from tests.conftest import TINY_YAML, wait_until
+from tests.conftest import TINY_YAML, default_stop_signals, wait_until
 
 BAD_FILES = {
     "missing": None,
@@ -725,11 +725,6 @@ def test_two_trainings_in_one_run_directory(env, tmp_path, capsys, monkeypatch):
 # SIGINT, SIGTERM, SIGHUP in the middle of translate (train: tests/test_train.py)
 # --------------------------------------------------------------------------- #
 
-def _default_sigint_and_sighup() -> None:
-    for s in (signal.SIGINT, signal.SIGHUP):
-        signal.signal(s, signal.SIG_DFL)
-
-
 @pytest.mark.parametrize("signum, code, last", [
     (signal.SIGINT, 130, "s2s: interrupted"),
     (signal.SIGTERM, 143, "s2s: terminated by SIGTERM"),
@@ -741,9 +736,7 @@ def test_a_signal_during_translate_leaves_no_output(env, tmp_path, signum, code,
     proc = subprocess.Popen([sys.executable, "-m", "s2s", "translate", "-m", str(env["model"]),
                              "--input", str(big), "-o", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            # a shell's background jobs inherit SIGINT ignored, and a run under nohup
-                            # SIGHUP; a user's Ctrl-C or hangup is not
-                            preexec_fn=_default_sigint_and_sighup)
+                            preexec_fn=default_stop_signals)  # as a user's, not a background job's
     wait_until(lambda: any(p.name.startswith(".out.txt.tmp") for p in tmp_path.iterdir()), 120)
     time.sleep(0.5)
     proc.send_signal(signum)

@@ -15,7 +15,7 @@ from s2s.checkpoint import list_checkpoints
 from s2s.config import load_config
 from s2s.distributed import World, auto_procs, shard, threads_per_process, training_bytes
 from s2s.trainer import make_trainer
-from tests.conftest import logged_lines, wait_until
+from tests.conftest import default_stop_signals, logged_lines, wait_until
 
 # No dropout, so that both runs draw nothing at random after the (identical) initialization.
 # adam_eps 1e-4: the key bias's gradient is zero in exact arithmetic (softmax ignores a constant
@@ -137,11 +137,6 @@ def test_train_procs_2_starts_its_ranks_and_matches_one_process(prepared, one_pr
     assert json.loads((two / "config.yaml").read_text().split("procs: ")[1].split("\n")[0]) == 2
 
 
-def _default_stop_signals() -> None:
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, signal.SIG_DFL)
-
-
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_train_procs_2_passes_signals_to_its_ranks(prepared, tmp_path, sig):
     """Ctrl-C (or SIGTERM) to `s2s train` reaches both ranks once: they finish the update,
@@ -152,8 +147,7 @@ def test_train_procs_2_passes_signals_to_its_ranks(prepared, tmp_path, sig):
     proc = subprocess.Popen([sys.executable, "-m", "s2s", "train", str(prepared), "-o", str(run), *sets],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            # a background job inherits SIGINT ignored (and nohup SIGHUP); a user's are not
-                            preexec_fn=_default_stop_signals)
+                            preexec_fn=default_stop_signals)  # as a user's, not a background job's
     wait_until(lambda: logged_lines(run) >= 2, 300, proc)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=300)

@@ -15,7 +15,7 @@ from s2s.config import load_config
 from s2s.errors import S2SError
 from s2s.modeldir import load_model_dir
 from s2s.trainer import Trainer, inverse_sqrt_lr, is_new_best, label_smoothed_nll, train
-from tests.conftest import logged_lines, wait_until
+from tests.conftest import default_stop_signals, logged_lines, wait_until
 
 
 def test_inverse_sqrt_schedule():
@@ -88,8 +88,10 @@ def test_same_seed_same_model(prepared, tmp_path):
 
 
 def _run_cli(args, **kw):
+    """``s2s ARGS`` as a user's command: SIGINT, SIGTERM and SIGHUP at their defaults even when
+    the tests run as a background job or under nohup (which s2s would honour)."""
     return subprocess.Popen([sys.executable, "-m", "s2s", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kw)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=default_stop_signals, **kw)
 
 
 def test_sigkill_then_resume_matches_uninterrupted(prepared, tmp_path):
