@@ -4,6 +4,8 @@ and what --precision auto picks."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -289,6 +291,37 @@ def test_bf16_beam_slots_read_whole_follow_a_row_per_beam_in_fp32(kw):
         for cache in (slots, rows):
             cache.select(index)
     assert 0 < worst < 0.05  # bf16's rounding, not a key read unmasked (fp32 rows: 0 apart)
+
+
+@torch.no_grad()
+def test_searches_over_bf16_beam_slots_run_every_decode_feature():
+    """With a model whose beams keep bf16 slots: n-best, a forced prefix, the coverage penalty
+    (the last layer's attention weights) and lexical constraints (beams regrouped as the
+    constraints allocate them) all search to the end, every hypothesis holding its constraint."""
+    from s2s.config import DecodeConfig
+    from s2s.constraints import pad_constraints, unmet_constraints
+    from s2s.search import SpecialIds, search
+
+    model = make_model()
+    model.beam_slot_dtype = torch.bfloat16
+    src = right_pad([tokens(5, seed=70), tokens(3, seed=71), tokens(6, seed=72)])
+    ids, max_len = SpecialIds(bos_id=1, eos_id=2, pad_id=0), torch.full((3,), 10)
+    prefix = torch.tensor([[7, 8], [9, -1], [-1, -1]])
+    wanted = [[[11, 12]], [[13]], [[14]]]
+    for kw, constraints in [(dict(nbest=3), None), (dict(coverage_penalty=0.2), None), (dict(nbest=2), wanted)]:
+        decoder = ModelDecoder(model, src, track_attention="coverage_penalty" in kw)
+        assert decoder.cache.slot_dtype == torch.bfloat16
+        cons = None if constraints is None else pad_constraints(constraints)
+        found = search(decoder, max_len, DecodeConfig(beam=4, **kw), ids,
+                       prefix=prefix if constraints is None else None, constraints=cons)
+        assert [len(h) for h in found] == [kw.get("nbest", 1)] * 3
+        for n, hyps in enumerate(found):
+            for h in hyps:
+                assert math.isfinite(h.score)
+                if constraints is None:
+                    assert h.tokens[:int((prefix[n] >= 0).sum())] == prefix[n][prefix[n] >= 0].tolist()
+                else:
+                    assert unmet_constraints(h.tokens, constraints[n]) == []
 
 
 def test_few_query_attention_with_narrower_kv_multiplies_in_their_dtype():
