@@ -119,9 +119,9 @@ def beam_slot_dtype(device: torch.device, precision: str,
     """The dtype decoding's ``--precision auto`` keeps a beam search's self-attention K/V
     slots in (s2s.model.cache), where not the model's: bf16 for an fp32 model (int8
     matrices or not) on a CPU with native bf16 products (AVX-512 BF16 or AMX-BF16), else
-    None.  The beams' attention products then multiply bf16, about 2x faster there; the
-    outputs move by bf16's rounding (README: 0.83 and 0.91 of beam 5's time paired on an
-    AMD EPYC Zen 5, BLEU within 0.1)."""
+    None.  The beams' attention products then multiply bf16, 1.5-2.7x faster per call
+    there; the outputs move by bf16's rounding (README, bf16 beam slots: 0.87-0.94 of beam
+    5's time paired on an AMD EPYC Zen 5, BLEU within 0.1)."""
     if device.type != "cpu" or precision != "fp32" or not native_bf16_cpu(flags):
         return None
     return torch.bfloat16
