@@ -115,17 +115,11 @@ def few_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] 
     T_k = k.size(-2)
     if scale:
         q = q * (1.0 / math.sqrt(d_k))
-    if k.dtype != q.dtype:
-        scores = torch.bmm(q.to(k.dtype).reshape(B * H, T_q, d_k), k.flatten(0, 1).transpose(1, 2))
-        if mask is not None:
-            scores = scores.view(B, H, T_q, T_k) + mask
-        A = torch.softmax(scores, dim=-1, dtype=q.dtype).to(v.dtype).view(B * H, T_q, T_k)
-        return torch.bmm(A, v.flatten(0, 1)).view(B, H, T_q, v.size(-1)).to(q.dtype)
-    scores = torch.bmm(q.reshape(B * H, T_q, d_k), k.flatten(0, 1).transpose(1, 2))  # (B*heads, T_q, T_k)
+    scores = torch.bmm(q.to(k.dtype).reshape(B * H, T_q, d_k), k.flatten(0, 1).transpose(1, 2))  # (B*heads, T_q, T_k)
     if mask is not None:
-        scores = (scores.view(B, H, T_q, T_k) + mask).view(B * H, T_q, T_k)
-    A = torch.softmax(scores, dim=-1)
-    return torch.bmm(A, v.flatten(0, 1)).view(B, H, T_q, v.size(-1))
+        scores = scores.view(B, H, T_q, T_k) + mask
+    A = torch.softmax(scores, dim=-1, dtype=q.dtype).to(v.dtype).view(B * H, T_q, T_k)
+    return torch.bmm(A, v.flatten(0, 1)).view(B, H, T_q, v.size(-1)).to(q.dtype)
 
 
 class MultiHeadAttention(nn.Module):

@@ -116,7 +116,7 @@ class LayerCache:
         t, K = self.length * self.slots, self.slots  # columns in use; K columns per position
         if self.k_buf is None or self.k_buf.size(2) < t + n:
             if self.whole:  # zeros: the columns past t K are multiplied too (and masked)
-                capacity = bucketed(self.length + n // K, WHOLE_BUCKET) * K
+                capacity = self.columns_after_append()  # the columns the step's mask was made for
                 k_buf = k.new_zeros(max(B, self.batch), heads, capacity, d_head, dtype=self.slot_dtype)
                 v_buf = v.new_zeros(max(B, self.batch), heads, capacity, d_head, dtype=self.slot_dtype)
             else:
