@@ -10,8 +10,11 @@ whole updates: forward, label-smoothed loss, backward, gradient clipping, AdamW.
 s2s runs through its Trainer's own ``train_step`` (``s2s_bf16`` is ``train.precision: bf16``: a
 bf16 copy of the fp32 master weights made once per update, s2s.precision.Bf16Copy); MarianMTModel (post-norm, its
 only layout) gets the same loss, clipping and AdamW in a plain loop, as a user runs it
-(``hf_fp32``) and with s2s's malloc setting (``hf_fp32_keep``: freed memory kept for the
-next update, s2s.allocator, which ``s2s train`` sets on the CPU), to show what that setting is worth.  The
+(``hf_fp32``) and with s2s's allocator settings (``hf_fp32_keep``: the allocator ``s2s train``
+starts with, s2s.allocator.training_environ, and freed memory kept for the next update), to show
+what those settings are worth.  The s2s engines' processes start with the allocator ``s2s train``
+starts with (mimalloc where installed); ``s2s_fp32_glibc`` and ``s2s_bf16_glibc`` (by name in
+``--engines`` only) are ``s2s_fp32`` and ``s2s_bf16`` with glibc's malloc, to show what that is worth.  The
 ``s2s_fp32_2x1`` engine (and ``s2s_bf16_2x1``, by name in ``--engines`` only) is two ranks
 of one gloo process group (one thread each), every update one batch per rank and one
 all-reduce; its tokens/s are those of both ranks together over the slower rank's time.
@@ -76,12 +79,13 @@ sys.path.insert(0, str(REPO))
 RECIPE = REPO / "recipes" / "ddtp-en-de.yaml"
 HF_ENV = REPO / "benchmarks" / ".hf-env"
 ENGINES = ("s2s_fp32", "s2s_fp32_2x1", "s2s_fp32_openblas", "s2s_fp32_2x1_openblas", "s2s_bf16", "s2s_bf16_2x1",
-           "s2s_fp32_compile", "s2s_bf16_compile", "hf_fp32", "hf_fp32_keep")
+           "s2s_fp32_compile", "s2s_bf16_compile", "s2s_fp32_glibc", "s2s_bf16_glibc", "hf_fp32", "hf_fp32_keep")
 DEFAULT_ENGINES = ("s2s_fp32", "s2s_fp32_2x1", "s2s_fp32_2x1_openblas", "s2s_bf16",
                    "hf_fp32", "hf_fp32_keep")  # compile and 1 x N OpenBLAS: by name only
 PRECISION = {"s2s_fp32": "fp32", "s2s_fp32_2x1": "fp32", "s2s_fp32_openblas": "fp32",
              "s2s_fp32_2x1_openblas": "fp32", "s2s_bf16": "bf16", "s2s_bf16_2x1": "bf16", "s2s_fp32_compile": "fp32",
-             "s2s_bf16_compile": "bf16", "hf_fp32": "fp32", "hf_fp32_keep": "fp32"}
+             "s2s_bf16_compile": "bf16", "s2s_fp32_glibc": "fp32", "s2s_bf16_glibc": "bf16", "hf_fp32": "fp32",
+             "hf_fp32_keep": "fp32"}
 # the s2s engines' train.gemm (s2s.model.gemm): torch's BLAS unless the name says openblas
 GEMM = {e: "openblas" if e.endswith("_openblas") else "torch" for e in ENGINES}
 PROCS = {e: 2 if "_2x1" in e else 1 for e in ENGINES}  # data-parallel processes of one thread
@@ -239,6 +243,12 @@ def run_engine(engine: str, path: Path, args, count: int, site: str) -> float:
     cmd = [sys.executable, __file__, "--engine", engine, "--batches", str(path), "--warmup", str(args.warmup),
            "--threads", str(threads), "--site", site, "--count", str(count)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    if engine.endswith("_glibc"):
+        env["S2S_MALLOC"] = "glibc"  # glibc's malloc as the process starts (s2s.allocator)
+    elif engine.startswith("s2s") or engine == "hf_fp32_keep":
+        from s2s.allocator import training_environ
+
+        env = training_environ(env) or env  # the allocator `s2s train` starts itself with
     if procs > 1:
         from s2s.distributed import free_port
 

@@ -257,7 +257,8 @@ def launch_local(command: str, cfg: ExperimentConfig, run_dir: Path, resume: boo
 
     Each rank is a fresh interpreter (:func:`rank_main`) with the environment torchrun would
     give it (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT on 127.0.0.1) and
-    OMP_NUM_THREADS = ``threads``; rank 0's stderr is the user's.  The ranks run in
+    OMP_NUM_THREADS = ``threads``, and with the allocator that suits training
+    (s2s.allocator.training_environ); rank 0's stderr is the user's.  The ranks run in
     sessions of their own, so a Ctrl-C at the terminal reaches this process alone, and
     this process passes SIGINT, SIGTERM and SIGHUP on to every rank, once per signal received:
     the first makes them finish the update and write a checkpoint, a second stops them.
@@ -265,6 +266,7 @@ def launch_local(command: str, cfg: ExperimentConfig, run_dir: Path, resume: boo
     outcome is this call's: it returns, or raises its S2SError (exit code included) or
     KeyboardInterrupt; when rank 0 succeeded but another rank failed, that rank's.
     """
+    from s2s.allocator import training_environ
     from s2s.config import to_dict
 
     job = json.dumps({"command": command, "config": to_dict(cfg), "run_dir": str(run_dir), "resume": resume,
@@ -276,6 +278,7 @@ def launch_local(command: str, cfg: ExperimentConfig, run_dir: Path, resume: boo
         base = {**os.environ, "WORLD_SIZE": str(procs), "LOCAL_WORLD_SIZE": str(procs),
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": str(threads),
                 "PYTHONPATH": root + (os.pathsep + path if path else ""), "S2S_LAUNCHER_PID": str(os.getpid())}
+        base = training_environ(base) or base
         ranks: list[subprocess.Popen] = []
 
         def forward(signum, frame) -> None:

@@ -6,15 +6,21 @@ for the workers' server (:func:`s2s.workerserver.start_early`), so that the serv
 of torch, the longest part of the start, runs beside the parsing.  The guess reads the
 words alone; it decides only when the server is asked for, never what runs: a server not
 used is killed, and one not asked for early is asked for when the workers start.
+
+A ``train`` or ``pretrain`` first starts itself again, at once, with the allocator that suits
+training (:func:`s2s.allocator.training_environ`: mimalloc, or glibc's malloc in huge pages),
+where this process was started without it.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from typing import Optional
 
 DECODE_COMMANDS = ("translate", "summarize")
+TRAIN_COMMANDS = ("train", "pretrain")
 GLOBAL_FLAGS = ("--debug", "--quiet", "-q")  # the options s2s takes before its command
 
 
@@ -29,6 +35,37 @@ def option_value(args: list[str], name: str) -> Optional[str]:
     return value
 
 
+def command_of(argv: list[str]) -> tuple[Optional[str], list[str]]:
+    """The command word of ``s2s ARGV`` (after s2s's own flags) and the words after it."""
+    i = 0
+    while i < len(argv) and argv[i] in GLOBAL_FLAGS:
+        i += 1
+    return (argv[i], argv[i + 1:]) if i < len(argv) else (None, [])
+
+
+def trains(argv: list[str]) -> bool:
+    """Whether ``s2s ARGV`` is a train or pretrain (not its --help)."""
+    command, args = command_of(argv)
+    return command in TRAIN_COMMANDS and "--help" not in args
+
+
+def restart_for_training(argv: list[str]) -> None:
+    """For a train or pretrain: replace this process (same pid, same open files) by the same
+    command in the environment of :func:`s2s.allocator.training_environ`, where that would change
+    anything.  Returns where it does not; nothing has been imported or read yet."""
+    if not trains(argv):
+        return
+    from s2s.allocator import training_environ
+
+    env = training_environ(os.environ)
+    if env is None or not getattr(sys, "orig_argv", None) or not sys.executable:
+        return
+    try:
+        os.execve(sys.executable, sys.orig_argv, env)
+    except OSError:
+        return  # run on as it is
+
+
 def decodes_in_workers(argv: list[str], cores: int, gpu_driver: bool) -> bool:
     """Whether ``s2s ARGV`` looks like a translate or summarize that will decode in worker
     processes, as s2s.workers decides it: ``--workers N`` over 1, or ``--workers`` auto (one
@@ -36,12 +73,9 @@ def decodes_in_workers(argv: list[str], cores: int, gpu_driver: bool) -> bool:
     (``--device cpu``, or auto where there is no GPU driver).  Not with ``--unbuffered``
     (line by line in one process) or ``--help``.  An input of 200 lines or fewer decodes in
     one process too, which the words cannot tell."""
-    i = 0
-    while i < len(argv) and argv[i] in GLOBAL_FLAGS:
-        i += 1
-    if i == len(argv) or argv[i] not in DECODE_COMMANDS:
+    command, args = command_of(argv)
+    if command not in DECODE_COMMANDS:
         return False
-    args = argv[i + 1:]
     if any(a in ("--help", "--unbuffered") for a in args):
         return False
     device = option_value(args, "--device") or "auto"
@@ -60,6 +94,7 @@ def _terminated(signum: int, frame) -> None:
 
 
 def main() -> None:
+    restart_for_training(sys.argv[1:])
     from s2s.workerserver import gpu_driver_present, start_early, usable_cores
 
     early = decodes_in_workers(sys.argv[1:], usable_cores(), gpu_driver_present())

@@ -28,6 +28,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import signal
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,7 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from s2s.allocator import keep_freed_memory
+from s2s.allocator import keep_freed_memory, malloc_in_use, training_environ
 from s2s.checkpoint import (
     TrainState,
     check_batching,
@@ -168,12 +169,15 @@ def check_prepared(cfg: ExperimentConfig) -> None:
 def setup_environment(tc: TrainConfig) -> tuple[World, torch.device]:
     """This process's rank and device (s2s.distributed; train.device), torch's threads
     (train.threads) and, training on the CPU, malloc keeping freed memory for the next
-    update's tensors (s2s.allocator)."""
+    update's tensors (s2s.allocator); the log says which allocator serves them."""
     world, device = init_world(tc.device)
     if tc.threads:
         torch.set_num_threads(tc.threads)
     if device.type == "cpu":
         keep_freed_memory()
+        hint = ("" if training_environ(os.environ) is None else
+                "; `s2s train` would start with mimalloc or huge pages (s2s.allocator.training_environ)")
+        log.info("host memory: %s%s", malloc_in_use(), hint)
     return world, device
 
 

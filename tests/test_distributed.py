@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from s2s.allocator import malloc_in_use, training_environ
 from s2s.checkpoint import list_checkpoints
 from s2s.config import load_config
 from s2s.distributed import World, auto_procs, shard, threads_per_process, training_bytes
@@ -38,8 +39,15 @@ def _train(prepared, out, update_freq, nproc, launcher="torchrun", extra=()):
     proc = subprocess.run([*start, "-m", "s2s", "train", str(prepared), "-o", str(out), *sets],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    _assert_training_allocator(proc.stderr, env)
     _train.proc = proc
     return out
+
+
+def _assert_training_allocator(stderr: str, env: dict) -> None:
+    """``s2s train`` (which starts itself again), torchrun's ranks (each an ``s2s train``) and the
+    ranks that train.procs starts train with the allocator of training_environ: rank 0 logs it."""
+    assert f"host memory: {malloc_in_use(training_environ(env) or env)}\n" in stderr, stderr[-3000:]
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from s2s.allocator import malloc_in_use, training_environ
 from s2s.checkpoint import list_checkpoints
 from s2s.config import load_config
 from s2s.errors import S2SError
@@ -92,6 +94,25 @@ def _run_cli(args, **kw):
     the tests run as a background job or under nohup (which s2s would honour)."""
     return subprocess.Popen([sys.executable, "-m", "s2s", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, preexec_fn=default_stop_signals, **kw)
+
+
+def test_the_allocator_training_starts_with_changes_no_number(prepared, tmp_path):
+    """``s2s train`` starts itself again with mimalloc (or glibc's malloc in huge pages,
+    s2s.allocator.training_environ): the same weights and losses, bit for bit, as a run kept on
+    glibc's malloc as the process started (S2S_MALLOC=glibc)."""
+    sets = [a for s in ("train.max_steps=4", "train.validate_every=2", "train.dev_bleu_sentences=0",
+                        "train.best_metric=loss") for a in ("--set", s)]
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "GLIBC_TUNABLES", "S2S_MALLOC")}
+    logs = {}
+    for name, extra in (("default", {}), ("glibc", {"S2S_MALLOC": "glibc"})):
+        proc = _run_cli(["train", str(prepared), "-o", str(tmp_path / name), *sets], env={**env, **extra})
+        _, logs[name] = proc.communicate(timeout=300)
+        assert proc.returncode == 0, logs[name][-3000:]
+    assert f"host memory: {malloc_in_use(training_environ(env) or env)}\n" in logs["default"], logs["default"]
+    assert "host memory: glibc malloc\n" in logs["glibc"], logs["glibc"]
+    a, b = _weights(tmp_path / "default"), _weights(tmp_path / "glibc")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _losses(tmp_path / "default") == _losses(tmp_path / "glibc")
 
 
 def test_sigkill_then_resume_matches_uninterrupted(prepared, tmp_path):
