@@ -61,7 +61,7 @@ def restart_for_training(argv: list[str]) -> None:
     if env is None or not getattr(sys, "orig_argv", None) or not sys.executable:
         return
     try:
-        os.execve(sys.executable, sys.orig_argv, env)
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)  # this interpreter, its flags
     except OSError:
         return  # run on as it is
 

@@ -187,7 +187,7 @@ def test_train_and_pretrain_start_themselves_again_for_training(monkeypatch, arg
         monkeypatch.delenv(name, raising=False)
     launch.restart_for_training(argv)
     assert [(exe, args, env["GLIBC_TUNABLES"]) for exe, args, env in started] == (
-        [(sys.executable, ["python", "-m", "s2s", *argv], "glibc.malloc.hugetlb=1")] if restarts else [])
+        [(sys.executable, [sys.executable, "-m", "s2s", *argv], "glibc.malloc.hugetlb=1")] if restarts else [])
     # started with the tunable set (as after the restart), or on a kernel without huge pages: no restart
     started.clear()
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
