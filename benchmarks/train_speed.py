@@ -32,11 +32,12 @@ Measured properly on a shared machine: the engines take turns round by round
 with the min and max beside it (the spread says how far a rerun may land).  The warmup
 is long because a long run's steady state is what is measured: bf16 products go through
 oneDNN, which builds a kernel for each new shape on first use (s2s.model.gemm), and a
-training run has met its shapes after its first few dozen updates.  A bf16 trainer's memory
-still grows for about 150 updates after that, and on a virtual machine the first touch of
-each new page is slow; ``--warmup 100`` (the two s2s engines alone: ``--engines
-s2s_fp32,s2s_bf16``) times bf16 past most of it (README: on an AMD EPYC Zen 5, 1.94x fp32
-at the default warmup, 2.34x and 2.48x after 100 updates).
+training run has met its shapes after its first few dozen updates.  With glibc's malloc a
+bf16 trainer's memory still grows for about 150 updates after that, and on a virtual machine
+the first touch of each new page is slow; mimalloc, which the s2s engines start with as
+``s2s train`` does, keeps it flat.  ``--warmup 100`` (the s2s engines alone: ``--engines
+s2s_fp32,s2s_bf16``) times the steady state (README: on an AMD EPYC Zen 5 with mimalloc, bf16
+2.38x fp32 at the default warmup and 2.56x after 100 updates).
 
 Tokens are source + target tokens, padding excluded.  Model FLOPs utilization
 (MFU) = 3 x the matmul FLOPs of the forward pass (output projection included,
