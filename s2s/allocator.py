@@ -92,10 +92,21 @@ def huge_pages_environ(environ: Mapping[str, str], thp_mode: str,
     GLIBC_TUNABLES already sets the tunable: a user's ``glibc.malloc.hugetlb=0`` stands."""
     if thp_mode not in ("always", "madvise") or glibc is None or glibc < (2, 35):
         return None
-    tunables = environ.get("GLIBC_TUNABLES", "")
-    if any(t.split("=")[0] == HUGE_PAGES_TUNABLE for t in tunables.split(":")):
+    if glibc_tunable(environ, HUGE_PAGES_TUNABLE) is not None:
         return None
+    tunables = environ.get("GLIBC_TUNABLES", "")
     return {**environ, "GLIBC_TUNABLES": ":".join(filter(None, (tunables, HUGE_PAGES_TUNABLE + "=1")))}
+
+
+def glibc_tunable(environ: Mapping[str, str], name: str) -> Optional[str]:
+    """The value GLIBC_TUNABLES (``name=value:name=value``) in ``environ`` gives ``name`` (the
+    last where it is given twice), or None."""
+    value = None
+    for tunable in environ.get("GLIBC_TUNABLES", "").split(":"):
+        key, _, v = tunable.partition("=")
+        if key == name:
+            value = v
+    return value
 
 
 def with_huge_pages(environ: Mapping[str, str]) -> Optional[dict[str, str]]:
@@ -112,7 +123,7 @@ def mimalloc_library() -> Optional[str]:
     except PackageNotFoundError:
         return None
     for f in dist.files or ():
-        if f.name == "libmimalloc.so" or f.name == "libmimalloc.dylib":
+        if f.name == "libmimalloc.so":  # preloaded on Linux only (mimalloc_environ)
             path = str(dist.locate_file(f))
             return path if os.path.isfile(path) else None
     return None
@@ -154,7 +165,6 @@ def malloc_in_use(environ: Mapping[str, str] = os.environ) -> str:
     preloaded = preloaded_malloc(environ)
     if preloaded:
         return preloaded + " (LD_PRELOAD)"
-    tunables = environ.get("GLIBC_TUNABLES", "").split(":")
-    if HUGE_PAGES_TUNABLE + "=1" in tunables and glibc_version() is not None:
+    if glibc_tunable(environ, HUGE_PAGES_TUNABLE) == "1" and glibc_version() is not None:
         return "glibc malloc in transparent huge pages"
     return "glibc malloc"
