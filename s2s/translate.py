@@ -136,6 +136,8 @@ def compile_decode_step(model: S2SModel) -> None:
     logged on its own; where compiling fails the step runs eagerly, with one warning."""
     if getattr(model, "_compiled_step", False):
         return
+    if getattr(model, "step_script", None) is not None:  # torch.compile traces the Python step
+        object.__setattr__(model, "step_script", None)
     complete_torch()  # fake tensors read the Python meta kernels a lean import deferred
     import torch._inductor.config as inductor_config
 
@@ -306,6 +308,9 @@ class Translator:
         if quantize == "int8":
             self.quantize_int8()
         self.int8 = quantize == "int8"
+        for member in [self.model, *self.extra_models]:  # now that its matrices are the ones it decodes with
+            if hasattr(member, "script_step"):
+                member.script_step()
 
     def to_bf16(self) -> None:
         """Convert every member's weights to bf16 once (no autocast per operation).  What

@@ -226,12 +226,17 @@ def test_translator_precision_auto_adds_int8_where_it_pays(prepared, tmp_path, m
     fp32_lines = Translator.from_dirs([model_dir], precision="fp32", decode={"beam": 2}).translate(["a b c", "d e"])
     assert tr.translate(["a b c", "d e"]) == fp32_lines  # the tiny model's products are all fp32's
     if avx2:  # with every product in int8, the search runs through the int8 kernels end to end
-        from s2s.model import int8 as int8_module
-
-        taken = []
-        monkeypatch.setattr(int8_module, "int8_pays", lambda *shape: taken.append(shape) or True)
-        assert len(tr.translate(["a b c", "d e"])) == 2
-        assert len(taken) > 10 and any(rows == 4 for rows, _, _ in taken)  # the decoder's steps: 2 x 2 beams
+        for m in tr.model.modules():  # each layer's threshold (int8_pays's rule) at 0 rows
+            if isinstance(m, Int8Linear):
+                monkeypatch.setattr(m, "int8_numel", 0)
+        object.__setattr__(tr.model, "step_script", None)  # the Python step, whose products are seen here
+        taken, int8_product = [], Int8Linear.int8
+        monkeypatch.setattr(Int8Linear, "int8", lambda self, x, relu=False: taken.append(
+            x.numel() // self.in_features) or int8_product(self, x, relu))
+        lines = tr.translate(["a b c", "d e"])
+        assert len(lines) == 2
+        assert len(taken) > 10 and 4 in taken  # the decoder's steps: 2 x 2 beams
+        assert tr.model.script_step() and tr.translate(["a b c", "d e"]) == lines  # the scripted step's too
     plain = Translator.from_dirs([model_dir], precision="fp32")  # an explicit fp32 stays fp32
     assert not any(isinstance(m, Int8Linear) for m in plain.model.modules())
 

@@ -113,13 +113,16 @@ def few_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] 
     """
     B, H, T_q, d_k = q.shape
     T_k = k.size(-2)
+    narrow = k.dtype != q.dtype  # (a decoder step calls this 6 times: no conversions that do nothing)
     if scale:
         q = q * (1.0 / math.sqrt(d_k))
-    scores = torch.bmm(q.to(k.dtype).reshape(B * H, T_q, d_k), k.flatten(0, 1).transpose(1, 2))  # (B*heads, T_q, T_k)
+    scores = torch.bmm((q.to(k.dtype) if narrow else q).reshape(B * H, T_q, d_k),
+                       k.flatten(0, 1).transpose(1, 2))  # (B*heads, T_q, T_k)
     if mask is not None:
         scores = scores.view(B, H, T_q, T_k) + mask
-    A = torch.softmax(scores, dim=-1, dtype=q.dtype).to(v.dtype).view(B * H, T_q, T_k)
-    return torch.bmm(A, v.flatten(0, 1)).view(B, H, T_q, v.size(-1)).to(q.dtype)
+    A = torch.softmax(scores, dim=-1, dtype=q.dtype)
+    out = torch.bmm((A.to(v.dtype) if narrow else A).view(B * H, T_q, T_k), v.flatten(0, 1))
+    return out.view(B, H, T_q, v.size(-1)).to(q.dtype) if narrow else out.view(B, H, T_q, v.size(-1))
 
 
 class MultiHeadAttention(nn.Module):

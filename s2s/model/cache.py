@@ -113,27 +113,36 @@ class LayerCache:
             # one position's beams as their sentence's K slots: (B / K, heads, K, d_head), a view
             k, v = beams_as_queries(k, self.slots), beams_as_queries(v, self.slots)
         B, heads, n, d_head = k.shape
-        t, K = self.length * self.slots, self.slots  # columns in use; K columns per position
-        if self.k_buf is None or self.k_buf.size(2) < t + n:
-            if self.whole:  # zeros: the columns past t K are multiplied too (and masked)
-                capacity = self.columns_after_append()  # the columns the step's mask was made for
-                k_buf = k.new_zeros(max(B, self.batch), heads, capacity, d_head, dtype=self.slot_dtype)
-                v_buf = v.new_zeros(max(B, self.batch), heads, capacity, d_head, dtype=self.slot_dtype)
-            else:
-                capacity = bucketed(self.length + n // K) * K
-                k_buf = k.new_empty(max(B, self.batch), heads, capacity, d_head)
-                v_buf = v.new_empty(max(B, self.batch), heads, capacity, d_head)
-            if t:
-                k_buf[:self.batch, :, :t] = self.self_k
-                v_buf[:self.batch, :, :t] = self.self_v
-            self.k_buf, self.v_buf, self.spare = k_buf, v_buf, None
+        t = self.length * self.slots  # columns in use
+        self.reserve(B, n, heads, d_head, k)
         self.batch = B
         self.k_buf[:B, :, t:t + n] = k
         self.v_buf[:B, :, t:t + n] = v
-        self.length += n // K
+        self.length += n // self.slots
         if self.whole:
             return self.k_buf[:B], self.v_buf[:B]
         return self.self_k, self.self_v
+
+    def reserve(self, B: int, n: int, heads: int, d_head: int, like: Tensor) -> None:
+        """Room in the buffers for n more columns of B rows (sentences, with slots), grown a
+        bucket at a time (:func:`bucketed`; read whole: :meth:`columns_after_append`), the
+        columns in use copied over; new buffers in ``like``'s dtype (or the slot_dtype) and
+        device.  What :meth:`append` writes into, and a scripted step too (s2s.model.step_script)."""
+        t, K = self.length * self.slots, self.slots  # columns in use; K columns per position
+        if self.k_buf is not None and self.k_buf.size(2) >= t + n and self.k_buf.size(0) >= B:
+            return
+        if self.whole:  # zeros: the columns past t K are multiplied too (and masked)
+            capacity = self.columns_after_append()  # the columns the step's mask was made for
+            k_buf = like.new_zeros(max(B, self.batch), heads, capacity, d_head, dtype=self.slot_dtype)
+            v_buf = like.new_zeros(max(B, self.batch), heads, capacity, d_head, dtype=self.slot_dtype)
+        else:
+            capacity = bucketed(self.length + n // K) * K
+            k_buf = like.new_empty(max(B, self.batch), heads, capacity, d_head)
+            v_buf = like.new_empty(max(B, self.batch), heads, capacity, d_head)
+        if t:
+            k_buf[:self.batch, :, :t] = self.self_k
+            v_buf[:self.batch, :, :t] = self.self_v
+        self.k_buf, self.v_buf, self.spare = k_buf, v_buf, None
 
     def select_sentences(self, sentences: Tensor) -> None:
         """With slots: keep the sentences ``sentences`` (their beams' ancestry lives in the

@@ -169,6 +169,11 @@ class Int8Linear(nn.Module):
         self.weight, self.bias = weight, bias  # the fp32 ones, shared (a Linear's state-dict keys stay)
         self.packed = self.pack()
         self.packed_onednn: Optional[torch.ScriptObject] = None  # packed on first use
+        # the rule of int8_pays and onednn_pays over x.numel() (rows x d_in), fixed for the machine: a
+        # decoder step asks it of every product, so it costs one comparison, not a chain of calls
+        self.int8_numel = int8_min_rows(self.in_features, self.out_features) * self.in_features
+        wide = self.out_features >= ONEDNN_MIN_WIDTH * self.in_features and onednn_int8()
+        self.onednn_numel = ONEDNN_MIN_ROWS * self.in_features if wide else None
 
     def pack(self, engine: Optional[str] = None) -> torch.ScriptObject:
         """This layer's W and b packed for ``engine`` (:func:`packed_int8`)."""
@@ -181,7 +186,7 @@ class Int8Linear(nn.Module):
         same call (the library's fused ReLU: the same values as a ReLU after it, without
         a second pass over the output)."""
         packed = self.packed
-        if onednn_pays(x.numel() // self.in_features, self.in_features, self.out_features):
+        if self.onednn_numel is not None and x.numel() >= self.onednn_numel:  # onednn_pays
             if self.packed_onednn is None:
                 self.packed_onednn = self.pack("onednn")
             packed = self.packed_onednn
@@ -191,10 +196,10 @@ class Int8Linear(nn.Module):
 
     def pays(self, x: Tensor) -> bool:
         """Whether this product of x takes the int8 copy (:func:`int8_pays` over x's rows)."""
-        return int8_pays(x.numel() // self.in_features, self.in_features, self.out_features)
+        return x.numel() >= self.int8_numel
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.pays(x):
+        if x.numel() >= self.int8_numel:  # self.pays(x)
             return self.int8(x)
         return F.linear(x, self.weight, self.bias)
 

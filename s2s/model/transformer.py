@@ -26,10 +26,14 @@ from s2s.model.interface import EncoderState
 from s2s.model.layers import DecoderLayer, EncoderLayer, make_norm
 from s2s.model.packing import Packing
 from s2s.model.positions import LearnedPositions, RelativePositionBias, SinusoidalPositions
+from s2s.model.step_script import run_step_script, script_step
 from s2s.params import parameter_budget  # noqa: F401 (its home is s2s.params; re-exported)
 
 
 class Seq2SeqTransformer(ModelBase):
+    # decode_step as one TorchScript program (script_step); not a submodule: no keys in the state
+    step_script: Optional[torch.jit.ScriptModule] = None
+
     def __init__(self, cfg: ModelConfig, src_vocab: int, tgt_vocab: int, pad_id: int = 0):
         super().__init__()
         if cfg.share_embeddings and src_vocab != tgt_vocab:
@@ -222,10 +226,32 @@ class Seq2SeqTransformer(ModelBase):
         """
         t = cache.step
         self_mask = cache.self_attention_mask(self._self_mask(1, t + 1, t, y_prev.device))
+        if self.step_script is not None and not (need_weights or need_last or self.training
+                                                 or torch.is_grad_enabled() or cache.src is not None):
+            return self._scripted_step(y_prev, cache, self_mask), [None] * len(self.decoder_layers)
         x_in = self._embed(y_prev, self.tgt_embed, self.dec_positions, self.dec_embed_norm, start=t)  # (B, 1, d_model)
         h, weights = self._decoder_stack(x_in, self_mask, cache, need_weights, need_last)
         cache.step += 1
         return self._scores(h, x_in, weights[-1], cache)[:, -1], weights
+
+    def _scripted_step(self, y_prev: Tensor, cache: DecoderCache, self_mask: Optional[Tensor]) -> Tensor:
+        """decode_step through :attr:`step_script` (s2s.model.step_script): the same scores."""
+        B, first = y_prev.size(0), cache.layers[0]
+        sa = self.decoder_layers[0].self_attn
+        for layer in cache.layers:  # room for this position's K/V, which the script writes
+            layer.reserve(B // first.slots, first.slots, sa.heads, sa.d_head, layer.cross_k)
+        P = None if self.dec_positions is None else self.dec_positions(1, cache.step, device=y_prev.device)
+        h = run_step_script(self.step_script, y_prev, P, self_mask, cache)  # (B, 1, d_model)
+        for layer in cache.layers:
+            layer.batch, layer.length = B // first.slots, layer.length + 1
+        cache.step += 1
+        return self.logits(h, cache.vocab_subset)[:, -1]
+
+    def script_step(self) -> bool:
+        """Run decode_step through one TorchScript program from now on, where it can be
+        (s2s.model.step_script): for decoding, after the arithmetic is set.  Returns whether."""
+        object.__setattr__(self, "step_script", script_step(self))  # not registered as a submodule
+        return self.step_script is not None
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -1,0 +1,322 @@
+"""The decoder step of an encoder-decoder as one TorchScript program.
+
+A step of the reference model (3 decoder layers, d_model 256) calls about 190 torch
+operators from Python, through the modules, the attention helpers and the cache; at the
+few rows of greedy search's last steps, calling them costs more than their arithmetic.
+CTranslate2, a C++ engine, does not pay that.  Here the same operators, in the same order
+on the same tensors, run inside TorchScript's interpreter, from one call per step:
+
+    Python path:   decode_step -> layers -> attention, FFN, products  (~190 calls from Python)
+    scripted:      decode_step -> StepScript(y, the caches' buffers)  (1 call; the rest in C++)
+
+The interpreter runs without its optimizing passes (``torch.jit.optimized_execution(False)``):
+no fusion and no specialization by shape, so a new batch shape compiles nothing and every
+value is the Python step's, bit for bit (tests/test_step_script.py).  Scripting takes
+tens of milliseconds, once per process.
+
+What stays in Python, once per step: the cache's bookkeeping (growing the buffers
+(:meth:`LayerCache.reserve`), the beams' ancestry mask, ``select``) and the output
+projection z = logits(h) (with a shortlist's rows of W_U).  What is not scripted (the Python
+step runs, :func:`unsupported`): a model in training or under autograd, a step that returns
+attention weights (alignments, the coverage penalty), copy and coverage models, T5's
+relative positions, RMSNorm, gated FFNs, devices other than the CPU, Python 3.14 and a torch without
+TorchScript (``torch.jit.script`` is deprecated in favour of ``torch.compile``, whose
+compile per batch shape took a minute a shape on these models: README, ``--compile``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import warnings
+from typing import List, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from s2s.model import gemm
+from s2s.model.attention import FEW_QUERIES, beams_as_queries, few_query_attention, queries_as_beams
+from s2s.model.int8 import Int8Linear
+
+log = logging.getLogger("s2s")
+
+NEVER = 1 << 62  # a rows threshold no product reaches
+ACTIVATION_IDS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
+
+
+def no_scalars() -> List[Optional[Union[int, float, complex]]]:
+    """The empty ``scalars`` of oneDNN's linear with a post-op, typed as its schema wants
+    (Scalar?[]: a literal [] would be a list of tensors to TorchScript)."""
+    scalars: List[Optional[Union[int, float, complex]]] = []
+    return scalars
+
+
+class ScriptedNorm(nn.Module):
+    """LayerNorm(x) as nn.LayerNorm.forward computes it (its parameters, shared)."""
+
+    def __init__(self, norm: nn.LayerNorm):
+        super().__init__()
+        self.shape: List[int] = list(norm.normalized_shape)
+        self.weight, self.bias, self.eps = norm.weight, norm.bias, float(norm.eps)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, self.shape, self.weight, self.bias, self.eps)
+
+
+class ScriptedProduct(nn.Module):
+    """y = x W^T + b as the model's layer computes it: nn.Linear's F.linear; an Int8Linear's
+    int8 copy from its rows threshold on (oneDNN's copy for a wide W from its own); a
+    PackedLinear's packed bf16 W for bf16 inputs.  ``act`` (an ACTIVATION_IDS value, with
+    ``fused``: as FeedForward applies it) for the FFN's W_1."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.int8: Optional[torch.ScriptObject] = None
+        self.int8_numel, self.onednn_numel = NEVER, NEVER
+        self.onednn: Optional[torch.ScriptObject] = None
+        self.packed: Optional[Tensor] = None
+        if isinstance(linear, Int8Linear):
+            self.int8, self.int8_numel = linear.packed, linear.int8_numel
+            if linear.onednn_numel is not None:  # packed now: a script cannot pack on first use
+                if linear.packed_onednn is None:
+                    linear.packed_onednn = linear.pack("onednn")
+                self.onednn, self.onednn_numel = linear.packed_onednn, linear.onednn_numel
+        elif isinstance(linear, gemm.PackedLinear):
+            self.packed = linear.packed
+
+    def forward(self, x: Tensor) -> Tensor:
+        # (each ``is not None`` test alone in its if: TorchScript drops the branch of an attribute
+        # that is None, so a product without an int8 or packed copy compiles without its calls)
+        int8 = self.int8
+        if int8 is not None:
+            if x.numel() >= self.int8_numel:  # Int8Linear.forward
+                onednn = self.onednn
+                if onednn is not None:
+                    if x.numel() >= self.onednn_numel:
+                        return torch.ops.quantized.linear_dynamic(x, onednn, True)
+                return torch.ops.quantized.linear_dynamic(x, int8, True)
+        packed = self.packed
+        if packed is not None:
+            if x.dtype == packed.dtype:  # gemm.packed_linear
+                return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", no_scalars(), "")
+        return F.linear(x, self.weight, self.bias)
+
+    def activated(self, x: Tensor, act: int) -> Tensor:
+        """act(x W^T + b) as FeedForward.forward (non-gated, no autograd) computes it: inside the
+        int8 product for ReLU, inside the packed one for any of the four, else in place after."""
+        int8 = self.int8
+        if int8 is not None:
+            if act == 0 and x.numel() >= self.int8_numel:
+                onednn = self.onednn
+                if onednn is not None:
+                    if x.numel() >= self.onednn_numel:
+                        return torch.ops.quantized.linear_relu_dynamic(x, onednn, True)
+                return torch.ops.quantized.linear_relu_dynamic(x, int8, True)
+        packed = self.packed
+        if packed is not None:
+            if x.dtype == packed.dtype:
+                if act == 0:
+                    return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "relu", no_scalars(), "")
+                if act == 1:
+                    return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "gelu", no_scalars(), "none")
+                if act == 2:
+                    return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "gelu", no_scalars(), "tanh")
+                return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "swish", no_scalars(), "")
+        return activation(self.forward(x), act)
+
+
+def activation(h: Tensor, act: int) -> Tensor:
+    """act(h) for an ACTIVATION_IDS value, in place where FeedForward's decoding does it (ReLU, SiLU)."""
+    if act == 0:
+        return torch.relu_(h)
+    if act == 1:
+        return F.gelu(h)
+    if act == 2:
+        return F.gelu(h, approximate="tanh")
+    return F.silu(h, inplace=True)
+
+
+class ScriptedLayer(nn.Module):
+    """DecoderLayer.forward for one position (x (B, 1, d_model)), its self-attention K/V
+    written into the cache's buffers at position t (LayerCache.append's layout)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        sa, ca = layer.self_attn, layer.cross_attn
+        self.pre_norm = bool(layer.pre_norm)
+        self.heads, self.d_head = sa.heads, sa.d_head
+        self.few_queries = FEW_QUERIES
+        self.scale_self, self.scale_cross = bool(sa.scale), bool(ca.scale)
+        self.norm1, self.norm2, self.norm3 = (ScriptedNorm(layer.norm1), ScriptedNorm(layer.norm2),
+                                              ScriptedNorm(layer.norm3))
+        self.qkv, self.out1 = ScriptedProduct(sa.qkv_proj), ScriptedProduct(sa.out_proj)
+        self.q, self.out2 = ScriptedProduct(ca.q_proj), ScriptedProduct(ca.out_proj)
+        self.w_1, self.w_2 = ScriptedProduct(layer.ffn.w_1), ScriptedProduct(layer.ffn.w_2)
+        self.act = ACTIVATION_IDS[layer.ffn.post_op or next(k for k, f in _activations().items()
+                                                             if f is layer.ffn.act)]
+        self.fused = layer.ffn.post_op is not None
+
+    def attend_heads(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: bool) -> Tensor:
+        """MultiHeadAttention.attend_heads on the CPU without weights, dropout or autograd: q (B,
+        heads, T_q, d_head) against k, v (B, heads, T_k, d_head) -> (B, heads, T_q, d_head)."""
+        if k.dtype != q.dtype or (q.size(-2) <= self.few_queries and q.dtype == torch.float32):
+            return few_query_attention(q, k, v, mask, scale)
+        if mask is not None:
+            mask = mask.to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=None if scale else 1.0)
+
+    def split_heads(self, x: Tensor) -> Tensor:
+        B, L, _ = x.shape
+        return x.view(B, L, self.heads, self.d_head).transpose(1, 2)  # (B, heads, L, d_head)
+
+    def merge_heads(self, x: Tensor) -> Tensor:
+        B, _, L, _ = x.shape
+        return x.transpose(1, 2).reshape(B, L, self.heads * self.d_head)  # (B, L, d_model)
+
+    def self_attn(self, x: Tensor, mask: Optional[Tensor], k_buf: Tensor, v_buf: Tensor, t: int, slots: int,
+                  whole: bool) -> Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, 1, d_model)
+        q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, heads, 1, d_head)
+        if slots > 1:  # a sentence's K beams: its K slots, K queries against them
+            k, v = beams_as_queries(k, slots), beams_as_queries(v, slots)  # (B / K, heads, K, d_head)
+        n = k.size(0)
+        c = t * slots  # the columns in use
+        k_buf[:n, :, c:c + slots] = k
+        v_buf[:n, :, c:c + slots] = v
+        if whole:
+            keys, values = k_buf[:n], v_buf[:n]
+        else:
+            keys, values = k_buf[:n, :, :c + slots], v_buf[:n, :, :c + slots]
+        if slots > 1:
+            out = queries_as_beams(self.attend_heads(beams_as_queries(q, slots), keys, values, mask, self.scale_self),
+                                   slots)
+        else:
+            out = self.attend_heads(q, keys, values, mask, self.scale_self)
+        return self.out1(self.merge_heads(out))
+
+    def cross_attn(self, x: Tensor, src_mask: Tensor, cross_k: Tensor, cross_v: Tensor, group: int) -> Tensor:
+        q = self.split_heads(self.q(x))  # (B, heads, 1, d_head)
+        mask = src_mask[::group]
+        if group > 1:
+            out = queries_as_beams(self.attend_heads(beams_as_queries(q, group), cross_k, cross_v, mask,
+                                                self.scale_cross), group)
+        else:
+            out = self.attend_heads(q, cross_k, cross_v, mask, self.scale_cross)
+        return self.out2(self.merge_heads(out))
+
+    def ffn(self, x: Tensor) -> Tensor:
+        if self.fused:
+            return self.w_2(self.w_1.activated(x, self.act))
+        return self.w_2(activation(self.w_1(x), self.act))  # one FeedForward does not fuse
+
+    def forward(self, x: Tensor, self_mask: Optional[Tensor], src_mask: Tensor, k_buf: Tensor, v_buf: Tensor,
+                t: int, slots: int, whole: bool, group: int, cross_k: Tensor, cross_v: Tensor) -> Tensor:
+        if self.pre_norm:
+            x = x + self.self_attn(self.norm1(x), self_mask, k_buf, v_buf, t, slots, whole)
+            x = x + self.cross_attn(self.norm2(x), src_mask, cross_k, cross_v, group)
+            return x + self.ffn(self.norm3(x))
+        x = self.norm1(x + self.self_attn(x, self_mask, k_buf, v_buf, t, slots, whole))
+        x = self.norm2(x + self.cross_attn(x, src_mask, cross_k, cross_v, group))
+        return self.norm3(x + self.ffn(x))
+
+
+class StepScript(nn.Module):
+    """The decoder's step without the output projection: y_prev (B, 1) -> h (B, 1, d_model),
+    the final states that Seq2SeqTransformer.logits takes (see the module doc)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.table, self.embed_scale = model.tgt_embed.weight, float(model.embed_scale)
+        embed_norm, final = model.dec_embed_norm, model.dec_final_norm
+        self.embed_norm: Optional[ScriptedNorm] = None if embed_norm is None else ScriptedNorm(embed_norm)
+        self.final_norm: Optional[ScriptedNorm] = None if isinstance(final, nn.Identity) else ScriptedNorm(final)
+        self.layers = nn.ModuleList([ScriptedLayer(layer) for layer in model.decoder_layers])
+
+    def forward(self, y_prev: Tensor, P: Optional[Tensor], self_mask: Optional[Tensor], src_mask: Tensor,
+                k_bufs: List[Tensor], v_bufs: List[Tensor], cross_k: List[Tensor], cross_v: List[Tensor],
+                t: int, slots: int, whole: bool, group: int) -> Tensor:
+        x = F.embedding(y_prev, self.table) * self.embed_scale  # (B, 1, d_model)
+        if P is not None:
+            x = x + P.to(x.dtype)
+        embed_norm = self.embed_norm
+        if embed_norm is not None:
+            x = embed_norm(x)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, self_mask, src_mask, k_bufs[i], v_bufs[i], t, slots, whole, group, cross_k[i], cross_v[i])
+        final = self.final_norm
+        if final is not None:
+            x = final(x)
+        return x
+
+
+def _activations() -> dict:
+    from s2s.model.layers import ACTIVATIONS
+
+    return ACTIVATIONS
+
+
+def unsupported(model: nn.Module) -> Optional[str]:
+    """Why ``model``'s decoder step cannot be scripted, or None (see the module doc)."""
+    from s2s.model.layers import FeedForward
+
+    cfg = model.cfg
+    if sys.version_info >= (3, 14):
+        return "Python 3.14, which TorchScript does not support"
+    if cfg.arch != "encoder_decoder":
+        return f"model.arch {cfg.arch}"
+    if model.device.type != "cpu":
+        return f"device {model.device.type}"
+    if cfg.copy or cfg.coverage:
+        return "copy or coverage"
+    if model.dec_rel_bias is not None:
+        return "relative positions"
+    norms = [model.dec_embed_norm, model.dec_final_norm]
+    for layer in model.decoder_layers:
+        norms += [layer.norm1, layer.norm2, layer.norm3]
+        ffn = layer.ffn
+        if not isinstance(ffn, FeedForward) or ffn.w_13 is not None or ffn.w_3 is not None:
+            return "a gated FFN"
+        if ffn.post_op is None and not any(f is ffn.act for f in _activations().values()):
+            return "an activation of its own"
+        linears = [layer.self_attn.qkv_proj, layer.self_attn.out_proj, layer.cross_attn.q_proj,
+                   layer.cross_attn.out_proj, ffn.w_1, ffn.w_2]
+        if any(type(m) not in (nn.Linear, Int8Linear, gemm.PackedLinear) for m in linears):
+            return "a linear layer of another kind"
+    if any(n is not None and type(n) not in (nn.LayerNorm, nn.Identity) for n in norms):
+        return "RMSNorm"
+    return None
+
+
+def script_step(model: nn.Module) -> Optional[torch.jit.ScriptModule]:
+    """``model``'s decoder step scripted (:class:`StepScript`), or None where it cannot be
+    (:func:`unsupported`, or TorchScript fails: logged at debug level).  Build it after the
+    model's arithmetic is set (bf16, int8): it holds the matrices the layers hold then."""
+    why = unsupported(model)
+    if why is None:
+        start = time.perf_counter()
+        try:
+            with warnings.catch_warnings():  # torch 2.13 flags TorchScript as deprecated
+                warnings.simplefilter("ignore")
+                script = torch.jit.script(StepScript(model))
+        except Exception as e:  # noqa: BLE001 - no TorchScript, or a torch it cannot script
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        else:
+            log.debug("decoder step scripted in %.3f s", time.perf_counter() - start)
+            return script
+    log.debug("decoder step not scripted (%s): steps run in Python", why)
+    return None
+
+
+def run_step_script(script: torch.jit.ScriptModule, y_prev: Tensor, P: Optional[Tensor],
+                    self_mask: Optional[Tensor], cache) -> Tensor:
+    """One step through ``script`` over ``cache`` (a DecoderCache, its buffers reserved for this
+    position): h (B, 1, d_model).  The interpreter runs without its optimizing passes."""
+    layers = cache.layers
+    first = layers[0]
+    with torch.jit.optimized_execution(False):
+        return script(y_prev, P, self_mask, cache.src_mask, [lc.k_buf for lc in layers], [lc.v_buf for lc in layers],
+                      [lc.cross_k for lc in layers], [lc.cross_v for lc in layers], first.length, first.slots,
+                      first.whole, cache.group)

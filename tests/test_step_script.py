@@ -1,0 +1,181 @@
+"""The decoder step as one TorchScript program (s2s.model.step_script, issue 15's lever 3):
+the same hypotheses and scores as the Python step, bit for bit, over every arithmetic and
+layout it covers; the Python step wherever it does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import s2s.model.int8 as int8_module
+import s2s.model.transformer as transformer_module
+from s2s.config import DecodeConfig
+from s2s.model import gemm
+from s2s.model.int8 import quantize_int8
+from s2s.model.step_script import unsupported
+from s2s.search import ModelDecoder, SpecialIds, search
+from tests.test_model import make_model, right_pad, tokens
+
+IDS = SpecialIds(bos_id=1, eos_id=2, pad_id=0)
+
+
+def python_step(model) -> None:
+    object.__setattr__(model, "step_script", None)
+
+
+def searched(model, src: torch.Tensor, s: DecodeConfig, scripted: bool, normalized: bool = True):
+    """Every hypothesis (tokens, score, log p) of a search, the step scripted or in Python; the
+    scores as their repr, exact (and a greedy search's unscored NaN equal to NaN)."""
+    assert model.script_step(), unsupported(model)
+    if not scripted:
+        python_step(model)
+    max_len = torch.full((src.size(0),), 9)
+    with torch.inference_mode():
+        found = search(ModelDecoder(model, src, normalized=normalized), max_len, s, IDS)
+    return [[(h.tokens, repr(h.score), repr(h.log_prob)) for h in hyps] for hyps in found]  # repr: nan == nan
+
+
+def assert_same_searches(model, normalized: bool = True) -> None:
+    src = right_pad([tokens(5, seed=30), tokens(3, seed=31), tokens(7, seed=32), tokens(4, seed=33)])
+    for s in (DecodeConfig(beam=1), DecodeConfig(beam=3, nbest=2), DecodeConfig(beam=4, alpha=0.6),
+              DecodeConfig(beam=1, sampling=True, nbest=2, seed=3)):
+        if not normalized and s.beam > 1:
+            continue
+        want = searched(model, src, s, scripted=False, normalized=normalized or s.sampling)
+        got = searched(model, src, s, scripted=True, normalized=normalized or s.sampling)
+        assert got == want, s
+
+
+@pytest.mark.parametrize("overrides", [
+    {},  # pre-norm, sinusoidal positions, GELU
+    dict(norm="post", positions="learned", activation="relu"),
+    dict(embed_norm=True, activation="silu", scale_embeddings=False),
+    dict(activation="gelu_tanh", bias=False, tie_output=False),
+])
+def test_scripted_steps_search_what_python_steps_search(overrides):
+    """fp64, as the model tests build it: greedy, beam search with n-best, and sampling (a
+    sentence's rows grouped), rows and sentences leaving as they end."""
+    assert_same_searches(make_model(**overrides))
+
+
+def test_scripted_steps_in_fp32_laid_out_for_steps_and_unnormalized_greedy():
+    """fp32 on the CPU: the attention through few_query_attention, W column-major as
+    ``s2s translate`` lays it out; and greedy search's raw scores (no log-softmax)."""
+    model = make_model(activation="relu").float()
+    model.lay_out_for_steps()
+    assert_same_searches(model)
+    assert_same_searches(model, normalized=False)
+
+
+def test_scripted_steps_over_bf16_beam_slots():
+    """fp32 weights with the beams' self-attention K/V in bf16 slots read whole (what
+    --precision auto keeps on a CPU with native bf16)."""
+    model = make_model(activation="relu").float()
+    model.beam_slot_dtype = torch.bfloat16
+    assert_same_searches(model)
+
+
+@pytest.mark.parametrize("onednn", [False, True])
+def test_scripted_steps_with_int8_products(monkeypatch, onednn):
+    """--quantize int8: every product int8 from one row (the threshold lowered), the FFN's
+    ReLU inside the int8 product; with ``onednn`` the wide matrices through their oneDNN copy
+    from one row too."""
+    if onednn and "onednn" not in torch.backends.quantized.supported_engines:
+        pytest.skip("torch without oneDNN int8")
+    monkeypatch.setattr(int8_module, "int8_min_macs", lambda: 1)
+    monkeypatch.setattr(int8_module, "onednn_int8", lambda: onednn)
+    monkeypatch.setattr(int8_module, "ONEDNN_MIN_ROWS", 1)
+    monkeypatch.setattr(int8_module, "ONEDNN_MIN_WIDTH", 2)  # the FFN's W_1 (32 -> 64) is "wide"
+    model = make_model(activation="relu").float()
+    quantize_int8(model)
+    assert all(m.int8_numel == m.in_features for m in model.modules() if isinstance(m, int8_module.Int8Linear))
+    assert_same_searches(model)
+    model.beam_slot_dtype = torch.bfloat16
+    assert_same_searches(model)
+
+
+def test_scripted_steps_in_bf16_with_packed_weights():
+    """--precision bf16: bf16 weights, each W packed for oneDNN where it can be (the FFN's
+    activation inside the packed product), else plain bf16 products."""
+    model = make_model(activation="gelu").to(torch.bfloat16)
+    gemm.use_packed_bf16(model)
+    assert_same_searches(model)
+
+
+@pytest.mark.parametrize("overrides, why", [
+    (dict(copy=True), "copy or coverage"),
+    (dict(coverage=True), "copy or coverage"),
+    (dict(positions="t5_bias"), "relative positions"),
+    (dict(norm_type="rmsnorm"), "RMSNorm"),
+    (dict(gated_ffn=True), "a gated FFN"),
+])
+def test_models_the_script_does_not_cover_step_in_python(overrides, why):
+    model = make_model(**overrides)
+    assert unsupported(model) == why
+    assert not model.script_step() and model.step_script is None
+    src = right_pad([tokens(5, seed=40), tokens(3, seed=41)])
+    with torch.inference_mode():
+        found = search(ModelDecoder(model, src), torch.full((2,), 6), DecodeConfig(beam=2), IDS)
+    assert [len(h) for h in found] == [1, 1]
+
+
+def test_a_torch_that_cannot_script_steps_in_python(monkeypatch, caplog):
+    def no_script(*args, **kwargs):
+        raise RuntimeError("TorchScript is gone")
+
+    monkeypatch.setattr(torch.jit, "script", no_script)
+    model = make_model()
+    with caplog.at_level("DEBUG", logger="s2s"):
+        assert not model.script_step()
+    assert "not scripted (RuntimeError: TorchScript is gone)" in caplog.text
+
+
+def test_the_script_is_no_part_of_the_model_state():
+    """Not a submodule: the state dict, the parameters and the modules are the model's own."""
+    model = make_model()
+    keys, params, modules = list(model.state_dict()), list(model.parameters()), list(model.modules())
+    assert model.script_step()
+    assert list(model.state_dict()) == keys and list(model.parameters()) == params
+    assert list(model.modules()) == modules
+
+
+def test_steps_that_need_python_do_not_run_the_script(monkeypatch):
+    """Attention weights asked for (alignments, the coverage penalty), autograd, training,
+    and a copy model's cache: the Python step."""
+    model = make_model()
+    assert model.script_step()
+    calls = []
+    real = transformer_module.run_step_script
+    monkeypatch.setattr(transformer_module, "run_step_script", lambda *a: calls.append(1) or real(*a))
+    src = right_pad([tokens(5, seed=50), tokens(3, seed=51)])
+    y = torch.full((2, 1), IDS.bos_id)
+
+    def step(**kw) -> None:
+        cache = model.start_decoding(model.encode(src))
+        model.decode_step(y, cache, **kw)
+
+    with torch.no_grad():
+        step(need_weights=True)
+        step(need_last=True)
+        model.train()
+        step()
+        model.eval()
+    step()  # autograd on
+    assert calls == []
+    with torch.no_grad():
+        step()
+    assert calls == [1]
+
+
+def test_translator_scripts_its_models_and_compile_takes_the_python_step(prepared, tmp_path):
+    """Translator.set_arithmetic scripts each member once its matrices are set; --compile
+    (torch.compile traces Python) drops the script."""
+    from s2s.translate import Translator, compile_decode_step
+    from tests.conftest import untrained_model_dir
+
+    translator = Translator.from_dir(untrained_model_dir(prepared, tmp_path / "m"), beam=2)
+    assert translator.model.step_script is not None
+    translator.set_arithmetic("fp32", "int8")
+    assert translator.model.step_script is not None
+    compile_decode_step(translator.model)
+    assert translator.model.step_script is None
