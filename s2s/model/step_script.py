@@ -169,27 +169,30 @@ class ScriptedLayer(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=None if scale else 1.0)
 
     def split_heads(self, x: Tensor) -> Tensor:
-        B, L, _ = x.shape
-        return x.view(B, L, self.heads, self.d_head).transpose(1, 2)  # (B, heads, L, d_head)
+        """(B, 1, heads d_head) -> (B, heads, 1, d_head): one view (MultiHeadAttention.split_heads's
+        values; with one position, its transpose moves nothing)."""
+        return x.view(x.size(0), self.heads, 1, self.d_head)
 
     def merge_heads(self, x: Tensor) -> Tensor:
-        B, _, L, _ = x.shape
-        return x.transpose(1, 2).reshape(B, L, self.heads * self.d_head)  # (B, L, d_model)
+        """(B, heads, 1, d_head) -> (B, 1, heads d_head), as MultiHeadAttention.merge_heads."""
+        return x.reshape(x.size(0), 1, self.heads * self.d_head)
 
     def self_attn(self, x: Tensor, mask: Optional[Tensor], k_buf: Tensor, v_buf: Tensor, t: int, slots: int,
                   whole: bool) -> Tensor:
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, 1, d_model)
-        q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, heads, 1, d_head)
+        B = x.size(0)
+        q, k, v = self.qkv(x).view(B, 3, self.heads, 1, self.d_head).unbind(1)  # 3 x (B, heads, 1, d_head)
         if slots > 1:  # a sentence's K beams: its K slots, K queries against them
             k, v = beams_as_queries(k, slots), beams_as_queries(v, slots)  # (B / K, heads, K, d_head)
         n = k.size(0)
         c = t * slots  # the columns in use
-        k_buf[:n, :, c:c + slots] = k
-        v_buf[:n, :, c:c + slots] = v
+        k_buf = k_buf.narrow(0, 0, n)  # (n, heads, capacity, d_head)
+        v_buf = v_buf.narrow(0, 0, n)
+        k_buf.narrow(2, c, slots).copy_(k)
+        v_buf.narrow(2, c, slots).copy_(v)
         if whole:
-            keys, values = k_buf[:n], v_buf[:n]
+            keys, values = k_buf, v_buf
         else:
-            keys, values = k_buf[:n, :, :c + slots], v_buf[:n, :, :c + slots]
+            keys, values = k_buf.narrow(2, 0, c + slots), v_buf.narrow(2, 0, c + slots)
         if slots > 1:
             out = queries_as_beams(self.attend_heads(beams_as_queries(q, slots), keys, values, mask, self.scale_self),
                                    slots)
@@ -199,12 +202,11 @@ class ScriptedLayer(nn.Module):
 
     def cross_attn(self, x: Tensor, src_mask: Tensor, cross_k: Tensor, cross_v: Tensor, group: int) -> Tensor:
         q = self.split_heads(self.q(x))  # (B, heads, 1, d_head)
-        mask = src_mask[::group]
         if group > 1:
-            out = queries_as_beams(self.attend_heads(beams_as_queries(q, group), cross_k, cross_v, mask,
-                                                self.scale_cross), group)
+            out = queries_as_beams(self.attend_heads(beams_as_queries(q, group), cross_k, cross_v, src_mask[::group],
+                                                     self.scale_cross), group)
         else:
-            out = self.attend_heads(q, cross_k, cross_v, mask, self.scale_cross)
+            out = self.attend_heads(q, cross_k, cross_v, src_mask, self.scale_cross)
         return self.out2(self.merge_heads(out))
 
     def ffn(self, x: Tensor) -> Tensor:
