@@ -10,6 +10,7 @@ import torch
 import s2s.model.int8 as int8_module
 import s2s.model.transformer as transformer_module
 from s2s.config import DecodeConfig
+from s2s.constraints import pad_constraints
 from s2s.model import gemm
 from s2s.model.int8 import quantize_int8
 from s2s.model.step_script import unsupported
@@ -23,7 +24,7 @@ def python_step(model) -> None:
     object.__setattr__(model, "step_script", None)
 
 
-def searched(model, src: torch.Tensor, s: DecodeConfig, scripted: bool, normalized: bool = True):
+def searched(model, src: torch.Tensor, s: DecodeConfig, scripted: bool, normalized: bool = True, **kw):
     """Every hypothesis (tokens, score, log p) of a search, the step scripted or in Python; the
     scores as their repr, exact (and a greedy search's unscored NaN equal to NaN)."""
     assert model.script_step(), unsupported(model)
@@ -31,7 +32,7 @@ def searched(model, src: torch.Tensor, s: DecodeConfig, scripted: bool, normaliz
         python_step(model)
     max_len = torch.full((src.size(0),), 9)
     with torch.inference_mode():
-        found = search(ModelDecoder(model, src, normalized=normalized), max_len, s, IDS)
+        found = search(ModelDecoder(model, src, normalized=normalized), max_len, s, IDS, **kw)
     return [[(h.tokens, repr(h.score), repr(h.log_prob)) for h in hyps] for hyps in found]  # repr: nan == nan
 
 
@@ -44,6 +45,12 @@ def assert_same_searches(model, normalized: bool = True) -> None:
         want = searched(model, src, s, scripted=False, normalized=normalized or s.sampling)
         got = searched(model, src, s, scripted=True, normalized=normalized or s.sampling)
         assert got == want, s
+    if normalized:  # a forced prefix; lexical constraints (beams regrouped as they are allocated)
+        prefix = torch.tensor([[7, 8], [9, -1], [-1, -1], [5, -1]])
+        constraints = pad_constraints([[[11, 12]], [[13]], [[14]], [[6]]])
+        for kw in (dict(prefix=prefix), dict(constraints=constraints)):
+            s = DecodeConfig(beam=3)
+            assert searched(model, src, s, True, **kw) == searched(model, src, s, False, **kw), kw
 
 
 @pytest.mark.parametrize("overrides", [
