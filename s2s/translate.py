@@ -308,7 +308,14 @@ class Translator:
         if quantize == "int8":
             self.quantize_int8()
         self.int8 = quantize == "int8"
-        for member in [self.model, *self.extra_models]:  # now that its matrices are the ones it decodes with
+        if precision != "bf16" and quantize != "int8":  # (to_bf16 and quantize_int8 script their members)
+            self.script_steps()
+
+    def script_steps(self) -> None:
+        """Each member's decoder step as one TorchScript program where it can be
+        (s2s.model.step_script), built from the matrices it decodes with now: every change of
+        them (to_bf16, quantize_int8) scripts again."""
+        for member in [self.model, *self.extra_models]:
             if hasattr(member, "script_step"):
                 member.script_step()
 
@@ -323,6 +330,7 @@ class Translator:
         if self.device.type == "cpu":  # each W reordered for oneDNN once, not per product
             for member in [self.model, *self.extra_models]:
                 use_packed_bf16(member)
+        self.script_steps()
 
     def quantize_int8(self) -> None:
         """int8 matrices where they pay (s2s.model.int8): every linear layer and the output
@@ -334,6 +342,7 @@ class Translator:
 
         for member in [self.model, *self.extra_models]:
             quantize_int8(member)
+        self.script_steps()
 
     def glossary(self) -> Optional[Glossary]:
         """decode.glossary's terms (s2s.glossary), the file read once; None without one."""

@@ -12,6 +12,7 @@ import s2s.model.transformer as transformer_module
 from s2s.config import DecodeConfig
 from s2s.constraints import pad_constraints
 from s2s.model import gemm
+from s2s.model.cache import CACHE_BUCKET
 from s2s.model.int8 import quantize_int8
 from s2s.model.step_script import unsupported
 from s2s.search import ModelDecoder, SpecialIds, search
@@ -25,15 +26,23 @@ def python_step(model) -> None:
 
 
 def searched(model, src: torch.Tensor, s: DecodeConfig, scripted: bool, normalized: bool = True, **kw):
-    """Every hypothesis (tokens, score, log p) of a search, the step scripted or in Python; the
-    scores as their repr, exact (and a greedy search's unscored NaN equal to NaN)."""
+    """Every hypothesis (tokens, score, log p) of a search, the step scripted (every step: counted)
+    or in Python; the scores as their repr, exact (and a greedy search's unscored NaN equal to
+    NaN).  Outputs of up to 36 tokens: past a self-attention buffer's first bucket (32)."""
     assert model.script_step(), unsupported(model)
     if not scripted:
         python_step(model)
-    max_len = torch.full((src.size(0),), 9)
-    with torch.inference_mode():
-        found = search(ModelDecoder(model, src, normalized=normalized), max_len, s, IDS, **kw)
-    return [[(h.tokens, repr(h.score), repr(h.log_prob)) for h in hyps] for hyps in found]  # repr: nan == nan
+    max_len = torch.full((src.size(0),), 4 + CACHE_BUCKET)
+    calls, real = [], transformer_module.run_step_script
+    transformer_module.run_step_script = lambda *a: calls.append(1) or real(*a)
+    try:
+        with torch.inference_mode():
+            decoder = ModelDecoder(model, src, normalized=normalized)
+            found = search(decoder, max_len, s, IDS, **kw)
+    finally:
+        transformer_module.run_step_script = real
+    assert len(calls) == (decoder.cache.step if scripted else 0)
+    return [[(h.tokens, repr(h.score), repr(h.log_prob)) for h in hyps] for hyps in found]
 
 
 def assert_same_searches(model, normalized: bool = True) -> None:
@@ -83,30 +92,54 @@ def test_scripted_steps_over_bf16_beam_slots():
 
 
 @pytest.mark.parametrize("onednn", [False, True])
-def test_scripted_steps_with_int8_products(monkeypatch, onednn):
-    """--quantize int8: every product int8 from one row (the threshold lowered), the FFN's
-    ReLU inside the int8 product; with ``onednn`` the wide matrices through their oneDNN copy
-    from one row too."""
+@pytest.mark.parametrize("activation, rows", [("relu", 1), ("gelu", 1), ("relu", 3)])
+def test_scripted_steps_with_int8_products(monkeypatch, onednn, activation, rows):
+    """--quantize int8: the products int8 from ``rows`` rows of a 32 x 32 matrix on (the threshold
+    lowered: 1 row for all; 3 rows, where each matrix has its own), the FFN's ReLU inside the int8
+    product; with ``onednn`` the wide matrices (the FFN's W_1 here) through their oneDNN copy."""
     if onednn and "onednn" not in torch.backends.quantized.supported_engines:
         pytest.skip("torch without oneDNN int8")
-    monkeypatch.setattr(int8_module, "int8_min_macs", lambda: 1)
+    monkeypatch.setattr(int8_module, "int8_min_macs", lambda: 1 if rows == 1 else rows * 32 * 32)
     monkeypatch.setattr(int8_module, "onednn_int8", lambda: onednn)
-    monkeypatch.setattr(int8_module, "ONEDNN_MIN_ROWS", 1)
+    monkeypatch.setattr(int8_module, "ONEDNN_MIN_ROWS", rows)
     monkeypatch.setattr(int8_module, "ONEDNN_MIN_WIDTH", 2)  # the FFN's W_1 (32 -> 64) is "wide"
-    model = make_model(activation="relu").float()
+    model = make_model(activation=activation).float()
     quantize_int8(model)
-    assert all(m.int8_numel == m.in_features for m in model.modules() if isinstance(m, int8_module.Int8Linear))
+    thresholds = {m.int8_numel // m.in_features for m in model.modules() if isinstance(m, int8_module.Int8Linear)}
+    assert thresholds == {1} if rows == 1 else {1, 2, 3} <= thresholds  # 3: the 32 x 32 ones
     assert_same_searches(model)
     model.beam_slot_dtype = torch.bfloat16
     assert_same_searches(model)
 
 
-def test_scripted_steps_in_bf16_with_packed_weights():
-    """--precision bf16: bf16 weights, each W packed for oneDNN where it can be (the FFN's
-    activation inside the packed product), else plain bf16 products."""
-    model = make_model(activation="gelu").to(torch.bfloat16)
-    gemm.use_packed_bf16(model)
-    assert_same_searches(model)
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
+def test_scripted_steps_in_bf16_with_packed_weights(activation):
+    """--precision bf16: bf16 weights, each W packed for oneDNN (the FFN's activation inside the
+    packed product, as its post-op); pre- and post-norm."""
+    for norm in ("pre", "post"):
+        model = make_model(activation=activation, norm=norm).to(torch.bfloat16)
+        if not gemm.use_packed_bf16(model):
+            pytest.skip("oneDNN cannot pack bf16 weights here")
+        assert_same_searches(model)
+
+
+def test_a_failing_script_hands_the_step_to_python(caplog):
+    """A script that raises when it runs (a torch that scripts but cannot run it): one warning,
+    the Python step from then on, the same hypotheses."""
+    model = make_model()
+    src = right_pad([tokens(5, seed=60), tokens(3, seed=61)])
+    s = DecodeConfig(beam=2)
+    want = searched(model, src, s, scripted=False)
+
+    def broken(*args):
+        raise RuntimeError("cannot run")
+
+    object.__setattr__(model, "step_script", broken)
+    with caplog.at_level("WARNING", logger="s2s"), torch.inference_mode():
+        found = search(ModelDecoder(model, src), torch.full((2,), 4 + CACHE_BUCKET), s, IDS)
+    assert model.step_script is None
+    assert caplog.text.count("the scripted decoder step failed (cannot run); decoding in Python") == 1
+    assert [[(h.tokens, repr(h.score), repr(h.log_prob)) for h in hyps] for hyps in found] == want
 
 
 @pytest.mark.parametrize("overrides, why", [
@@ -181,8 +214,10 @@ def test_translator_scripts_its_models_and_compile_takes_the_python_step(prepare
     from tests.conftest import untrained_model_dir
 
     translator = Translator.from_dir(untrained_model_dir(prepared, tmp_path / "m"), beam=2)
-    assert translator.model.step_script is not None
-    translator.set_arithmetic("fp32", "int8")
-    assert translator.model.step_script is not None
+    fp32 = translator.model.step_script
+    assert fp32 is not None and fp32.layers[0].qkv_proj.int8 is None
+    translator.quantize_int8()  # called alone too: its int8 copies scripted in
+    int8 = translator.model.step_script
+    assert int8 is not fp32 and int8.layers[0].qkv_proj.int8 is not None
     compile_decode_step(translator.model)
     assert translator.model.step_script is None

@@ -125,6 +125,21 @@ def few_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] 
     return out.view(B, H, T_q, v.size(-1)).to(q.dtype) if narrow else out.view(B, H, T_q, v.size(-1))
 
 
+def inference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: bool,
+                        few_queries: int = FEW_QUERIES) -> Tensor:
+    """out = softmax(Q K^T / sqrt(d_k) + M) V without weights or dropout (decoding), by the route
+    measured fastest: :func:`few_query_attention` for K/V in a dtype of their own (bf16 beam
+    slots) and for up to ``few_queries`` fp32 queries on the CPU, else torch's
+    scaled_dot_product_attention.  q (B, heads, T_q, d_k), k, v (B, heads, T_k, d_k) ->
+    (B, heads, T_q, d_v).  Scriptable: the scripted decoder step (s2s.model.step_script)
+    takes the same route."""
+    if k.dtype != q.dtype or (q.size(-2) <= few_queries and q.dtype == torch.float32 and q.device.type == "cpu"):
+        return few_query_attention(q, k, v, mask, scale)
+    if mask is not None:
+        mask = mask.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=None if scale else 1.0)
+
+
 class MultiHeadAttention(nn.Module):
     """MHA(X, Y) = concat_h(attention(X W_Q^h, Y W_K^h, Y W_V^h)) W_O.
 
@@ -209,9 +224,8 @@ class MultiHeadAttention(nn.Module):
             out, A = attention(q, k, v, mask, scale=self.scale, dropout_p=p)
         elif q.device.type == "cpu" and torch.is_grad_enabled() and k.size(-2) <= MATH_KEYS:
             out, A = attention(q, k, v, mask, scale=self.scale, dropout_p=p, return_weights=False)
-        elif k.dtype != q.dtype or (not p and q.size(-2) <= FEW_QUERIES and q.dtype == torch.float32
-                                    and q.device.type == "cpu"):
-            out, A = few_query_attention(q, k, v, mask, self.scale), None
+        elif not p:
+            out, A = inference_attention(q, k, v, mask, self.scale), None
         else:
             if mask is not None:
                 mask = mask.to(q.dtype)

@@ -115,13 +115,18 @@ class LayerCache:
         B, heads, n, d_head = k.shape
         t = self.length * self.slots  # columns in use
         self.reserve(B, n, heads, d_head, k)
-        self.batch = B
         self.k_buf[:B, :, t:t + n] = k
         self.v_buf[:B, :, t:t + n] = v
-        self.length += n // self.slots
+        self.advance(B, n // self.slots)
         if self.whole:
             return self.k_buf[:B], self.v_buf[:B]
         return self.self_k, self.self_v
+
+    def advance(self, B: int, positions: int = 1) -> None:
+        """The buffers' B rows now hold ``positions`` more positions, written in place (by
+        :meth:`append`, or a scripted step: s2s.model.step_script)."""
+        self.batch = B
+        self.length += positions
 
     def reserve(self, B: int, n: int, heads: int, d_head: int, like: Tensor) -> None:
         """Room in the buffers for n more columns of B rows (sentences, with slots), grown a

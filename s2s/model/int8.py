@@ -205,7 +205,7 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 from " \
-               f"{int8_min_rows(self.in_features, self.out_features)} rows"
+               f"{self.int8_numel // self.in_features} rows"
 
 
 def quantize_int8(model: nn.Module) -> nn.Module:

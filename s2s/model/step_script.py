@@ -37,13 +37,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from s2s.model import gemm
-from s2s.model.attention import FEW_QUERIES, beams_as_queries, few_query_attention, queries_as_beams
+from s2s.model.attention import beams_as_queries, inference_attention, queries_as_beams
+from s2s.model.cache import DecoderCache
 from s2s.model.int8 import Int8Linear
 
 log = logging.getLogger("s2s")
 
-NEVER = 1 << 62  # a rows threshold no product reaches
-ACTIVATION_IDS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
+NEVER = 1 << 62  # a threshold (x.numel()) no product reaches
 
 
 def no_scalars() -> List[Optional[Union[int, float, complex]]]:
@@ -54,7 +54,8 @@ def no_scalars() -> List[Optional[Union[int, float, complex]]]:
 
 
 class ScriptedNorm(nn.Module):
-    """LayerNorm(x) as nn.LayerNorm.forward computes it (its parameters, shared)."""
+    """LayerNorm(x) = (x - mean) / sqrt(var + eps) * g + b, as nn.LayerNorm.forward computes it
+    (its parameters, shared)."""
 
     def __init__(self, norm: nn.LayerNorm):
         super().__init__()
@@ -65,13 +66,25 @@ class ScriptedNorm(nn.Module):
         return F.layer_norm(x, self.shape, self.weight, self.bias, self.eps)
 
 
+def activation(h: Tensor, name: str) -> Tensor:
+    """act(h) for a key of s2s.model.layers.ACTIVATIONS, in place where FeedForward's decoding
+    writes it in place (ReLU, SiLU)."""
+    if name == "relu":
+        return torch.relu_(h)
+    if name == "gelu":
+        return F.gelu(h)
+    if name == "gelu_tanh":
+        return F.gelu(h, approximate="tanh")
+    return F.silu(h, inplace=True)
+
+
 class ScriptedProduct(nn.Module):
     """y = x W^T + b as the model's layer computes it: nn.Linear's F.linear; an Int8Linear's
     int8 copy from its rows threshold on (oneDNN's copy for a wide W from its own); a
-    PackedLinear's packed bf16 W for bf16 inputs.  ``act`` (an ACTIVATION_IDS value, with
-    ``fused``: as FeedForward applies it) for the FFN's W_1."""
+    PackedLinear's packed bf16 W for bf16 inputs (gemm.packed_linear).  For an FFN's W_1,
+    :meth:`activated` gives act(x W^T + b) as FeedForward.forward does."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, act: str = "", post_op: Optional[str] = None):
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
         self.int8: Optional[torch.ScriptObject] = None
@@ -86,6 +99,9 @@ class ScriptedProduct(nn.Module):
                 self.onednn, self.onednn_numel = linear.packed_onednn, linear.onednn_numel
         elif isinstance(linear, gemm.PackedLinear):
             self.packed = linear.packed
+        # W_1's activation: its name, and where FeedForward fuses it (post_op) oneDNN's post-op
+        self.act, self.fused = act, post_op is not None
+        self.post_op, self.post_algorithm = gemm.POST_OPS[post_op] if post_op is not None else ("none", "")
 
     def forward(self, x: Tensor) -> Tensor:
         # (each ``is not None`` test alone in its if: TorchScript drops the branch of an attribute
@@ -104,73 +120,46 @@ class ScriptedProduct(nn.Module):
                 return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", no_scalars(), "")
         return F.linear(x, self.weight, self.bias)
 
-    def activated(self, x: Tensor, act: int) -> Tensor:
-        """act(x W^T + b) as FeedForward.forward (non-gated, no autograd) computes it: inside the
-        int8 product for ReLU, inside the packed one for any of the four, else in place after."""
-        int8 = self.int8
-        if int8 is not None:
-            if act == 0 and x.numel() >= self.int8_numel:
-                onednn = self.onednn
-                if onednn is not None:
-                    if x.numel() >= self.onednn_numel:
-                        return torch.ops.quantized.linear_relu_dynamic(x, onednn, True)
-                return torch.ops.quantized.linear_relu_dynamic(x, int8, True)
-        packed = self.packed
-        if packed is not None:
-            if x.dtype == packed.dtype:
-                if act == 0:
-                    return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "relu", no_scalars(), "")
-                if act == 1:
-                    return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "gelu", no_scalars(), "none")
-                if act == 2:
-                    return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "gelu", no_scalars(), "tanh")
-                return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "swish", no_scalars(), "")
-        return activation(self.forward(x), act)
-
-
-def activation(h: Tensor, act: int) -> Tensor:
-    """act(h) for an ACTIVATION_IDS value, in place where FeedForward's decoding does it (ReLU, SiLU)."""
-    if act == 0:
-        return torch.relu_(h)
-    if act == 1:
-        return F.gelu(h)
-    if act == 2:
-        return F.gelu(h, approximate="tanh")
-    return F.silu(h, inplace=True)
+    def activated(self, x: Tensor) -> Tensor:
+        """act(x W^T + b), as FeedForward.forward computes it without autograd: ReLU inside the
+        int8 product, a post-op inside the packed one, else after the product."""
+        if self.fused:
+            int8 = self.int8
+            if int8 is not None:
+                if self.act == "relu" and x.numel() >= self.int8_numel:
+                    onednn = self.onednn
+                    if onednn is not None:
+                        if x.numel() >= self.onednn_numel:
+                            return torch.ops.quantized.linear_relu_dynamic(x, onednn, True)
+                    return torch.ops.quantized.linear_relu_dynamic(x, int8, True)
+            packed = self.packed
+            if packed is not None:
+                if x.dtype == packed.dtype:
+                    return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, self.post_op, no_scalars(),
+                                                              self.post_algorithm)
+        return activation(self.forward(x), self.act)
 
 
 class ScriptedLayer(nn.Module):
-    """DecoderLayer.forward for one position (x (B, 1, d_model)), its self-attention K/V
-    written into the cache's buffers at position t (LayerCache.append's layout)."""
+    """DecoderLayer.forward for one position: x (B, 1, d_model) at position t, this position's
+    self-attention K/V written into the layer cache's buffers (LayerCache.append's layout)."""
 
     def __init__(self, layer: nn.Module):
         super().__init__()
-        sa, ca = layer.self_attn, layer.cross_attn
+        sa, ca, ffn = layer.self_attn, layer.cross_attn, layer.ffn
         self.pre_norm = bool(layer.pre_norm)
         self.heads, self.d_head = sa.heads, sa.d_head
-        self.few_queries = FEW_QUERIES
-        self.scale_self, self.scale_cross = bool(sa.scale), bool(ca.scale)
+        self.self_scale, self.cross_scale = bool(sa.scale), bool(ca.scale)
         self.norm1, self.norm2, self.norm3 = (ScriptedNorm(layer.norm1), ScriptedNorm(layer.norm2),
                                               ScriptedNorm(layer.norm3))
-        self.qkv, self.out1 = ScriptedProduct(sa.qkv_proj), ScriptedProduct(sa.out_proj)
-        self.q, self.out2 = ScriptedProduct(ca.q_proj), ScriptedProduct(ca.out_proj)
-        self.w_1, self.w_2 = ScriptedProduct(layer.ffn.w_1), ScriptedProduct(layer.ffn.w_2)
-        self.act = ACTIVATION_IDS[layer.ffn.post_op or next(k for k, f in _activations().items()
-                                                             if f is layer.ffn.act)]
-        self.fused = layer.ffn.post_op is not None
-
-    def attend_heads(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: bool) -> Tensor:
-        """MultiHeadAttention.attend_heads on the CPU without weights, dropout or autograd: q (B,
-        heads, T_q, d_head) against k, v (B, heads, T_k, d_head) -> (B, heads, T_q, d_head)."""
-        if k.dtype != q.dtype or (q.size(-2) <= self.few_queries and q.dtype == torch.float32):
-            return few_query_attention(q, k, v, mask, scale)
-        if mask is not None:
-            mask = mask.to(q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=None if scale else 1.0)
+        self.qkv_proj, self.self_out_proj = ScriptedProduct(sa.qkv_proj), ScriptedProduct(sa.out_proj)
+        self.cross_q_proj, self.cross_out_proj = ScriptedProduct(ca.q_proj), ScriptedProduct(ca.out_proj)
+        act = ffn.post_op or next(name for name, f in _activations().items() if f is ffn.act)
+        self.w_1, self.w_2 = ScriptedProduct(ffn.w_1, act, ffn.post_op), ScriptedProduct(ffn.w_2)
 
     def split_heads(self, x: Tensor) -> Tensor:
         """(B, 1, heads d_head) -> (B, heads, 1, d_head): one view (MultiHeadAttention.split_heads's
-        values; with one position, its transpose moves nothing)."""
+        values; with one position its transpose moves nothing)."""
         return x.view(x.size(0), self.heads, 1, self.d_head)
 
     def merge_heads(self, x: Tensor) -> Tensor:
@@ -179,9 +168,12 @@ class ScriptedLayer(nn.Module):
 
     def self_attn(self, x: Tensor, mask: Optional[Tensor], k_buf: Tensor, v_buf: Tensor, t: int, slots: int,
                   whole: bool) -> Tensor:
+        """SelfAttn(x) = MHA(x, [y_<t; x]) over the cache's keys and values, this position's
+        appended at column t (with K = ``slots`` beam slots, columns t K .. t K + K - 1 of
+        each sentence's buffer, a sentence's beams its K queries)."""
         B = x.size(0)
-        q, k, v = self.qkv(x).view(B, 3, self.heads, 1, self.d_head).unbind(1)  # 3 x (B, heads, 1, d_head)
-        if slots > 1:  # a sentence's K beams: its K slots, K queries against them
+        q, k, v = self.qkv_proj(x).view(B, 3, self.heads, 1, self.d_head).unbind(1)  # 3 x (B, heads, 1, d_head)
+        if slots > 1:
             k, v = beams_as_queries(k, slots), beams_as_queries(v, slots)  # (B / K, heads, K, d_head)
         n = k.size(0)
         c = t * slots  # the columns in use
@@ -189,45 +181,48 @@ class ScriptedLayer(nn.Module):
         v_buf = v_buf.narrow(0, 0, n)
         k_buf.narrow(2, c, slots).copy_(k)
         v_buf.narrow(2, c, slots).copy_(v)
-        if whole:
+        if whole:  # slots read whole: every column, those past t K masked
             keys, values = k_buf, v_buf
         else:
-            keys, values = k_buf.narrow(2, 0, c + slots), v_buf.narrow(2, 0, c + slots)
+            keys, values = k_buf.narrow(2, 0, c + slots), v_buf.narrow(2, 0, c + slots)  # (n, heads, (t+1) K, d_head)
         if slots > 1:
-            out = queries_as_beams(self.attend_heads(beams_as_queries(q, slots), keys, values, mask, self.scale_self),
-                                   slots)
+            out = queries_as_beams(inference_attention(beams_as_queries(q, slots), keys, values, mask,
+                                                       self.self_scale), slots)
         else:
-            out = self.attend_heads(q, keys, values, mask, self.scale_self)
-        return self.out1(self.merge_heads(out))
+            out = inference_attention(q, keys, values, mask, self.self_scale)  # (B, heads, 1, d_head)
+        return self.self_out_proj(self.merge_heads(out))
 
     def cross_attn(self, x: Tensor, src_mask: Tensor, cross_k: Tensor, cross_v: Tensor, group: int) -> Tensor:
-        q = self.split_heads(self.q(x))  # (B, heads, 1, d_head)
+        """CrossAttn(x, H_enc) = MHA(x W_Q, the cached H_enc W_K, H_enc W_V), G = ``group`` rows
+        (a sentence's beams) sharing their sentence's K/V."""
+        q = self.split_heads(self.cross_q_proj(x))  # (B, heads, 1, d_head)
         if group > 1:
-            out = queries_as_beams(self.attend_heads(beams_as_queries(q, group), cross_k, cross_v, src_mask[::group],
-                                                     self.scale_cross), group)
+            out = queries_as_beams(inference_attention(beams_as_queries(q, group), cross_k, cross_v,
+                                                       src_mask[::group], self.cross_scale), group)
         else:
-            out = self.attend_heads(q, cross_k, cross_v, src_mask, self.scale_cross)
-        return self.out2(self.merge_heads(out))
+            out = inference_attention(q, cross_k, cross_v, src_mask, self.cross_scale)  # (B, heads, 1, d_head)
+        return self.cross_out_proj(self.merge_heads(out))
 
     def ffn(self, x: Tensor) -> Tensor:
-        if self.fused:
-            return self.w_2(self.w_1.activated(x, self.act))
-        return self.w_2(activation(self.w_1(x), self.act))  # one FeedForward does not fuse
+        """FFN(x) = W_2 act(W_1 x + b_1) + b_2."""
+        return self.w_2(self.w_1.activated(x))
 
     def forward(self, x: Tensor, self_mask: Optional[Tensor], src_mask: Tensor, k_buf: Tensor, v_buf: Tensor,
                 t: int, slots: int, whole: bool, group: int, cross_k: Tensor, cross_v: Tensor) -> Tensor:
         if self.pre_norm:
+            # 1. causal self-attention, 2. cross-attention, 3. feed-forward: x + Sublayer(Norm(x))
             x = x + self.self_attn(self.norm1(x), self_mask, k_buf, v_buf, t, slots, whole)
             x = x + self.cross_attn(self.norm2(x), src_mask, cross_k, cross_v, group)
             return x + self.ffn(self.norm3(x))
+        # post-norm: Norm(x + Sublayer(x))
         x = self.norm1(x + self.self_attn(x, self_mask, k_buf, v_buf, t, slots, whole))
         x = self.norm2(x + self.cross_attn(x, src_mask, cross_k, cross_v, group))
         return self.norm3(x + self.ffn(x))
 
 
 class StepScript(nn.Module):
-    """The decoder's step without the output projection: y_prev (B, 1) -> h (B, 1, d_model),
-    the final states that Seq2SeqTransformer.logits takes (see the module doc)."""
+    """The decoder's step without the output projection: y_prev (B, 1) at position t -> h (B, 1,
+    d_model), the final states that Seq2SeqTransformer.logits takes (see the module doc)."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -240,7 +235,7 @@ class StepScript(nn.Module):
     def forward(self, y_prev: Tensor, P: Optional[Tensor], self_mask: Optional[Tensor], src_mask: Tensor,
                 k_bufs: List[Tensor], v_bufs: List[Tensor], cross_k: List[Tensor], cross_v: List[Tensor],
                 t: int, slots: int, whole: bool, group: int) -> Tensor:
-        x = F.embedding(y_prev, self.table) * self.embed_scale  # (B, 1, d_model)
+        x = F.embedding(y_prev, self.table) * self.embed_scale  # (B, 1, d_model): E[y] s_E (ModelBase.embed)
         if P is not None:
             x = x + P.to(x.dtype)
         embed_norm = self.embed_norm
@@ -313,7 +308,7 @@ def script_step(model: nn.Module) -> Optional[torch.jit.ScriptModule]:
 
 
 def run_step_script(script: torch.jit.ScriptModule, y_prev: Tensor, P: Optional[Tensor],
-                    self_mask: Optional[Tensor], cache) -> Tensor:
+                    self_mask: Optional[Tensor], cache: DecoderCache) -> Tensor:
     """One step through ``script`` over ``cache`` (a DecoderCache, its buffers reserved for this
     position): h (B, 1, d_model).  The interpreter runs without its optimizing passes."""
     layers = cache.layers

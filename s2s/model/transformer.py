@@ -12,6 +12,7 @@ The entry points of :class:`~s2s.model.interface.S2SModel`, no hidden state:
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -28,6 +29,8 @@ from s2s.model.packing import Packing
 from s2s.model.positions import LearnedPositions, RelativePositionBias, SinusoidalPositions
 from s2s.model.step_script import run_step_script, script_step
 from s2s.params import parameter_budget  # noqa: F401 (its home is s2s.params; re-exported)
+
+log = logging.getLogger("s2s")
 
 
 class Seq2SeqTransformer(ModelBase):
@@ -226,24 +229,34 @@ class Seq2SeqTransformer(ModelBase):
         """
         t = cache.step
         self_mask = cache.self_attention_mask(self._self_mask(1, t + 1, t, y_prev.device))
-        if self.step_script is not None and not (need_weights or need_last or self.training
-                                                 or torch.is_grad_enabled() or cache.src is not None):
-            return self._scripted_step(y_prev, cache, self_mask), [None] * len(self.decoder_layers)
+        if self.step_script is not None and not (need_weights or need_last or self.training or torch.is_grad_enabled()
+                                                 or y_prev.device.type != "cpu" or torch.compiler.is_compiling()):
+            z = self._scripted_step(y_prev, cache, self_mask)
+            if z is not None:
+                return z, [None] * len(self.decoder_layers)
         x_in = self._embed(y_prev, self.tgt_embed, self.dec_positions, self.dec_embed_norm, start=t)  # (B, 1, d_model)
         h, weights = self._decoder_stack(x_in, self_mask, cache, need_weights, need_last)
         cache.step += 1
         return self._scores(h, x_in, weights[-1], cache)[:, -1], weights
 
-    def _scripted_step(self, y_prev: Tensor, cache: DecoderCache, self_mask: Optional[Tensor]) -> Tensor:
-        """decode_step through :attr:`step_script` (s2s.model.step_script): the same scores."""
+    def _scripted_step(self, y_prev: Tensor, cache: DecoderCache, self_mask: Optional[Tensor]) -> Optional[Tensor]:
+        """decode_step through :attr:`step_script` (s2s.model.step_script): the same scores; None
+        where the script fails (then nothing of this step is kept, and the steps run in Python
+        from now on)."""
         B, first = y_prev.size(0), cache.layers[0]
         sa = self.decoder_layers[0].self_attn
         for layer in cache.layers:  # room for this position's K/V, which the script writes
             layer.reserve(B // first.slots, first.slots, sa.heads, sa.d_head, layer.cross_k)
         P = None if self.dec_positions is None else self.dec_positions(1, cache.step, device=y_prev.device)
-        h = run_step_script(self.step_script, y_prev, P, self_mask, cache)  # (B, 1, d_model)
-        for layer in cache.layers:
-            layer.batch, layer.length = B // first.slots, layer.length + 1
+        try:
+            h = run_step_script(self.step_script, y_prev, P, self_mask, cache)  # (B, 1, d_model)
+        except RuntimeError as e:  # TorchScript's errors too: a torch that scripts but cannot run it
+            log.warning("the scripted decoder step failed (%s); decoding in Python",
+                        str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+            object.__setattr__(self, "step_script", None)
+            return None
+        for layer in cache.layers:  # the script wrote this position's K/V at column t
+            layer.advance(B // first.slots)
         cache.step += 1
         return self.logits(h, cache.vocab_subset)[:, -1]
 
