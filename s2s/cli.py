@@ -137,12 +137,12 @@ def _print_version(value: bool) -> None:
 
 
 @app.callback()
-def main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
+def main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors, and debug log lines."),
          quiet: bool = typer.Option(False, "--quiet", "-q", help="Only warnings and errors on stderr."),
          version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
                                       help="Print the version and exit.")):
     _DEBUG["on"] = debug
-    configure_logging(launched_rank(), logging.WARNING if quiet else logging.INFO)
+    configure_logging(launched_rank(), logging.DEBUG if debug else logging.WARNING if quiet else logging.INFO)
 
 
 def configure_logging(rank: int, level: int) -> None:

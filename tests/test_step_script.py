@@ -221,3 +221,16 @@ def test_translator_scripts_its_models_and_compile_takes_the_python_step(prepare
     assert int8 is not fp32 and int8.layers[0].qkv_proj.int8 is not None
     compile_decode_step(translator.model)
     assert translator.model.step_script is None
+
+
+def test_debug_log_names_the_scripted_step(prepared, tmp_path):
+    """``s2s --debug translate`` says the step was scripted (and how long that took); without
+    --debug nothing is said."""
+    from tests.conftest import untrained_model_dir
+    from tests.test_cli import s2s
+
+    model_dir = untrained_model_dir(prepared, tmp_path / "m")
+    debug = s2s("--debug", "translate", "-m", model_dir, input="a b c\nd e\n")
+    plain = s2s("translate", "-m", model_dir, input="a b c\nd e\n")
+    assert debug.returncode == plain.returncode == 0 and debug.stdout == plain.stdout
+    assert "s2s: decoder step scripted in " in debug.stderr and "scripted" not in plain.stderr
