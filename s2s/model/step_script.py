@@ -109,16 +109,23 @@ class ScriptedProduct(nn.Module):
         int8 = self.int8
         if int8 is not None:
             if x.numel() >= self.int8_numel:  # Int8Linear.forward
-                onednn = self.onednn
-                if onednn is not None:
-                    if x.numel() >= self.onednn_numel:
-                        return torch.ops.quantized.linear_dynamic(x, onednn, True)
-                return torch.ops.quantized.linear_dynamic(x, int8, True)
+                return self.int8_product(x, int8, False)
         packed = self.packed
         if packed is not None:
             if x.dtype == packed.dtype:  # gemm.packed_linear
                 return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", no_scalars(), "")
         return F.linear(x, self.weight, self.bias)
+
+    def int8_product(self, x: Tensor, int8: torch.classes.quantized.LinearPackedParamsBase, relu: bool) -> Tensor:
+        """Int8Linear.int8: x W^T + b (max(0, .) with ``relu``) through oneDNN's copy from its
+        rows on, else through ``int8`` (fbgemm's)."""
+        onednn = self.onednn
+        if onednn is not None:
+            if x.numel() >= self.onednn_numel:
+                int8 = onednn
+        if relu:
+            return torch.ops.quantized.linear_relu_dynamic(x, int8, True)
+        return torch.ops.quantized.linear_dynamic(x, int8, True)
 
     def activated(self, x: Tensor) -> Tensor:
         """act(x W^T + b), as FeedForward.forward computes it without autograd: ReLU inside the
@@ -127,11 +134,7 @@ class ScriptedProduct(nn.Module):
             int8 = self.int8
             if int8 is not None:
                 if self.act == "relu" and x.numel() >= self.int8_numel:
-                    onednn = self.onednn
-                    if onednn is not None:
-                        if x.numel() >= self.onednn_numel:
-                            return torch.ops.quantized.linear_relu_dynamic(x, onednn, True)
-                    return torch.ops.quantized.linear_relu_dynamic(x, int8, True)
+                    return self.int8_product(x, int8, True)
             packed = self.packed
             if packed is not None:
                 if x.dtype == packed.dtype:
