@@ -234,3 +234,27 @@ def test_debug_log_names_the_scripted_step(prepared, tmp_path):
     plain = s2s("translate", "-m", model_dir, input="a b c\nd e\n")
     assert debug.returncode == plain.returncode == 0 and debug.stdout == plain.stdout
     assert "s2s: decoder step scripted in " in debug.stderr and "scripted" not in plain.stderr
+
+
+def test_scripted_steps_of_an_ensemble_over_a_vocabulary_subset(monkeypatch):
+    """Two members, each scripted or each in Python, interpolated (EnsembleDecoder), scoring a
+    shortlist's subset of the vocabulary: the same hypotheses."""
+    from s2s.search import EnsembleDecoder
+
+    members = [make_model(seed=0), make_model(seed=1, norm="post")]
+    src = right_pad([tokens(5, seed=80), tokens(3, seed=81), tokens(6, seed=82)])
+    ids = torch.tensor([0, 1, 2, 4, 5, 7, 8, 11, 13, 17, 19])  # the subset: pad, bos, eos and some
+    sub_ids = SpecialIds(bos_id=1, eos_id=2, pad_id=0)  # their positions in the subset (ids[:3])
+    found, calls, real = {}, [], transformer_module.run_step_script
+    monkeypatch.setattr(transformer_module, "run_step_script", lambda *a: calls.append(1) or real(*a))
+    for scripted in (False, True):
+        for m in members:
+            assert m.script_step()
+            if not scripted:
+                python_step(m)
+        with torch.inference_mode():
+            decoder = EnsembleDecoder([ModelDecoder(m, src, vocab_subset=ids) for m in members], [0.3, 0.7])
+            hyps = search(decoder, torch.full((3,), 12), DecodeConfig(beam=3, nbest=2), sub_ids)
+        found[scripted] = [[(h.tokens, repr(h.score)) for h in hs] for hs in hyps]
+    assert found[True] == found[False] and all(len(hs) == 2 for hs in found[True])
+    assert calls and len(calls) % 2 == 0  # both members' steps, scripted
