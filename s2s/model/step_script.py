@@ -40,6 +40,7 @@ from s2s.model import gemm
 from s2s.model.attention import beams_as_queries, inference_attention, queries_as_beams
 from s2s.model.cache import DecoderCache
 from s2s.model.int8 import Int8Linear
+from s2s.model.layers import FeedForward
 
 log = logging.getLogger("s2s")
 
@@ -84,7 +85,7 @@ class ScriptedProduct(nn.Module):
     PackedLinear's packed bf16 W for bf16 inputs (gemm.packed_linear).  For an FFN's W_1,
     :meth:`activated` gives act(x W^T + b) as FeedForward.forward does."""
 
-    def __init__(self, linear: nn.Linear, act: str = "", post_op: Optional[str] = None):
+    def __init__(self, linear: nn.Linear, act: Optional[str] = None):
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
         self.int8: Optional[torch.ScriptObject] = None
@@ -99,9 +100,9 @@ class ScriptedProduct(nn.Module):
                 self.onednn, self.onednn_numel = linear.packed_onednn, linear.onednn_numel
         elif isinstance(linear, gemm.PackedLinear):
             self.packed = linear.packed
-        # W_1's activation: its name, and where FeedForward fuses it (post_op) oneDNN's post-op
-        self.act, self.fused = act, post_op is not None
-        self.post_op, self.post_algorithm = gemm.POST_OPS[post_op] if post_op is not None else ("none", "")
+        # W_1's activation (FeedForward.post_op: every activation has one) and its oneDNN post-op
+        self.act, self.fused = act or "", act is not None
+        self.post_op, self.post_algorithm = gemm.POST_OPS[act] if act is not None else ("none", "")
 
     def forward(self, x: Tensor) -> Tensor:
         # (each ``is not None`` test alone in its if: TorchScript drops the branch of an attribute
@@ -157,8 +158,7 @@ class ScriptedLayer(nn.Module):
                                               ScriptedNorm(layer.norm3))
         self.qkv_proj, self.self_out_proj = ScriptedProduct(sa.qkv_proj), ScriptedProduct(sa.out_proj)
         self.cross_q_proj, self.cross_out_proj = ScriptedProduct(ca.q_proj), ScriptedProduct(ca.out_proj)
-        act = ffn.post_op or next(name for name, f in _activations().items() if f is ffn.act)
-        self.w_1, self.w_2 = ScriptedProduct(ffn.w_1, act, ffn.post_op), ScriptedProduct(ffn.w_2)
+        self.w_1, self.w_2 = ScriptedProduct(ffn.w_1, ffn.post_op), ScriptedProduct(ffn.w_2)
 
     def split_heads(self, x: Tensor) -> Tensor:
         """(B, 1, heads d_head) -> (B, heads, 1, d_head): one view (MultiHeadAttention.split_heads's
@@ -252,16 +252,8 @@ class StepScript(nn.Module):
         return x
 
 
-def _activations() -> dict:
-    from s2s.model.layers import ACTIVATIONS
-
-    return ACTIVATIONS
-
-
 def unsupported(model: nn.Module) -> Optional[str]:
     """Why ``model``'s decoder step cannot be scripted, or None (see the module doc)."""
-    from s2s.model.layers import FeedForward
-
     cfg = model.cfg
     if sys.version_info >= (3, 14):
         return "Python 3.14, which TorchScript does not support"
@@ -279,7 +271,7 @@ def unsupported(model: nn.Module) -> Optional[str]:
         ffn = layer.ffn
         if not isinstance(ffn, FeedForward) or ffn.w_13 is not None or ffn.w_3 is not None:
             return "a gated FFN"
-        if ffn.post_op is None and not any(f is ffn.act for f in _activations().values()):
+        if ffn.post_op is None:  # (every activation of model.activation has a name in gemm.POST_OPS)
             return "an activation of its own"
         linears = [layer.self_attn.qkv_proj, layer.self_attn.out_proj, layer.cross_attn.q_proj,
                    layer.cross_attn.out_proj, ffn.w_1, ffn.w_2]
