@@ -25,8 +25,8 @@ Each configuration is measured twice:
 * whole process: start-up, model loading, reading, decoding, writing, timed
   from outside (``s2s translate``; CTranslate2's script; Hugging Face's script);
 * steady state: the model loaded, translation alone, timed inside the process:
-  s2s around ``Translator.translate_lines`` (W processes, each with its 1/W of
-  the lines, released together once all have loaded; the slowest one counts),
+  s2s around ``TranslatorPool.translate`` (its W workers, as ``s2s translate
+  --workers W`` runs them, once all have loaded and translated 16 warm-up lines),
   CTranslate2 around ``translate_batch``, Hugging Face around its generate loop.
 
 Peak RSS is the largest single process's (with W workers each has its own
@@ -93,22 +93,22 @@ with open(out, "w", encoding="utf-8") as f:
 print(json.dumps({"steady_s": steady}))
 """
 
-# one shard of the lines, the model loaded before a common start: steady-state s2s
+# the steady state of s2s's W workers: a TranslatorPool (what `s2s translate --workers W` runs), timed
+# from the moment every worker has loaded its model and translated a few warm-up lines
 S2S_STEADY_SCRIPT = """
-import json, sys, time
+import io, json, sys, time
 sys.path.insert(0, sys.argv[1])
-from s2s.workers import TranslatorSpec
-spec, src, shard, shards = json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+from s2s.workers import TranslatorPool, TranslatorSpec
+spec, src, workers = json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 lines = open(src, encoding="utf-8").read().splitlines()
-per = -(-len(lines) // shards)
-lines = lines[shard * per:(shard + 1) * per]
-translator = TranslatorSpec(**spec).build()
-list(translator.translate_lines(lines[:2]))  # first-call costs (thread pools, allocator) are start-up
-print("ready", flush=True)
-sys.stdin.readline()
-t0 = time.perf_counter()
-n = sum(1 for _ in translator.translate_lines(lines))
-print(json.dumps({"steady_s": time.perf_counter() - t0, "lines": n}), flush=True)
+with TranslatorPool(TranslatorSpec(**spec), workers) as pool:
+    pool.wait_ready()
+    pool.translate(lines[:16], io.StringIO())  # first-call costs (thread pools, allocator) are start-up
+    out = io.StringIO()
+    t0 = time.perf_counter()
+    pool.translate(lines, out)
+    steady = time.perf_counter() - t0
+print(json.dumps({"steady_s": steady, "lines": out.getvalue().count(chr(10))}), flush=True)
 """
 
 HF_SCRIPT = """
@@ -296,28 +296,17 @@ def s2s_command(model: Path, src: Path, hyp: Path, c: Config, device: str, flags
 
 
 def s2s_steady_seconds(model: Path, src: Path, c: Config, device: str, flags: dict) -> float:
-    """Steady state of ``c``: W processes each load the model and translate their 1/W of the lines,
-    started together once all have loaded; the slowest one's seconds."""
+    """Steady state of ``c``: its W workers (a TranslatorPool, as ``s2s translate`` runs them), the
+    models loaded and warmed up; seconds to translate every line."""
     precision, int8, shortlist = s2s_arithmetic(c)
     overrides = {**flags, "shortlist": True} if shortlist else flags
     spec = {"models": [str(model)], "overrides": overrides, "device": device, "threads": c.threads,
             "precision": precision, "quantize": "int8" if int8 else None}
-    procs = [subprocess.Popen([sys.executable, "-c", S2S_STEADY_SCRIPT, str(REPO), json.dumps(spec), str(src),
-                               str(k), str(c.procs)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for k in range(c.procs)]
-    for p in procs:
-        if p.stdout.readline().strip() != "ready":
-            sys.exit(f"decode_speed: the steady-state s2s process failed:\n{p.communicate()[1]}")
-    for p in procs:  # the common start
-        p.stdin.write("go\n")
-        p.stdin.flush()
-    seconds = []
-    for p in procs:
-        stdout, stderr = p.communicate()
-        if p.returncode:
-            sys.exit(f"decode_speed: the steady-state s2s process failed:\n{stderr}")
-        seconds.append(json.loads(stdout.strip().splitlines()[-1])["steady_s"])
-    return max(seconds)
+    p = subprocess.run([sys.executable, "-c", S2S_STEADY_SCRIPT, str(REPO), json.dumps(spec), str(src), str(c.procs)],
+                       capture_output=True, text=True, check=False)
+    if p.returncode:
+        sys.exit(f"decode_speed: the steady-state s2s process failed:\n{p.stderr}")
+    return json.loads(p.stdout.strip().splitlines()[-1])["steady_s"]
 
 
 # --------------------------------------------------------------------------- #

@@ -2,11 +2,16 @@
 
 The library API the CLI is built on:
 
-    from s2s import load_config, train, load_model_dir, Translator
+    import sys
+    from s2s import load_config, train, load_model_dir, Translator, TranslatorPool, TranslatorSpec
     cfg = load_config("recipes/quickstart.yaml")
     run_dir = train(cfg, "exp")
     translator = Translator.from_dir(run_dir)
     print(list(translator.translate_lines(["Hello world"])))
+
+    # N decoding processes, each model loaded once, for many inputs (`s2s translate --workers N`)
+    with TranslatorPool(TranslatorSpec(models=(str(run_dir),)), workers=2) as pool:
+        pool.translate(open("input.txt"), sys.stdout)
 """
 
 __version__ = "0.1.0"
@@ -25,6 +30,9 @@ def __getattr__(name):  # lazy: `import s2s` reads no YAML loader, no typer, no 
     if name == "Translator":
         from s2s.translate import Translator
         return Translator
+    if name in ("TranslatorPool", "TranslatorSpec"):
+        from s2s import workers
+        return getattr(workers, name)
     if name == "load_model_dir":
         from s2s.modeldir import load_model_dir
         return load_model_dir
@@ -37,5 +45,6 @@ def __getattr__(name):  # lazy: `import s2s` reads no YAML loader, no typer, no 
     raise AttributeError(name)
 
 
-__all__ = ["ExperimentConfig", "S2SError", "load_config", "train", "Translator", "load_model_dir",
+__all__ = ["ExperimentConfig", "S2SError", "load_config", "train", "Translator", "TranslatorPool", "TranslatorSpec",
+           "load_model_dir",
            "prepare", "train_tokenizer", "__version__"]

@@ -277,8 +277,8 @@ def translate_stream(spec: TranslatorSpec, lines: Iterable[str], out: TextIO, wo
         sources, prefix_lines = (items, None) if prefixes is None else _unzip(items)
         write_translations(translator, sources, out, spec.output(translator), line_by_line, prefix_lines, progress)
         return 1
-    spec = replace(spec, threads=threads_per_worker(n, cores, spec.threads))
-    _translate_parallel(spec, items, out, n, prefixes is not None, progress, chunk_lines, first_line_no, on_chunk)
+    with TranslatorPool(spec, n) as pool:
+        pool._translate(items, out, prefixes is not None, progress, chunk_lines, first_line_no, on_chunk)
     return n
 
 
@@ -373,22 +373,109 @@ def _died(i: int, n: int, code: int) -> S2SError:
                     "complete chunk was written")
 
 
-def _translate_parallel(spec: TranslatorSpec, items: Iterator[Any], out: TextIO, n: int, paired: bool,
-                        progress: Optional[TranslateProgress], chunk_lines: int, first_line_no: int = 1,
-                        on_chunk: Optional[Callable[[int], None]] = None) -> None:
-    ctx = worker_context()
-    tasks, results = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(spec, tasks, results, log.getEffectiveLevel()),
-                         name=f"s2s-translate-{i + 1}", daemon=True) for i in range(n)]
-    clean = False
-    try:
-        plan = task_planner(spec)  # while the server imports torch: starting a fork waits for it
-        _start(ctx, procs)
+class TranslatorPool:
+    """N decoding processes kept between translations: what ``s2s translate --workers N`` runs.
+
+    Each worker loads its own copy of the model(s) of ``spec`` and runs cores/N torch
+    threads (``spec.threads`` where set); each :meth:`translate` reads its lines in chunks,
+    cuts each chunk into the batches a worker decodes and writes the chunks in input order, as
+    the module docstring says.  For a Python program that translates many inputs without
+    loading the models each time (CTranslate2's ``Translator`` with ``inter_threads``)::
+
+        with TranslatorPool(TranslatorSpec(models=("exp/ddtp-en-de",)), workers=2) as pool:
+            pool.wait_ready()  # optional: return once every worker has loaded its model
+            pool.translate(lines, sys.stdout)
+
+    (in a script, under ``if __name__ == "__main__":``: the workers start as multiprocessing's
+    forkserver or spawn start them, which import the main module).
+    An error (a bad line, a worker that fails or dies, Ctrl-C) stops every worker: the
+    pool cannot translate again.  Leaving the ``with`` block without an error lets the
+    workers finish; with one, they are ended at once.
+    """
+
+    def __init__(self, spec: TranslatorSpec, workers: int):
+        if workers < 1:
+            raise S2SError(f"--workers: a pool needs at least one worker, got {workers}")
+        self.workers = workers
+        self.spec = replace(spec, threads=threads_per_worker(workers, usable_cores(), spec.threads))
+        ctx = worker_context()
+        self._tasks, self._results = ctx.Queue(), ctx.Queue()
+        self._procs = [ctx.Process(target=_worker, args=(self.spec, self._tasks, self._results,
+                                                         log.getEffectiveLevel()),
+                                   name=f"s2s-translate-{i + 1}", daemon=True) for i in range(workers)]
+        self._ready = 0  # workers that have loaded their models
+        self._broken = self._closed = False
+        try:
+            self._plan = task_planner(self.spec)  # while the server imports torch: starting a fork waits for it
+            _start(ctx, self._procs)
+        except BaseException:
+            self.close(clean=False)
+            raise
+
+    def __enter__(self) -> "TranslatorPool":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(clean=exc_type is None)
+
+    def wait_ready(self) -> None:
+        """Return once every worker has loaded its model(s); a worker's error is raised here."""
+        while self._ready < self.workers:
+            self._handle(self._message())
+
+    def translate(self, lines: Iterable[str], out: TextIO, prefixes: Optional[Iterable[str]] = None,
+                  progress: Optional[TranslateProgress] = None, chunk_lines: int = CHUNK_LINES,
+                  first_line_no: int = 1, on_chunk: Optional[Callable[[int], None]] = None) -> None:
+        """Translate ``lines`` into ``out`` as :func:`translate_stream` does (its arguments)."""
+        items: Iterator[Any] = iter(lines) if prefixes is None else paired_lines(lines, prefixes, first_line_no)
+        self._translate(items, out, prefixes is not None, progress, chunk_lines, first_line_no, on_chunk)
+
+    def close(self, clean: bool = True) -> None:
+        """Stop the workers: let them finish (clean), else end them now.  Idempotent."""
+        if not self._closed:
+            self._closed = True
+            _stop(self._procs, self._tasks, self._results, clean and not self._broken)
+
+    def _message(self) -> tuple:
+        if self._closed or self._broken:
+            raise S2SError("this translator pool has stopped (closed, or after an error)")
+        try:
+            return _receive(self._results, self._procs)
+        except BaseException:
+            self._broken = True
+            raise
+
+    def _handle(self, msg: tuple) -> None:
+        """A worker's "ready" (its start-up log shown once: every worker logs the same) or error."""
+        if msg[0] == "error":
+            self._broken = True
+            _, kind, text = msg
+            if kind == "s2s":
+                raise S2SError(text)
+            raise RuntimeError(f"a translate worker failed:\n{text}")
+        if msg[0] == "ready":
+            if self._ready == 0:
+                _replay(msg[1])
+            self._ready += 1
+
+    def _translate(self, items: Iterator[Any], out: TextIO, paired: bool, progress: Optional[TranslateProgress],
+                   chunk_lines: int, first_line_no: int, on_chunk: Optional[Callable[[int], None]]) -> None:
+        if self._closed or self._broken:
+            raise S2SError("this translator pool has stopped (closed, or after an error)")
+        try:
+            self._run(items, out, paired, progress, chunk_lines, first_line_no, on_chunk)
+        except BaseException:
+            self._broken = True
+            raise
+
+    def _run(self, items: Iterator[Any], out: TextIO, paired: bool, progress: Optional[TranslateProgress],
+             chunk_lines: int, first_line_no: int, on_chunk: Optional[Callable[[int], None]]) -> None:
+        n, tasks = self.workers, self._tasks
         reader = enumerate(_chunks(items, chunk_lines, paired, first_line_no))
         chunks: dict[int, _Chunk] = {}  # read and not yet written
         unsent: collections.deque = collections.deque()  # their tasks not yet sent
         in_flight = written = 0
-        reading, read_error, startup_logged = True, None, False
+        reading, read_error = True, None
         while True:
             # bounded: at most 2N tasks in flight, and CHUNKS_HELD chunks read and not written
             while in_flight < 2 * n and (unsent or (reading and len(chunks) < CHUNKS_HELD)):
@@ -401,22 +488,15 @@ def _translate_parallel(spec: TranslatorSpec, items: Iterator[Any], out: TextIO,
                     except S2SError as e:  # a bad line: write what came before it, then fail
                         read_error, reading = e, False
                         break
-                    chunks[index], chunk_tasks = _plan(index, *read, plan)
+                    chunks[index], chunk_tasks = _plan(index, *read, self._plan)
                     unsent.extend(chunk_tasks)
                 tasks.put(unsent.popleft())
                 in_flight += 1
             if in_flight == 0:
                 break
-            msg = _receive(results, procs)
-            if msg[0] == "error":
-                _, kind, text = msg
-                if kind == "s2s":
-                    raise S2SError(text)
-                raise RuntimeError(f"a translate worker failed:\n{text}")
-            if msg[0] == "ready":
-                if not startup_logged:  # the same warnings from every worker: show them once
-                    _replay(msg[1])
-                    startup_logged = True
+            msg = self._message()
+            if msg[0] != "done":
+                self._handle(msg)
                 continue
             _, (index, piece, rows), texts, n_tokens, records = msg
             in_flight -= 1
@@ -431,9 +511,6 @@ def _translate_parallel(spec: TranslatorSpec, items: Iterator[Any], out: TextIO,
                 written += 1
         if read_error is not None:
             raise read_error
-        clean = True
-    finally:
-        _stop(procs, tasks, results, clean)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from s2s.params import parameter_count
 from s2s.workers import (
     CHUNKS_HELD,
     TASKS_PER_CHUNK,
+    TranslatorPool,
     TranslatorSpec,
     auto_workers,
     sorted_batches,
@@ -118,6 +119,47 @@ def test_a_bad_line_stops_after_the_chunks_before_it(model_dir, tmp_path):
         outs.append(out.getvalue())
     assert outs[1].count("\n") == 4  # lines 1-4: the two chunks before the one with line 5
     assert outs[0] == ""  # one process reads its first chunk (1000 lines) before translating any
+
+
+def test_a_pool_translates_many_inputs_with_the_models_loaded_once(model_dir):
+    """TranslatorPool: wait_ready, then two inputs, each the text translate_stream writes; the
+    same workers (pids) translate both; closed, it refuses to translate."""
+    spec = TranslatorSpec((str(model_dir),), device="cpu", threads=1)
+    lines = decoded()
+    want, _ = run_stream(spec, lines, workers=2)
+    with TranslatorPool(spec, workers=2) as pool:
+        pool.wait_ready()
+        pids = [p.pid for p in pool._procs]
+        outs = [io.StringIO(), io.StringIO()]
+        pool.translate(lines, outs[0], chunk_lines=3)
+        pool.translate(iter(lines[::-1]), outs[1], chunk_lines=4)
+        assert [p.pid for p in pool._procs] == pids and all(p.is_alive() for p in pool._procs)
+        assert pool.spec.threads == 1
+    assert outs[0].getvalue() == want
+    assert outs[1].getvalue().split("\n")[:-1] == want.split("\n")[:-1][::-1]
+    assert not any(p.is_alive() for p in pool._procs)
+    with pytest.raises(S2SError, match="stopped"):
+        pool.translate(["one more"], io.StringIO())
+
+
+def test_a_pool_stops_after_a_bad_line(model_dir, tmp_path):
+    """A bad line: the chunks before it are written, the error names file:line, the workers are
+    ended and the pool refuses to go on; a pool of no workers is refused."""
+    from s2s.textio import read_lines
+
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"one\ntwo\n\xff three\nfour\n")
+    spec = TranslatorSpec((str(model_dir),), device="cpu", threads=1)
+    out = io.StringIO()
+    with pytest.raises(S2SError, match=rf"{bad}:3: invalid UTF-8"):
+        with TranslatorPool(spec, workers=2) as pool:
+            pool.translate(read_lines(bad), out, chunk_lines=2)
+    assert out.getvalue().count("\n") == 2
+    assert not any(p.is_alive() for p in pool._procs)
+    with pytest.raises(S2SError, match="stopped"):
+        pool.translate(["again"], io.StringIO())
+    with pytest.raises(S2SError, match="at least one worker"):
+        TranslatorPool(spec, workers=0)
 
 
 @pytest.mark.slow  # under heavy load it once ran past 3 minutes in a fresh clone (a SIGKILL mid-queue-write?)
