@@ -25,8 +25,9 @@ Each configuration is measured twice:
 * whole process: start-up, model loading, reading, decoding, writing, timed
   from outside (``s2s translate``; CTranslate2's script; Hugging Face's script);
 * steady state: the model loaded, translation alone, timed inside the process:
-  s2s around ``TranslatorPool.translate`` (its W workers, as ``s2s translate
-  --workers W`` runs them, once all have loaded and translated 16 warm-up lines),
+  s2s as ``s2s translate --workers W`` runs: W > 1, around ``TranslatorPool.translate``
+  once its W workers have loaded and a warm-up pass of 64 W lines has run (its batches
+  go to whichever worker is free), W = 1 around ``Translator.translate_lines`` in the process,
   CTranslate2 around ``translate_batch``, Hugging Face around its generate loop.
 
 Peak RSS is the largest single process's (with W workers each has its own
@@ -93,22 +94,33 @@ with open(out, "w", encoding="utf-8") as f:
 print(json.dumps({"steady_s": steady}))
 """
 
-# the steady state of s2s's W workers: a TranslatorPool (what `s2s translate --workers W` runs), timed
-# from the moment every worker has loaded its model and translated a few warm-up lines
+# the steady state of s2s's W workers as `s2s translate --workers W` runs them: W > 1, a TranslatorPool,
+# timed once every worker has loaded its model and a warm-up pass of 64 W lines has run (its batches go
+# to whichever worker is free); W = 1, the Translator in this process, as `--workers 1` decodes
 S2S_STEADY_SCRIPT = """
 import io, json, sys, time
 sys.path.insert(0, sys.argv[1])
 from s2s.workers import TranslatorPool, TranslatorSpec
-spec, src, workers = json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+spec, src, workers = TranslatorSpec(**json.loads(sys.argv[2])), sys.argv[3], int(sys.argv[4])
 lines = open(src, encoding="utf-8").read().splitlines()
-with TranslatorPool(TranslatorSpec(**spec), workers) as pool:
-    pool.wait_ready()
-    pool.translate(lines[:16], io.StringIO())  # first-call costs (thread pools, allocator) are start-up
-    out = io.StringIO()
+out = io.StringIO()
+if workers == 1:
+    translator = spec.build()
+    list(translator.translate_lines(lines[:2]))  # first-call costs (thread pools, allocator) are start-up
     t0 = time.perf_counter()
-    pool.translate(lines, out)
+    n = sum(1 for _ in translator.translate_lines(lines))
     steady = time.perf_counter() - t0
-print(json.dumps({"steady_s": steady, "lines": out.getvalue().count(chr(10))}), flush=True)
+else:
+    with TranslatorPool(spec, workers) as pool:
+        pool.wait_ready()
+        pool.translate(lines[:64 * workers], io.StringIO())
+        t0 = time.perf_counter()
+        pool.translate(lines, out)
+        steady = time.perf_counter() - t0
+    n = out.getvalue().count(chr(10))
+if n != len(lines):
+    sys.exit(f"steady state: {n} lines out for {len(lines)} in")
+print(json.dumps({"steady_s": steady, "lines": n}), flush=True)
 """
 
 HF_SCRIPT = """
@@ -296,8 +308,8 @@ def s2s_command(model: Path, src: Path, hyp: Path, c: Config, device: str, flags
 
 
 def s2s_steady_seconds(model: Path, src: Path, c: Config, device: str, flags: dict) -> float:
-    """Steady state of ``c``: its W workers (a TranslatorPool, as ``s2s translate`` runs them), the
-    models loaded and warmed up; seconds to translate every line."""
+    """Steady state of ``c`` as ``s2s translate`` runs it (W > 1: a TranslatorPool of W workers; W = 1:
+    one process), the models loaded and warmed up; seconds to translate every line."""
     precision, int8, shortlist = s2s_arithmetic(c)
     overrides = {**flags, "shortlist": True} if shortlist else flags
     spec = {"models": [str(model)], "overrides": overrides, "device": device, "threads": c.threads,

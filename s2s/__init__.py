@@ -4,6 +4,7 @@ The library API the CLI is built on:
 
     import sys
     from s2s import load_config, train, load_model_dir, Translator, TranslatorPool, TranslatorSpec
+    from s2s.textio import read_lines
     cfg = load_config("recipes/quickstart.yaml")
     run_dir = train(cfg, "exp")
     translator = Translator.from_dir(run_dir)
@@ -11,7 +12,7 @@ The library API the CLI is built on:
 
     # N decoding processes, each model loaded once, for many inputs (`s2s translate --workers N`)
     with TranslatorPool(TranslatorSpec(models=(str(run_dir),)), workers=2) as pool:
-        pool.translate(open("input.txt"), sys.stdout)
+        pool.translate(read_lines("input.txt"), sys.stdout)
 """
 
 __version__ = "0.1.0"

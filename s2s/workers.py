@@ -388,9 +388,10 @@ class TranslatorPool:
 
     (in a script, under ``if __name__ == "__main__":``: the workers start as multiprocessing's
     forkserver or spawn start them, which import the main module).
-    An error (a bad line, a worker that fails or dies, Ctrl-C) stops every worker: the
+    An error (a bad line, a worker that fails or dies, Ctrl-C) ends every worker at once: the
     pool cannot translate again.  Leaving the ``with`` block without an error lets the
-    workers finish; with one, they are ended at once.
+    workers finish.  One call at a time: a pool is not for several threads at once, nor for
+    a call from inside ``on_chunk``.
     """
 
     def __init__(self, spec: TranslatorSpec, workers: int):
@@ -404,7 +405,7 @@ class TranslatorPool:
                                                          log.getEffectiveLevel()),
                                    name=f"s2s-translate-{i + 1}", daemon=True) for i in range(workers)]
         self._ready = 0  # workers that have loaded their models
-        self._broken = self._closed = False
+        self._closed = False
         try:
             self._plan = task_planner(self.spec)  # while the server imports torch: starting a fork waits for it
             _start(ctx, self._procs)
@@ -434,38 +435,44 @@ class TranslatorPool:
         """Stop the workers: let them finish (clean), else end them now.  Idempotent."""
         if not self._closed:
             self._closed = True
-            _stop(self._procs, self._tasks, self._results, clean and not self._broken)
+            _stop(self._procs, self._tasks, self._results, clean)
+
+    def _check_running(self) -> None:
+        if self._closed:
+            raise S2SError("this translator pool has stopped (closed, or after an error)")
 
     def _message(self) -> tuple:
-        if self._closed or self._broken:
-            raise S2SError("this translator pool has stopped (closed, or after an error)")
+        self._check_running()
         try:
             return _receive(self._results, self._procs)
         except BaseException:
-            self._broken = True
+            self.close(clean=False)  # an error: every worker ended now; the pool goes on no more
             raise
 
     def _handle(self, msg: tuple) -> None:
         """A worker's "ready" (its start-up log shown once: every worker logs the same) or error."""
-        if msg[0] == "error":
-            self._broken = True
-            _, kind, text = msg
-            if kind == "s2s":
-                raise S2SError(text)
-            raise RuntimeError(f"a translate worker failed:\n{text}")
         if msg[0] == "ready":
             if self._ready == 0:
                 _replay(msg[1])
             self._ready += 1
+            return
+        self.close(clean=False)
+        if msg[0] == "error":
+            _, kind, text = msg
+            if kind == "s2s":
+                raise S2SError(text)
+            raise RuntimeError(f"a translate worker failed:\n{text}")
+        raise RuntimeError(f"a translate worker sent {msg[0]!r} when no task was in flight")
 
     def _translate(self, items: Iterator[Any], out: TextIO, paired: bool, progress: Optional[TranslateProgress],
                    chunk_lines: int, first_line_no: int, on_chunk: Optional[Callable[[int], None]]) -> None:
-        if self._closed or self._broken:
-            raise S2SError("this translator pool has stopped (closed, or after an error)")
+        self._check_running()
+        if chunk_lines < 1:
+            raise S2SError(f"chunk_lines: {chunk_lines} is not a positive number of lines")
         try:
             self._run(items, out, paired, progress, chunk_lines, first_line_no, on_chunk)
         except BaseException:
-            self._broken = True
+            self.close(clean=False)
             raise
 
     def _run(self, items: Iterator[Any], out: TextIO, paired: bool, progress: Optional[TranslateProgress],

@@ -134,7 +134,6 @@ def test_a_pool_translates_many_inputs_with_the_models_loaded_once(model_dir):
         pool.translate(lines, outs[0], chunk_lines=3)
         pool.translate(iter(lines[::-1]), outs[1], chunk_lines=4)
         assert [p.pid for p in pool._procs] == pids and all(p.is_alive() for p in pool._procs)
-        assert pool.spec.threads == 1
     assert outs[0].getvalue() == want
     assert outs[1].getvalue().split("\n")[:-1] == want.split("\n")[:-1][::-1]
     assert not any(p.is_alive() for p in pool._procs)
@@ -151,15 +150,31 @@ def test_a_pool_stops_after_a_bad_line(model_dir, tmp_path):
     bad.write_bytes(b"one\ntwo\n\xff three\nfour\n")
     spec = TranslatorSpec((str(model_dir),), device="cpu", threads=1)
     out = io.StringIO()
-    with pytest.raises(S2SError, match=rf"{bad}:3: invalid UTF-8"):
-        with TranslatorPool(spec, workers=2) as pool:
+    with TranslatorPool(spec, workers=2) as pool:
+        with pytest.raises(S2SError, match=rf"{bad}:3: invalid UTF-8"):
             pool.translate(read_lines(bad), out, chunk_lines=2)
+        assert not any(p.is_alive() for p in pool._procs)  # at once, though the caller goes on
+        with pytest.raises(S2SError, match="stopped"):
+            pool.translate(["again"], io.StringIO())
     assert out.getvalue().count("\n") == 2
-    assert not any(p.is_alive() for p in pool._procs)
-    with pytest.raises(S2SError, match="stopped"):
-        pool.translate(["again"], io.StringIO())
     with pytest.raises(S2SError, match="at least one worker"):
         TranslatorPool(spec, workers=0)
+
+
+def test_a_pool_raises_a_workers_error_and_ends_at_an_error_of_the_caller(model_dir):
+    """wait_ready raises what a worker's start raised (a bad decode key) and ends the workers;
+    an exception inside the with block ends them at once."""
+    bad = TranslatorSpec((str(model_dir),), device="cpu", threads=1, overrides={"beam": 0})
+    with TranslatorPool(bad, workers=2) as pool:
+        with pytest.raises(S2SError, match="beam"):
+            pool.wait_ready()
+        assert not any(p.is_alive() for p in pool._procs)
+    spec = TranslatorSpec((str(model_dir),), device="cpu", threads=1)
+    with pytest.raises(KeyError):
+        with TranslatorPool(spec, workers=2) as pool:
+            pool.wait_ready()
+            raise KeyError("the caller's own error")
+    assert not any(p.is_alive() for p in pool._procs)
 
 
 @pytest.mark.slow  # under heavy load it once ran past 3 minutes in a fresh clone (a SIGKILL mid-queue-write?)
