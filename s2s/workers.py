@@ -421,8 +421,9 @@ class TranslatorPool:
 
     def wait_ready(self) -> None:
         """Return once every worker has loaded its model(s); a worker's error is raised here."""
-        while self._ready < self.workers:
-            self._handle(self._message())
+        with self._ended_by_errors():
+            while self._ready < self.workers:
+                self._handle(_receive(self._results, self._procs))
 
     def translate(self, lines: Iterable[str], out: TextIO, prefixes: Optional[Iterable[str]] = None,
                   progress: Optional[TranslateProgress] = None, chunk_lines: int = CHUNK_LINES,
@@ -437,16 +438,16 @@ class TranslatorPool:
             self._closed = True
             _stop(self._procs, self._tasks, self._results, clean)
 
-    def _check_running(self) -> None:
+    @contextlib.contextmanager
+    def _ended_by_errors(self):
+        """Refuse a pool that has stopped; any error inside ends every worker at once, and the
+        pool goes on no more."""
         if self._closed:
             raise S2SError("this translator pool has stopped (closed, or after an error)")
-
-    def _message(self) -> tuple:
-        self._check_running()
         try:
-            return _receive(self._results, self._procs)
+            yield
         except BaseException:
-            self.close(clean=False)  # an error: every worker ended now; the pool goes on no more
+            self.close(clean=False)
             raise
 
     def _handle(self, msg: tuple) -> None:
@@ -456,7 +457,6 @@ class TranslatorPool:
                 _replay(msg[1])
             self._ready += 1
             return
-        self.close(clean=False)
         if msg[0] == "error":
             _, kind, text = msg
             if kind == "s2s":
@@ -466,14 +466,10 @@ class TranslatorPool:
 
     def _translate(self, items: Iterator[Any], out: TextIO, paired: bool, progress: Optional[TranslateProgress],
                    chunk_lines: int, first_line_no: int, on_chunk: Optional[Callable[[int], None]]) -> None:
-        self._check_running()
         if chunk_lines < 1:
             raise S2SError(f"chunk_lines: {chunk_lines} is not a positive number of lines")
-        try:
+        with self._ended_by_errors():
             self._run(items, out, paired, progress, chunk_lines, first_line_no, on_chunk)
-        except BaseException:
-            self.close(clean=False)
-            raise
 
     def _run(self, items: Iterator[Any], out: TextIO, paired: bool, progress: Optional[TranslateProgress],
              chunk_lines: int, first_line_no: int, on_chunk: Optional[Callable[[int], None]]) -> None:
@@ -501,7 +497,7 @@ class TranslatorPool:
                 in_flight += 1
             if in_flight == 0:
                 break
-            msg = self._message()
+            msg = _receive(self._results, self._procs)
             if msg[0] != "done":
                 self._handle(msg)
                 continue
