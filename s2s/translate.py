@@ -27,6 +27,8 @@ from s2s.langs import language_ids, with_forced
 from s2s.leantorch import complete_torch
 from s2s.model import S2SModel, Seq2SeqTransformer
 from s2s.model.gemm import use_packed_bf16
+from s2s.model.native import available as available_native_attention
+from s2s.model.native import use_native_attention
 from s2s.modeldir import input_cap, model_decode_settings, position_table
 from s2s.output import OutputFormat, confidence, format_translation
 from s2s.precision import auto_arithmetic, auto_precision, beam_slot_dtype, resolve_precision  # noqa: F401 (auto_precision: importable from here too)
@@ -138,6 +140,7 @@ def compile_decode_step(model: S2SModel) -> None:
         return
     if getattr(model, "step_script", None) is not None:  # torch.compile traces the Python step
         object.__setattr__(model, "step_script", None)
+    use_native_attention(model, False)  # torch's products, which Inductor can trace
     complete_torch()  # fake tensors read the Python meta kernels a lean import deferred
     import torch._inductor.config as inductor_config
 
@@ -283,26 +286,33 @@ class Translator:
         """``precision``: fp32; bf16 (the weights converted once, see :meth:`to_bf16`); or auto
         (:func:`auto_arithmetic`: bf16 or fp32 with int8 matrices, whichever was measured faster
         on this kind of CPU; with fp32, a beam search's self-attention K/V in bf16 where the CPU
-        multiplies bf16 natively, :func:`~s2s.precision.beam_slot_dtype`).
-        ``quantize``: None, or int8 (see :meth:`quantize_int8`), with fp32 weights only."""
+        multiplies bf16 natively, :func:`~s2s.precision.beam_slot_dtype`, unless the attention
+        runs in C).  ``quantize``: None, or int8 (see :meth:`quantize_int8`), with fp32 weights
+        only.  fp32 on one CPU thread: decoding's attention through the C kernel where it compiled
+        (s2s.model.native)."""
         if precision not in PRECISIONS:
             raise S2SError(f"--precision: {precision!r} is not fp32, bf16 or auto")
         if quantize not in (None, "int8"):
             raise S2SError(f"--quantize: {quantize!r} is not int8")
-        slot_dtype = None
-        if precision == "auto":
+        auto = precision == "auto"
+        if auto:
             precision, int8, why = auto_arithmetic(self.device)
-            slot_dtype = beam_slot_dtype(self.device, precision)
-            log.info("--precision auto: %s%s%s (%s)", precision, " and int8" if int8 else "",
-                     ", beams' self-attention K/V in bf16" if slot_dtype else "", why)
             if int8:
                 quantize = "int8"
         precision = resolve_precision(precision, self.device, "--precision")
         if quantize == "int8" and precision == "bf16":
             raise S2SError("--quantize int8 quantizes fp32 weights: use it with --precision fp32")
         self.precision = precision
+        native = (self.device.type == "cpu" and precision == "fp32" and torch.get_num_threads() == 1
+                  and available_native_attention())  # (the kernel runs on one thread)
+        # bf16 slots pay for torch's products only: the C kernel reads fp32 ones faster (README)
+        slot_dtype = beam_slot_dtype(self.device, precision) if auto and not native else None
+        if auto:
+            log.info("--precision auto: %s%s%s (%s)", precision, " and int8" if quantize == "int8" else "",
+                     ", beams' self-attention K/V in bf16" if slot_dtype else "", why)
         for member in [self.model, *self.extra_models]:
             member.beam_slot_dtype = slot_dtype
+            use_native_attention(member, native)  # before the step is scripted: it copies the choice
         if precision == "bf16":
             self.to_bf16()
         if quantize == "int8":

@@ -1,6 +1,7 @@
 """What the translate workers' forkserver imports once, before it forks any worker (see
 s2s.workerserver.worker_context): torch, through s2s.leantorch (its meta kernels and
-torch.export deferred), then the modules every worker builds its translator with.
+torch.export deferred), then the modules every worker builds its translator with, and the
+attention kernel's library (s2s.model.native).
 
 The server ends when the s2s process that started it does, and then skips the
 interpreter's teardown (``os._exit``): tearing torch down took it 0.1–0.5 s, and until it
@@ -29,6 +30,9 @@ import_torch()
 
 import s2s.modeldir  # noqa: E402,F401  (after torch: imported for the forks)
 import s2s.translate  # noqa: E402,F401
+from s2s.model.native import library  # noqa: E402
+
+library()  # the attention kernel compiled (once per machine) and loaded once, for every worker
 
 if imported_by_forkserver():
     atexit.register(os._exit, 0)  # the server holds no output of its own to flush

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import s2s.model.native  # noqa: F401  (defines torch.ops.s2s.few_query_attention)
+
 NEG_INF = float("-inf")
 
 
@@ -126,13 +128,18 @@ def few_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] 
 
 
 def inference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: bool,
-                        few_queries: int = FEW_QUERIES) -> Tensor:
+                        few_queries: int = FEW_QUERIES, native: bool = False) -> Tensor:
     """out = softmax(Q K^T / sqrt(d_k) + M) V without weights or dropout (decoding), by the route
-    measured fastest: :func:`few_query_attention` for K/V in a dtype of their own (bf16 beam
-    slots) and for up to ``few_queries`` fp32 queries on the CPU, else torch's
-    scaled_dot_product_attention.  q (B, heads, T_q, d_k), k, v (B, heads, T_k, d_k) ->
-    (B, heads, T_q, d_v).  Scriptable: the scripted decoder step (s2s.model.step_script)
-    takes the same route."""
+    measured fastest: with ``native`` (s2s.model.native: compiled, and chosen for a model that
+    decodes on one CPU thread), up to ``few_queries`` fp32 queries through the C kernel; else
+    :func:`few_query_attention` for K/V in a dtype of their own (bf16 beam slots) and for up
+    to ``few_queries`` fp32 queries on the CPU; else torch's scaled_dot_product_attention.
+    q (B, heads, T_q, d_k), k, v (B, heads, T_k, d_k) -> (B, heads, T_q, d_v).  Scriptable:
+    the scripted decoder step (s2s.model.step_script) takes the same route."""
+    if (native and q.size(-2) <= few_queries and q.dtype == torch.float32 and k.dtype == q.dtype
+            and v.dtype == q.dtype and q.device.type == "cpu" and q.stride(-1) == 1 and k.stride(-1) == 1
+            and v.stride(-1) == 1 and (mask is None or (mask.dtype == q.dtype and mask.stride(-1) == 1))):
+        return torch.ops.s2s.few_query_attention(q, k, v, mask, scale)
     if k.dtype != q.dtype or (q.size(-2) <= few_queries and q.dtype == torch.float32 and q.device.type == "cpu"):
         return few_query_attention(q, k, v, mask, scale)
     if mask is not None:
@@ -157,6 +164,7 @@ class MultiHeadAttention(nn.Module):
         self.dropout = dropout
         # scale=False: scores q.k without 1/sqrt(d_head) (T5 folds the scale into W_Q)
         self.scale = scale
+        self.native = False  # decoding's few-query attention in C (s2s.model.native.use_native_attention)
         inner = heads * self.d_head  # d_model unless model.head_dim says otherwise
         if cross:
             self.q_proj = nn.Linear(d_model, inner, bias=bias)
@@ -225,7 +233,7 @@ class MultiHeadAttention(nn.Module):
         elif q.device.type == "cpu" and torch.is_grad_enabled() and k.size(-2) <= MATH_KEYS:
             out, A = attention(q, k, v, mask, scale=self.scale, dropout_p=p, return_weights=False)
         elif not p:
-            out, A = inference_attention(q, k, v, mask, self.scale), None
+            out, A = inference_attention(q, k, v, mask, self.scale, native=self.native), None
         else:
             if mask is not None:
                 mask = mask.to(q.dtype)

@@ -154,6 +154,7 @@ class ScriptedLayer(nn.Module):
         self.pre_norm = bool(layer.pre_norm)
         self.heads, self.d_head = sa.heads, sa.d_head
         self.self_scale, self.cross_scale = bool(sa.scale), bool(ca.scale)
+        self.self_native, self.cross_native = bool(sa.native), bool(ca.native)  # s2s.model.native
         self.norm1, self.norm2, self.norm3 = (ScriptedNorm(layer.norm1), ScriptedNorm(layer.norm2),
                                               ScriptedNorm(layer.norm3))
         self.qkv_proj, self.self_out_proj = ScriptedProduct(sa.qkv_proj), ScriptedProduct(sa.out_proj)
@@ -190,9 +191,10 @@ class ScriptedLayer(nn.Module):
             keys, values = k_buf.narrow(2, 0, c + slots), v_buf.narrow(2, 0, c + slots)  # (n, heads, (t+1) K, d_head)
         if slots > 1:
             out = queries_as_beams(inference_attention(beams_as_queries(q, slots), keys, values, mask,
-                                                       self.self_scale), slots)
+                                                       self.self_scale, native=self.self_native), slots)
         else:
-            out = inference_attention(q, keys, values, mask, self.self_scale)  # (B, heads, 1, d_head)
+            out = inference_attention(q, keys, values, mask, self.self_scale,
+                                      native=self.self_native)  # (B, heads, 1, d_head)
         return self.self_out_proj(self.merge_heads(out))
 
     def cross_attn(self, x: Tensor, src_mask: Tensor, cross_k: Tensor, cross_v: Tensor, group: int) -> Tensor:
@@ -201,9 +203,11 @@ class ScriptedLayer(nn.Module):
         q = self.split_heads(self.cross_q_proj(x))  # (B, heads, 1, d_head)
         if group > 1:
             out = queries_as_beams(inference_attention(beams_as_queries(q, group), cross_k, cross_v,
-                                                       src_mask[::group], self.cross_scale), group)
+                                                       src_mask[::group], self.cross_scale, native=self.cross_native),
+                                   group)
         else:
-            out = inference_attention(q, cross_k, cross_v, src_mask, self.cross_scale)  # (B, heads, 1, d_head)
+            out = inference_attention(q, cross_k, cross_v, src_mask, self.cross_scale,
+                                      native=self.cross_native)  # (B, heads, 1, d_head)
         return self.cross_out_proj(self.merge_heads(out))
 
     def ffn(self, x: Tensor) -> Tensor:

@@ -1,0 +1,171 @@
+"""Few-query attention in C, compiled for the machine it runs on.
+
+A decoding step's attention is G queries (1, or a sentence's beams) against each head's
+K/V cache.  torch runs it as two batched matrix products over B x heads small matrices,
+    scores = q K^T,  A = softmax(scores / sqrt(d_head) + M),  out = A V,
+which read the cross-attention K/V (fixed for the whole search, larger than the core's
+caches once a batch's sources are long) at a fraction of the memory's speed.
+``native_attention.c`` computes the same function in one pass per (b, h): each K row read
+once for every query's score, then each V row once; measured on 2 cores of an AMD EPYC
+(Zen 5), one thread, 64 rows x 4 heads x 64 dims, K/V out of the caches as in a step
+(microseconds, two bmm against this kernel):
+
+    keys   queries    bmm      C
+      30      1       330    112
+     140      1      1038    684
+     140      5      2435   1805
+
+The file is compiled once per machine with the system's C compiler (``cc``, or ``$CC``;
+``-O3 -march=native``) into s2s's cache directory (``$S2S_CACHE_DIR``, else
+``$XDG_CACHE_HOME/s2s``, else ``~/.cache/s2s``), keyed by the source, the flags and the
+CPU, and loaded with ctypes.  It is reached as the operator
+``torch.ops.s2s.few_query_attention``, so that the scripted decoder step
+(s2s.model.step_script) calls it as the Python step does.  Where there is no compiler, or
+``S2S_NATIVE_ATTENTION=0``, :func:`available` is False and decoding takes torch's route:
+nothing else changes.  Its sums run in another order than torch's products, so its
+outputs differ from theirs in the last bits (tests/test_native_attention.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import math
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("s2s")
+
+SOURCE = Path(__file__).with_name("native_attention.c")
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+          "-fno-trapping-math", "-fPIC", "-shared")
+DISABLE = "S2S_NATIVE_ATTENTION"  # =0: torch's route only
+COMPILE_TIMEOUT_S = 120
+
+
+def cache_dir() -> Path:
+    """Where s2s keeps what it builds for this machine: $S2S_CACHE_DIR, else $XDG_CACHE_HOME/s2s,
+    else ~/.cache/s2s."""
+    if os.environ.get("S2S_CACHE_DIR"):
+        return Path(os.environ["S2S_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "s2s"
+
+
+def build_key(source: bytes, compiler: str) -> str:
+    """What the compiled library depends on: the source, the compiler and its flags, and the CPU
+    (-march=native), hashed."""
+    from s2s.precision import cpuinfo_field
+
+    h = hashlib.sha256(source)
+    for part in (compiler, " ".join(CFLAGS), platform.machine(), cpuinfo_field("model name"),
+                 cpuinfo_field("flags")):
+        h.update(b"\0" + part.encode())
+    return h.hexdigest()[:16]
+
+
+def compile_library() -> Path:
+    """The library compiled for this machine, built into :func:`cache_dir` first if it is not
+    there (written under a temporary name and renamed, so that processes building it at once
+    never load a partial file).  Raises OSError or subprocess.SubprocessError where it cannot."""
+    compiler = os.environ.get("CC") or "cc"
+    source = SOURCE.read_bytes()
+    out = cache_dir() / "native" / f"attention-{build_key(source, compiler)}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".attention-", suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                              timeout=COMPILE_TIMEOUT_S, check=False)
+        if done.returncode:
+            raise OSError(f"{compiler} failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.debug("native attention compiled into %s", out)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> Optional[ctypes.CDLL]:
+    """The compiled kernel's library, loaded; None where it cannot be built or loaded (why: at
+    debug level)."""
+    try:
+        lib = ctypes.CDLL(str(compile_library()))
+    except (OSError, subprocess.SubprocessError) as e:
+        log.debug("native attention unavailable (%s): torch's route", e)
+        return None
+    fn = lib.s2s_few_query_attention
+    fn.restype = ctypes.c_int
+    tensor = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]  # data, strides of b, h, and g or s
+    fn.argtypes = tensor * 4 + [ctypes.c_void_p] + [ctypes.c_long] * 5 + [ctypes.c_float]  # q k v mask out B H G S D c
+    return lib
+
+
+def available() -> bool:
+    """Whether decoding takes the C kernel: it compiled and loaded, and ``$S2S_NATIVE_ATTENTION``
+    is not 0."""
+    return os.environ.get(DISABLE, "1") != "0" and library() is not None
+
+
+def use_native_attention(model: torch.nn.Module, on: Optional[bool] = None) -> bool:
+    """Route the attention of every MultiHeadAttention in ``model`` through the C kernel
+    (``on``: default :func:`available`), or back through torch's products; returns ``on``.
+    Decoding only: the kernel has no gradient.  Script the step after (it copies the choice)."""
+    from s2s.model.attention import MultiHeadAttention
+
+    on = available() if on is None else on
+    for m in model.modules():
+        if isinstance(m, MultiHeadAttention):
+            m.native = on
+    return on
+
+
+def few_query_attention_kernel(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: bool) -> Tensor:
+    """The CPU kernel of ``torch.ops.s2s.few_query_attention``: out = softmax(c q K^T + M) V,
+    c = 1/sqrt(d_k) with ``scale``, else 1.  q (B, heads, G, d_k), k, v (B, heads, T_k, d_k) fp32
+    with a contiguous last dimension (any other strides), mask None or broadcastable to
+    (B, heads, G, T_k) -> out (B, heads, G, d_k), contiguous."""
+    B, H, G, D = q.shape
+    S = k.size(2)
+    out = torch.empty((B, H, G, D), dtype=torch.float32)
+    if mask is None:
+        m_ptr, m_strides = None, (0, 0, 0)
+    else:
+        m = mask.expand(B, H, G, S)  # broadcast dimensions get stride 0
+        m_ptr, m_strides = m.data_ptr(), m.stride()[:3]
+    c = 1.0 / math.sqrt(D) if scale else 1.0
+    lib = library()
+    if lib is None:
+        raise RuntimeError("s2s::few_query_attention: the native attention library is not built")
+    rc = lib.s2s_few_query_attention(q.data_ptr(), *q.stride()[:3], k.data_ptr(), *k.stride()[:3],
+                                     v.data_ptr(), *v.stride()[:3], m_ptr, *m_strides, out.data_ptr(),
+                                     B, H, G, S, D, c)
+    if rc:
+        raise MemoryError("s2s::few_query_attention: no memory for the scores")
+    return out
+
+
+def register_operator() -> torch.library.Library:
+    """Define ``torch.ops.s2s.few_query_attention`` (the CPU kernel above), once per process: the
+    scripted decoder step resolves it by name."""
+    lib = torch.library.Library("s2s", "FRAGMENT")
+    if not hasattr(torch.ops.s2s, "few_query_attention"):
+        lib.define("few_query_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, bool scale) -> Tensor")
+        lib.impl("few_query_attention", few_query_attention_kernel, "CPU")
+    return lib
+
+
+_OPERATOR = register_operator()  # kept: a Library's registrations end with it

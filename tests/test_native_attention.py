@@ -1,0 +1,143 @@
+"""Few-query attention in C (s2s.model.native): the function torch's two products compute
+(few_query_attention; in fp64 as the exact values), within fp32 rounding, over the shapes and
+layouts a decoding step gives it; the scripted step and the Python step through it search the
+same hypotheses, bit for bit; ``s2s translate``'s arithmetic takes it on one thread; and
+without a compiler decoding goes on through torch."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+
+import s2s.model.native as native
+from s2s.model.attention import NEG_INF, few_query_attention
+from s2s.model.native import use_native_attention
+from tests.test_model import make_model
+from tests.test_step_script import assert_same_searches
+
+needs_kernel = pytest.mark.skipif(not native.available(), reason="no C compiler: the kernel is not built")
+
+
+def kernel(q, k, v, mask, scale=True):
+    return torch.ops.s2s.few_query_attention(q, k, v, mask, scale)
+
+
+def padded_mask(B: int, S: int, lengths: list[int]) -> torch.Tensor:
+    """(B, 1, 1, S): 0 on each row's first lengths[b] keys, -inf after (a source's padding)."""
+    mask = torch.zeros(B, 1, 1, S)
+    for b, n in enumerate(lengths):
+        mask[b, ..., n:] = NEG_INF
+    return mask
+
+
+@needs_kernel
+@pytest.mark.parametrize("D", [64, 32, 128, 8, 24])  # 16-float vectors (32, 64, 128) and the loop for any d_head
+@pytest.mark.parametrize("G", [1, 5, 16])
+@pytest.mark.parametrize("S", [1, 15, 16, 17, 45])  # blocks of 16 keys and their remainders
+def test_kernel_computes_what_torchs_products_compute(D, G, S):
+    g = torch.Generator().manual_seed(D * 1000 + G * 100 + S)
+    B, H = 3, 2
+    q, k, v = (torch.randn(B, H, n, D, generator=g) for n in (G, S, S))
+    mask = padded_mask(B, S, [S, max(1, S - 3), 1])
+    for m in (mask, None):
+        for scale in (True, False):
+            exact = few_query_attention(q.double(), k.double(), v.double(), None if m is None else m.double(), scale)
+            torch.testing.assert_close(kernel(q, k, v, m, scale).double(), exact, atol=1e-5, rtol=1e-4)
+
+
+@needs_kernel
+def test_kernel_reads_the_layouts_a_step_gives_it():
+    """q a view of the fused Q/K/V projection (B, 3, heads, 1, d_head); K/V the first t columns
+    of a preallocated buffer (strided along the keys' dimension); a mask per query (a beam's
+    ancestry, (B, 1, G, S)); scores large enough that most weights are e^-100 and below."""
+    g = torch.Generator().manual_seed(7)
+    B, H, D, S, capacity, G = 4, 4, 64, 37, 64, 5
+    qkv = torch.randn(B, 3, H, 1, D, generator=g)
+    q = qkv.unbind(1)[0]  # (B, heads, 1, d_head), strides of the fused product
+    k_buf, v_buf = torch.randn(B, H, capacity, D, generator=g), torch.randn(B, H, capacity, D, generator=g)
+    k, v = k_buf.narrow(2, 0, S), v_buf.narrow(2, 0, S)
+    assert not k.is_contiguous()
+    torch.testing.assert_close(kernel(q, k, v, padded_mask(B, S, [S, 20, 5, 1])),
+                               few_query_attention(q, k, v, padded_mask(B, S, [S, 20, 5, 1])), atol=2e-6, rtol=2e-5)
+    beams = torch.randn(B, H, G, D, generator=g) * 30  # peaked: weights from 1 down to 0
+    ancestry = torch.zeros(B, 1, G, S)
+    ancestry[:, :, 1:, 1::3] = NEG_INF  # each query its own keys
+    ancestry[:, :, 3, 1:] = NEG_INF  # one key only
+    got = kernel(beams, k, v, ancestry)
+    torch.testing.assert_close(got, few_query_attention(beams, k, v, ancestry), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got[:, :, 3], v[:, :, 0])  # one key: its value, whatever the score
+
+
+@needs_kernel
+def test_scripted_and_python_steps_through_the_kernel_search_alike(monkeypatch):
+    """fp32, d_head 64 (the vector path), laid out as ``s2s translate`` lays it out: greedy, beams,
+    n-best, sampling, a prefix and constraints search the same hypotheses scripted and in
+    Python, bit for bit, both through the kernel."""
+    calls, real = [], native.library
+    monkeypatch.setattr(native, "library", lambda: calls.append(1) or real())
+    model = make_model(activation="relu", d_model=128, heads=2, d_ff=128).float()
+    model.lay_out_for_steps()
+    assert use_native_attention(model, True)
+    assert_same_searches(model)
+    assert calls  # (the kernel asks for its library at every call)
+
+
+@needs_kernel
+def test_translate_takes_the_kernel_on_one_thread_only(prepared, tmp_path, monkeypatch):
+    """fp32 on one thread: the attention modules take the kernel, and --precision auto keeps a
+    beam's self-attention K/V in fp32 (the kernel reads those faster than torch's bf16
+    products); on two threads, with bf16, or with $S2S_NATIVE_ATTENTION=0: torch's route."""
+    from s2s.translate import Translator
+    from tests.conftest import untrained_model_dir
+
+    model_dir = untrained_model_dir(prepared, tmp_path / "model")
+
+    def routes(precision: str) -> set[bool]:
+        tr = Translator.from_dirs([model_dir], precision=precision)
+        return {m.native for m in tr.model.modules() if hasattr(m, "native")}
+
+    torch.set_num_threads(1)
+    assert routes(precision="fp32") == {True}
+    tr = Translator.from_dirs([model_dir], precision="auto")
+    assert tr.model.beam_slot_dtype is None
+    assert routes(precision="bf16") == {False}
+    monkeypatch.setenv(native.DISABLE, "0")
+    assert routes(precision="fp32") == {False}
+    monkeypatch.delenv(native.DISABLE)
+    torch.set_num_threads(2)
+    assert routes(precision="fp32") == {False}
+
+
+def test_without_a_compiler_decoding_takes_torchs_route(tmp_path, monkeypatch):
+    monkeypatch.setenv("S2S_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    native.library.cache_clear()
+    try:
+        assert not native.available()
+        assert not list(tmp_path.rglob("*.so*"))  # no partial library left behind
+    finally:
+        native.library.cache_clear()
+
+
+def test_a_failing_compile_leaves_nothing(tmp_path, monkeypatch):
+    """A compiler that fails (here: `false`) is an unavailable kernel, with no file left in the cache."""
+    monkeypatch.setenv("S2S_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(OSError, match="false failed"):
+        native.compile_library()
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+
+@needs_kernel
+def test_the_library_is_compiled_once_per_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("S2S_CACHE_DIR", str(tmp_path))
+    built = native.compile_library()
+    assert built.parent == tmp_path / "native" and built.exists()
+
+    def no_compiler(*a, **kw):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    assert native.compile_library() == built
