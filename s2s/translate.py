@@ -286,10 +286,9 @@ class Translator:
         """``precision``: fp32; bf16 (the weights converted once, see :meth:`to_bf16`); or auto
         (:func:`auto_arithmetic`: bf16 or fp32 with int8 matrices, whichever was measured faster
         on this kind of CPU; with fp32, a beam search's self-attention K/V in bf16 where the CPU
-        multiplies bf16 natively, :func:`~s2s.precision.beam_slot_dtype`, unless the attention
-        runs in C).  ``quantize``: None, or int8 (see :meth:`quantize_int8`), with fp32 weights
-        only.  fp32 on one CPU thread: decoding's attention through the C kernel where it compiled
-        (s2s.model.native)."""
+        multiplies bf16 natively, :func:`~s2s.precision.beam_slot_dtype`).  ``quantize``: None, or
+        int8 (see :meth:`quantize_int8`), with fp32 weights only.  fp32 on one CPU thread:
+        decoding's attention through the C kernel where it compiled (s2s.model.native)."""
         if precision not in PRECISIONS:
             raise S2SError(f"--precision: {precision!r} is not fp32, bf16 or auto")
         if quantize not in (None, "int8"):
@@ -305,8 +304,7 @@ class Translator:
         self.precision = precision
         native = (self.device.type == "cpu" and precision == "fp32" and torch.get_num_threads() == 1
                   and available_native_attention())  # (the kernel runs on one thread)
-        # bf16 slots pay for torch's products only: the C kernel reads fp32 ones faster (README)
-        slot_dtype = beam_slot_dtype(self.device, precision) if auto and not native else None
+        slot_dtype = beam_slot_dtype(self.device, precision) if auto else None
         if auto:
             log.info("--precision auto: %s%s%s (%s)", precision, " and int8" if quantize == "int8" else "",
                      ", beams' self-attention K/V in bf16" if slot_dtype else "", why)

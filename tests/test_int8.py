@@ -244,19 +244,16 @@ def test_translator_precision_auto_adds_int8_where_it_pays(prepared, tmp_path, m
 def test_translator_precision_auto_keeps_beam_slots_in_bf16_where_bf16_is_native(prepared, tmp_path, monkeypatch,
                                                                                   caplog):
     """On a CPU with AVX-512 BF16 and VNNI but no AMX (AMD EPYC Zen 5): fp32 with int8 matrices,
-    and, with torch's attention (no C kernel: tests/test_native_attention.py has the kernel's
-    fp32 slots), a beam search's self-attention K/V in bf16; explicit fp32 keeps them fp32."""
+    and a beam search's self-attention K/V in bf16; explicit fp32 keeps them fp32."""
     import logging
 
     from s2s import precision
-    from s2s.model import native
     from s2s.translate import Translator
     from tests.conftest import untrained_model_dir
 
     model_dir = untrained_model_dir(prepared, tmp_path / "m")
     monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni"}))
     monkeypatch.setattr(precision, "native_bf16_cpu", lambda flags=None: ["avx512_bf16"])
-    monkeypatch.setenv(native.DISABLE, "0")
     with caplog.at_level(logging.INFO, logger="s2s"):
         tr = Translator.from_dirs([model_dir], precision="auto", decode={"beam": 3})
     assert tr.int8 and tr.precision == "fp32" and tr.model.beam_slot_dtype == torch.bfloat16

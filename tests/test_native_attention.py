@@ -71,24 +71,44 @@ def test_kernel_reads_the_layouts_a_step_gives_it():
 
 
 @needs_kernel
+@pytest.mark.parametrize("D", [64, 24])
+def test_kernel_widens_bf16_keys_and_values(D):
+    """K/V in bf16 (a beam search's self-attention slots): the kernel computes in fp32 what the
+    K/V say, widened exactly; torch's products round q and the scores to bf16 as well."""
+    g = torch.Generator().manual_seed(D)
+    B, H, G, S = 3, 2, 5, 21
+    q = torch.randn(B, H, G, D, generator=g)
+    k, v = (torch.randn(B, H, S, D, generator=g).bfloat16() for _ in range(2))
+    mask = padded_mask(B, S, [S, 9, 1])
+    exact = few_query_attention(q.double(), k.double(), v.double(), mask.double())
+    got = kernel(q, k, v, mask)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got, few_query_attention(q, k, v, mask), atol=0.05, rtol=0.05)  # torch's bf16 route
+
+
+@needs_kernel
 def test_scripted_and_python_steps_through_the_kernel_search_alike(monkeypatch):
-    """fp32, d_head 64 (the vector path), laid out as ``s2s translate`` lays it out: greedy, beams,
-    n-best, sampling, a prefix and constraints search the same hypotheses scripted and in
-    Python, bit for bit, both through the kernel."""
+    """fp32, d_head 64 (the vector path), laid out as ``s2s translate`` lays it out, the beams'
+    self-attention K/V in fp32 or in bf16 slots: greedy, beams, n-best, sampling, a prefix and
+    constraints search the same hypotheses scripted and in Python, bit for bit, both through
+    the kernel."""
     calls, real = [], native.library
     monkeypatch.setattr(native, "library", lambda: calls.append(1) or real())
     model = make_model(activation="relu", d_model=128, heads=2, d_ff=128).float()
     model.lay_out_for_steps()
     assert use_native_attention(model, True)
-    assert_same_searches(model)
-    assert calls  # (the kernel asks for its library at every call)
+    for slot_dtype in (None, torch.bfloat16):
+        model.beam_slot_dtype = slot_dtype
+        calls.clear()
+        assert_same_searches(model)
+        assert calls  # (the kernel asks for its library at every call)
 
 
 @needs_kernel
 def test_translate_takes_the_kernel_on_one_thread_only(prepared, tmp_path, monkeypatch):
-    """fp32 on one thread: the attention modules take the kernel, and --precision auto keeps a
-    beam's self-attention K/V in fp32 (the kernel reads those faster than torch's bf16
-    products); on two threads, with bf16, or with $S2S_NATIVE_ATTENTION=0: torch's route."""
+    """fp32 on one thread (and --precision auto, fp32 here): the attention modules take the
+    kernel; on two threads, with bf16, or with $S2S_NATIVE_ATTENTION=0: torch's route."""
     from s2s.translate import Translator
     from tests.conftest import untrained_model_dir
 
@@ -100,8 +120,7 @@ def test_translate_takes_the_kernel_on_one_thread_only(prepared, tmp_path, monke
 
     torch.set_num_threads(1)
     assert routes(precision="fp32") == {True}
-    tr = Translator.from_dirs([model_dir], precision="auto")
-    assert tr.model.beam_slot_dtype is None
+    assert routes(precision="auto") == {Translator.from_dirs([model_dir], precision="auto").precision == "fp32"}
     assert routes(precision="bf16") == {False}
     monkeypatch.setenv(native.DISABLE, "0")
     assert routes(precision="fp32") == {False}

@@ -131,14 +131,16 @@ def inference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
                         few_queries: int = FEW_QUERIES, native: bool = False) -> Tensor:
     """out = softmax(Q K^T / sqrt(d_k) + M) V without weights or dropout (decoding), by the route
     measured fastest: with ``native`` (s2s.model.native: compiled, and chosen for a model that
-    decodes on one CPU thread), up to ``few_queries`` fp32 queries through the C kernel; else
+    decodes on one CPU thread), up to ``few_queries`` fp32 queries against fp32 or bf16 K/V
+    through the C kernel; else
     :func:`few_query_attention` for K/V in a dtype of their own (bf16 beam slots) and for up
     to ``few_queries`` fp32 queries on the CPU; else torch's scaled_dot_product_attention.
     q (B, heads, T_q, d_k), k, v (B, heads, T_k, d_k) -> (B, heads, T_q, d_v).  Scriptable:
     the scripted decoder step (s2s.model.step_script) takes the same route."""
-    if (native and q.size(-2) <= few_queries and q.dtype == torch.float32 and k.dtype == q.dtype
-            and v.dtype == q.dtype and q.device.type == "cpu" and q.stride(-1) == 1 and k.stride(-1) == 1
-            and v.stride(-1) == 1 and (mask is None or (mask.dtype == q.dtype and mask.stride(-1) == 1))):
+    if (native and q.size(-2) <= few_queries and q.dtype == torch.float32 and v.dtype == k.dtype
+            and (k.dtype == q.dtype or k.dtype == torch.bfloat16) and q.device.type == "cpu"
+            and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+            and (mask is None or (mask.dtype == q.dtype and mask.stride(-1) == 1))):
         return torch.ops.s2s.few_query_attention(q, k, v, mask, scale)
     if k.dtype != q.dtype or (q.size(-2) <= few_queries and q.dtype == torch.float32 and q.device.type == "cpu"):
         return few_query_attention(q, k, v, mask, scale)

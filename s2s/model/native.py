@@ -5,8 +5,9 @@ K/V cache.  torch runs it as two batched matrix products over B x heads small ma
     scores = q K^T,  A = softmax(scores / sqrt(d_head) + M),  out = A V,
 which read the cross-attention K/V (fixed for the whole search, larger than the core's
 caches once a batch's sources are long) at a fraction of the memory's speed.
-``native_attention.c`` computes the same function in one pass per (b, h): each K row read
-once for every query's score, then each V row once; measured on 2 cores of an AMD EPYC
+``native_attention.c`` computes the same function head by head, the next head's K/V
+prefetched while one is read, with K/V in fp32 or in bf16 (a beam search's self-attention
+slots on a CPU with native bf16: widened as they are read, half the bytes); measured on 2 cores of an AMD EPYC
 (Zen 5), one thread, 64 rows x 4 heads x 64 dims, K/V out of the caches as in a step
 (microseconds, two bmm against this kernel):
 
@@ -110,7 +111,8 @@ def library() -> Optional[ctypes.CDLL]:
     fn = lib.s2s_few_query_attention
     fn.restype = ctypes.c_int
     tensor = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]  # data, strides of b, h, and g or s
-    fn.argtypes = tensor * 4 + [ctypes.c_void_p] + [ctypes.c_long] * 5 + [ctypes.c_float]  # q k v mask out B H G S D c
+    fn.argtypes = (tensor * 4 + [ctypes.c_void_p] + [ctypes.c_long] * 5  # q k v mask out B H G S D
+                   + [ctypes.c_float, ctypes.c_int])  # c, K/V in bf16
     return lib
 
 
@@ -135,9 +137,10 @@ def use_native_attention(model: torch.nn.Module, on: Optional[bool] = None) -> b
 
 def few_query_attention_kernel(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: bool) -> Tensor:
     """The CPU kernel of ``torch.ops.s2s.few_query_attention``: out = softmax(c q K^T + M) V,
-    c = 1/sqrt(d_k) with ``scale``, else 1.  q (B, heads, G, d_k), k, v (B, heads, T_k, d_k) fp32
-    with a contiguous last dimension (any other strides), mask None or broadcastable to
-    (B, heads, G, T_k) -> out (B, heads, G, d_k), contiguous."""
+    c = 1/sqrt(d_k) with ``scale``, else 1.  q (B, heads, G, d_k) fp32, k, v (B, heads, T_k, d_k)
+    both fp32 or both bf16 (widened as they are read; every sum in fp32), each with a contiguous
+    last dimension (any other strides), mask None or fp32 broadcastable to (B, heads, G, T_k) ->
+    out (B, heads, G, d_k) fp32, contiguous."""
     B, H, G, D = q.shape
     S = k.size(2)
     out = torch.empty((B, H, G, D), dtype=torch.float32)
@@ -152,7 +155,7 @@ def few_query_attention_kernel(q: Tensor, k: Tensor, v: Tensor, mask: Optional[T
         raise RuntimeError("s2s::few_query_attention: the native attention library is not built")
     rc = lib.s2s_few_query_attention(q.data_ptr(), *q.stride()[:3], k.data_ptr(), *k.stride()[:3],
                                      v.data_ptr(), *v.stride()[:3], m_ptr, *m_strides, out.data_ptr(),
-                                     B, H, G, S, D, c)
+                                     B, H, G, S, D, c, int(k.dtype == torch.bfloat16))
     if rc:
         raise MemoryError("s2s::few_query_attention: no memory for the scores")
     return out

@@ -9,7 +9,9 @@
  * rows during the scores, the next head's K rows during the sum), where two batched matrix
  * products per step read the cache as B x heads small matrices with no look ahead.
  *
- * Strides are in floats; the last dimension of every tensor is contiguous.  M may be NULL.
+ * K and V are fp32 or bf16 (``kv_bf16``: a beam search's self-attention slots, s2s.model.cache),
+ * widened to fp32 as they are read; q, M and out are fp32, and every sum runs in fp32.
+ * Strides are in elements; the last dimension of every tensor is contiguous.  M may be NULL.
  * Returns 0, or -1 where the scores' scratch cannot be allocated.
  */
 #include <math.h>
@@ -49,10 +51,27 @@ INLINE float exp_poly(float x)
     return x < lo ? 0.f : p * two_n;
 }
 
-INLINE void prefetch_row(const float *row, long D)
+/* K/V elements: fp32, or bf16 (the top 16 bits of an fp32) when ``bf16`` (a constant where inlined) */
+INLINE const void *kv_at(const int bf16, const void *base, long i)
 {
-    for (long d = 0; d < D; d += 16)
-        __builtin_prefetch(row + d, 0, 3);
+    return (const char *)base + i * (bf16 ? 2 : 4);
+}
+
+INLINE float kv_float(const int bf16, const void *base, long i)
+{
+    if (!bf16)
+        return ((const float *)base)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)base)[i] << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+/* the D elements of a row, fetched into the cache ahead of their use */
+INLINE void prefetch_row(const int bf16, const void *row, long D)
+{
+    for (long byte = 0; byte < D * (bf16 ? 2 : 4); byte += 64)
+        __builtin_prefetch((const char *)row + byte, 0, 3);
 }
 
 /* A[j,:] = softmax(a[j,:] + M[j,:]) in place, for each query j */
@@ -80,18 +99,18 @@ INLINE void softmax_rows(float *restrict a, const float *restrict mb, long m_g, 
 }
 
 /* one head, any D: a[j,s] = cq[j,:] . K[s,:], softmax, out[j,:] = sum_s A[j,s] V[s,:] */
-INLINE void head_any(const float *restrict cq, const float *restrict kb, long k_s, const float *restrict vb,
-                     long v_s, const float *restrict kn, const float *restrict mb, long m_g, float *restrict ob,
-                     float *restrict a, long G, long S, long D)
+INLINE void head_any(const int bf16, const float *restrict cq, const void *restrict kb, long k_s,
+                     const void *restrict vb, long v_s, const void *restrict kn, const float *restrict mb, long m_g,
+                     float *restrict ob, float *restrict a, long G, long S, long D)
 {
     for (long s = 0; s < S; s++) {
-        const float *restrict ks = kb + s * k_s;
-        prefetch_row(vb + s * v_s, D);
+        const void *restrict ks = kv_at(bf16, kb, s * k_s);
+        prefetch_row(bf16, kv_at(bf16, vb, s * v_s), D);
         for (long j = 0; j < G; j++) {
             const float *restrict qj = cq + j * D;
             float dot = 0.f;
             for (long d = 0; d < D; d++)
-                dot += qj[d] * ks[d];
+                dot += qj[d] * kv_float(bf16, ks, d);
             a[j * S + s] = dot;
         }
     }
@@ -99,14 +118,14 @@ INLINE void head_any(const float *restrict cq, const float *restrict kb, long k_
     for (long d = 0; d < G * D; d++)
         ob[d] = 0.f;
     for (long s = 0; s < S; s++) {
-        const float *restrict vs = vb + s * v_s;
+        const void *restrict vs = kv_at(bf16, vb, s * v_s);
         if (kn)
-            prefetch_row(kn + s * k_s, D);
+            prefetch_row(bf16, kv_at(bf16, kn, s * k_s), D);
         for (long j = 0; j < G; j++) {
             const float p = a[j * S + s];
             float *restrict o = ob + j * D;
             for (long d = 0; d < D; d++)
-                o[d] += p * vs[d];
+                o[d] += p * kv_float(bf16, vs, d);
         }
     }
 }
@@ -115,8 +134,20 @@ INLINE void head_any(const float *restrict cq, const float *restrict kb, long k_
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias)); /* any float address */
 
+typedef uint16_t u16x16u __attribute__((vector_size(32), aligned(2), may_alias));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
 INLINE v16 load16(const float *p) { return *(const v16u *)p; }
 INLINE void store16(float *p, v16 x) { *(v16u *)p = x; }
+
+/* 16 K/V elements from element i on, as fp32 (bf16: widened, its 16 bits on top of 16 zero bits) */
+INLINE v16 kv16(const int bf16, const void *base, long i)
+{
+    if (!bf16)
+        return load16((const float *)base + i);
+    const u32x16 wide = __builtin_convertvector(*(const u16x16u *)((const uint16_t *)base + i), u32x16) << 16;
+    return (v16)wide;
+}
 
 /* lane r of the result = the sum of x[r]'s 16 lanes, r = 0..15: four rounds of pairing rows and
  * adding halves (15 additions for 16 sums, where summing each vector alone takes 4 each) */
@@ -139,24 +170,24 @@ INLINE v16 sum_lanes16(const v16 *x)
 /* one head, D = 16 n (n a constant where it is inlined: the vectors stay in registers).  Keys
  * and values go in blocks of 16 rows, every query's work done on a block while it is in the
  * core's first cache. */
-INLINE void head_vec(const int n, const float *restrict cq, const float *restrict kb, long k_s,
-                     const float *restrict vb, long v_s, const float *restrict kn, const float *restrict mb,
+INLINE void head_vec(const int n, const int bf16, const float *restrict cq, const void *restrict kb, long k_s,
+                     const void *restrict vb, long v_s, const void *restrict kn, const float *restrict mb,
                      long m_g, float *restrict ob, float *restrict a, long G, long S)
 {
     const long D = 16 * n;
     for (long s = 0; s < S; s += 16) { /* scores: a block of 16 keys' sums in one vector per query */
         const long rows = S - s < 16 ? S - s : 16;
         for (long r = 0; r < rows; r++)
-            prefetch_row(vb + (s + r) * v_s, D);
+            prefetch_row(bf16, kv_at(bf16, vb, (s + r) * v_s), D);
         for (long j = 0; j < G; j++) {
             v16 qv[8], acc[16];
             for (int i = 0; i < n; i++)
                 qv[i] = load16(cq + j * D + 16 * i);
             for (long r = 0; r < rows; r++) {
-                const float *restrict ks = kb + (s + r) * k_s;
-                v16 x = qv[0] * load16(ks);
+                const long row = (s + r) * k_s;
+                v16 x = qv[0] * kv16(bf16, kb, row);
                 for (int i = 1; i < n; i++)
-                    x += qv[i] * load16(ks + 16 * i);
+                    x += qv[i] * kv16(bf16, kb, row + 16 * i);
                 acc[r] = x;
             }
             if (rows == 16) {
@@ -178,7 +209,7 @@ INLINE void head_vec(const int n, const float *restrict cq, const float *restric
         const long rows = S - s < 16 ? S - s : 16;
         if (kn)
             for (long r = 0; r < rows; r++)
-                prefetch_row(kn + (s + r) * k_s, D);
+                prefetch_row(bf16, kv_at(bf16, kn, (s + r) * k_s), D);
         for (long j = 0; j < G; j++) {
             const float *restrict p = a + j * S + s;
             v16 o0[8], o1[8];
@@ -188,15 +219,15 @@ INLINE void head_vec(const int n, const float *restrict cq, const float *restric
             }
             long r = 0;
             for (; r + 2 <= rows; r += 2) { /* two rows into two sets of sums: twice the FMAs in flight */
-                const float *restrict v0 = vb + (s + r) * v_s, *restrict v1 = v0 + v_s;
+                const long row0 = (s + r) * v_s, row1 = row0 + v_s;
                 for (int i = 0; i < n; i++) {
-                    o0[i] += p[r] * load16(v0 + 16 * i);
-                    o1[i] += p[r + 1] * load16(v1 + 16 * i);
+                    o0[i] += p[r] * kv16(bf16, vb, row0 + 16 * i);
+                    o1[i] += p[r + 1] * kv16(bf16, vb, row1 + 16 * i);
                 }
             }
             if (r < rows)
                 for (int i = 0; i < n; i++)
-                    o0[i] += p[r] * load16(vb + (s + r) * v_s + 16 * i);
+                    o0[i] += p[r] * kv16(bf16, vb, (s + r) * v_s + 16 * i);
             for (int i = 0; i < n; i++)
                 store16(ob + j * D + 16 * i, o0[i] + o1[i]);
         }
@@ -205,17 +236,18 @@ INLINE void head_vec(const int n, const float *restrict cq, const float *restric
 #endif
 
 /* every (b, h): its queries scaled, then head_vec (n = D / 16 > 0) or head_any (n = 0) */
-INLINE void all_heads(const int n, const float *restrict q, long q_b, long q_h, long q_g, const float *restrict k,
-                      long k_b, long k_h, long k_s, const float *restrict v, long v_b, long v_h, long v_s,
-                      const float *restrict mask, long m_b, long m_h, long m_g, float *restrict out, long B, long H,
-                      long G, long S, long D, float c, float *restrict a, float *restrict cq)
+INLINE void all_heads(const int n, const int bf16, const float *restrict q, long q_b, long q_h, long q_g,
+                      const void *restrict k, long k_b, long k_h, long k_s, const void *restrict v, long v_b,
+                      long v_h, long v_s, const float *restrict mask, long m_b, long m_h, long m_g,
+                      float *restrict out, long B, long H, long G, long S, long D, float c, float *restrict a,
+                      float *restrict cq)
 {
     for (long b = 0; b < B; b++) {
         for (long h = 0; h < H; h++) {
             const float *restrict qb = q + b * q_b + h * q_h;
-            const float *restrict kb = k + b * k_b + h * k_h;
-            const float *restrict vb = v + b * v_b + h * v_h;
-            const float *restrict kn = h + 1 < H ? kb + k_h : (b + 1 < B ? k + (b + 1) * k_b : NULL);
+            const void *restrict kb = kv_at(bf16, k, b * k_b + h * k_h);
+            const void *restrict vb = kv_at(bf16, v, b * v_b + h * v_h);
+            const void *restrict kn = h + 1 < H ? kv_at(bf16, kb, k_h) : (b + 1 < B ? kv_at(bf16, k, (b + 1) * k_b) : NULL);
             const float *restrict mb = mask ? mask + b * m_b + h * m_h : NULL;
             float *restrict ob = out + (b * H + h) * G * D;
             for (long j = 0; j < G; j++)
@@ -223,20 +255,20 @@ INLINE void all_heads(const int n, const float *restrict q, long q_b, long q_h, 
                     cq[j * D + d] = qb[j * q_g + d] * c;
 #ifdef S2S_VECTORS
             if (n) {
-                head_vec(n, cq, kb, k_s, vb, v_s, kn, mb, m_g, ob, a, G, S);
+                head_vec(n, bf16, cq, kb, k_s, vb, v_s, kn, mb, m_g, ob, a, G, S);
                 continue;
             }
 #endif
-            head_any(cq, kb, k_s, vb, v_s, kn, mb, m_g, ob, a, G, S, D);
+            head_any(bf16, cq, kb, k_s, vb, v_s, kn, mb, m_g, ob, a, G, S, D);
         }
     }
 }
 
 int s2s_few_query_attention(const float *q, long q_b, long q_h, long q_g,
-                            const float *k, long k_b, long k_h, long k_s,
-                            const float *v, long v_b, long v_h, long v_s,
+                            const void *k, long k_b, long k_h, long k_s,
+                            const void *v, long v_b, long v_h, long v_s,
                             const float *mask, long m_b, long m_h, long m_g,
-                            float *out, long B, long H, long G, long S, long D, float c)
+                            float *out, long B, long H, long G, long S, long D, float c, int kv_bf16)
 {
     float *a = malloc(sizeof(float) * (size_t)(G * S + 16)); /* one head's scores, then weights A */
     float *cq = malloc(sizeof(float) * (size_t)(G * D));     /* its queries, times c */
@@ -245,16 +277,18 @@ int s2s_few_query_attention(const float *q, long q_b, long q_h, long q_g,
         free(cq);
         return -1;
     }
-#define ALL_HEADS(n) all_heads(n, q, q_b, q_h, q_g, k, k_b, k_h, k_s, v, v_b, v_h, v_s, mask, m_b, m_h, m_g, \
-                               out, B, H, G, S, D, c, a, cq)
+#define ALL_HEADS(n, bf16) all_heads(n, bf16, q, q_b, q_h, q_g, k, k_b, k_h, k_s, v, v_b, v_h, v_s, mask, m_b, \
+                                     m_h, m_g, out, B, H, G, S, D, c, a, cq)
+#define EACH_DTYPE(n) (kv_bf16 ? ALL_HEADS(n, 1) : ALL_HEADS(n, 0))
     switch (D) {
 #ifdef S2S_VECTORS
-    case 32: ALL_HEADS(2); break;
-    case 64: ALL_HEADS(4); break;
-    case 128: ALL_HEADS(8); break;
+    case 32: EACH_DTYPE(2); break;
+    case 64: EACH_DTYPE(4); break;
+    case 128: EACH_DTYPE(8); break;
 #endif
-    default: ALL_HEADS(0);
+    default: EACH_DTYPE(0);
     }
+#undef EACH_DTYPE
 #undef ALL_HEADS
     free(a);
     free(cq);
