@@ -30,9 +30,9 @@ import_torch()
 
 import s2s.modeldir  # noqa: E402,F401  (after torch: imported for the forks)
 import s2s.translate  # noqa: E402,F401
-from s2s.model.native import library  # noqa: E402
+from s2s.model.native import available  # noqa: E402
 
-library()  # the attention kernel compiled (once per machine) and loaded once, for every worker
+available()  # the attention kernel compiled (once per machine) and loaded once, for every worker
 
 if imported_by_forkserver():
     atexit.register(os._exit, 0)  # the server holds no output of its own to flush

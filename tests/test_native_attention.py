@@ -12,12 +12,13 @@ import pytest
 import torch
 
 import s2s.model.native as native
-from s2s.model.attention import NEG_INF, few_query_attention
+from s2s.model.attention import NEG_INF, few_query_attention, inference_attention
 from s2s.model.native import use_native_attention
 from tests.test_model import make_model
 from tests.test_step_script import assert_same_searches
 
-needs_kernel = pytest.mark.skipif(not native.available(), reason="no C compiler: the kernel is not built")
+needs_kernel = pytest.mark.skipif(not native.available(), reason="the kernel is not built (no C compiler?) or "
+                                  f"${native.DISABLE}=0")
 
 
 def kernel(q, k, v, mask, scale=True):
@@ -87,22 +88,33 @@ def test_kernel_widens_bf16_keys_and_values(D):
     torch.testing.assert_close(got, few_query_attention(q, k, v, mask), atol=0.05, rtol=0.05)  # torch's bf16 route
 
 
+class RecordingLibrary:
+    """The kernel's library, recording each call's last argument (K/V in bf16: 1)."""
+
+    def __init__(self, lib):
+        self.lib, self.kv_bf16 = lib, []
+
+    def s2s_few_query_attention(self, *args):
+        self.kv_bf16.append(args[-1])
+        return self.lib.s2s_few_query_attention(*args)
+
+
 @needs_kernel
 def test_scripted_and_python_steps_through_the_kernel_search_alike(monkeypatch):
     """fp32, d_head 64 (the vector path), laid out as ``s2s translate`` lays it out, the beams'
     self-attention K/V in fp32 or in bf16 slots: greedy, beams, n-best, sampling, a prefix and
     constraints search the same hypotheses scripted and in Python, bit for bit, both through
-    the kernel."""
-    calls, real = [], native.library
-    monkeypatch.setattr(native, "library", lambda: calls.append(1) or real())
+    the kernel (with bf16 slots, their self-attention through its bf16 path)."""
+    recorder = RecordingLibrary(native.library())
+    monkeypatch.setattr(native, "library", lambda: recorder)
     model = make_model(activation="relu", d_model=128, heads=2, d_ff=128).float()
     model.lay_out_for_steps()
     assert use_native_attention(model, True)
-    for slot_dtype in (None, torch.bfloat16):
+    for slot_dtype, kv_bf16 in ((None, {0}), (torch.bfloat16, {0, 1})):
         model.beam_slot_dtype = slot_dtype
-        calls.clear()
+        recorder.kv_bf16.clear()
         assert_same_searches(model)
-        assert calls  # (the kernel asks for its library at every call)
+        assert set(recorder.kv_bf16) == kv_bf16
 
 
 @needs_kernel
@@ -130,23 +142,69 @@ def test_translate_takes_the_kernel_on_one_thread_only(prepared, tmp_path, monke
 
 
 def test_without_a_compiler_decoding_takes_torchs_route(tmp_path, monkeypatch):
+    """No compiler: no kernel, no library file, and a translator built then decodes through torch's
+    products (the same outputs as with the kernel switched off)."""
     monkeypatch.setenv("S2S_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.delenv(native.DISABLE, raising=False)
     native.library.cache_clear()
     try:
         assert not native.available()
         assert not list(tmp_path.rglob("*.so*"))  # no partial library left behind
+        model = make_model(activation="relu", d_model=128, heads=2, d_ff=128).float()
+        assert not use_native_attention(model)
+        assert {m.native for m in model.modules() if hasattr(m, "native")} == {False}
     finally:
         native.library.cache_clear()
 
 
-def test_a_failing_compile_leaves_nothing(tmp_path, monkeypatch):
-    """A compiler that fails (here: `false`) is an unavailable kernel, with no file left in the cache."""
+def test_a_failing_compile_leaves_a_marker_not_a_library(tmp_path, monkeypatch):
+    """A compiler that fails (here: `false`) is an unavailable kernel: no library in the cache, and
+    a marker with its message, so that the next process does not run it again."""
     monkeypatch.setenv("S2S_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")
     with pytest.raises(OSError, match="false failed"):
         native.compile_library()
-    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert [p.suffix for p in files] == [".failed"]
+
+    def no_compiler(*a, **kw):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    with pytest.raises(OSError, match="failed before"):
+        native.compile_library()
+
+
+@needs_kernel
+def test_the_route_leaves_to_torch_what_the_kernel_does_not_take():
+    """inference_attention with ``native``: a mask of one column broadcast over the keys, a bf16
+    mask, more than 16 queries, a q whose last dimension is strided: torch's route, the same
+    values bit for bit; and the operator itself refuses what it cannot read (those, and K fp32
+    with V bf16)."""
+    g = torch.Generator().manual_seed(3)
+    B, H, S, D = 2, 2, 20, 64
+    q, k, v = (torch.randn(B, H, n, D, generator=g) for n in (1, S, S))
+    bf16_mask = (q, k, v, padded_mask(B, S, [S, 3]).bfloat16())
+    strided_q = (torch.randn(B, H, 1, 2 * D, generator=g)[..., ::2], k, v, None)
+    for q_, k_, v_, m in [(q, k, v, torch.zeros(B, 1, 1, 1)), bf16_mask,
+                          (torch.randn(B, H, 17, D, generator=g), k, v, None), strided_q]:
+        got = inference_attention(q_, k_, v_, m, True, native=True)
+        assert torch.equal(got, inference_attention(q_, k_, v_, m, True, native=False))
+    for q_, k_, v_, m in [bf16_mask, strided_q, (q, k, v.bfloat16(), None)]:
+        with pytest.raises(ValueError, match="few_query_attention"):
+            kernel(q_, k_, v_, m)
+    torch.testing.assert_close(kernel(q, k, v, torch.zeros(B, 1, 1, 1)), few_query_attention(q, k, v, None))
+
+
+@needs_kernel
+def test_a_row_with_every_key_masked_is_nan_as_in_torch():
+    B, H, S, D = 2, 2, 19, 64
+    q, k, v = torch.randn(B, H, 1, D), torch.randn(B, H, S, D), torch.randn(B, H, S, D)
+    mask = padded_mask(B, S, [S, 0])
+    got, want = kernel(q, k, v, mask), few_query_attention(q, k, v, mask)
+    assert got[1].isnan().all() and want[1].isnan().all()
+    torch.testing.assert_close(got[0], want[0])
 
 
 @needs_kernel

@@ -140,7 +140,7 @@ def inference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
     if (native and q.size(-2) <= few_queries and q.dtype == torch.float32 and v.dtype == k.dtype
             and (k.dtype == q.dtype or k.dtype == torch.bfloat16) and q.device.type == "cpu"
             and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
-            and (mask is None or (mask.dtype == q.dtype and mask.stride(-1) == 1))):
+            and (mask is None or (mask.dtype == q.dtype and mask.size(-1) == k.size(-2)))):
         return torch.ops.s2s.few_query_attention(q, k, v, mask, scale)
     if k.dtype != q.dtype or (q.size(-2) <= few_queries and q.dtype == torch.float32 and q.device.type == "cpu"):
         return few_query_attention(q, k, v, mask, scale)
@@ -235,7 +235,8 @@ class MultiHeadAttention(nn.Module):
         elif q.device.type == "cpu" and torch.is_grad_enabled() and k.size(-2) <= MATH_KEYS:
             out, A = attention(q, k, v, mask, scale=self.scale, dropout_p=p, return_weights=False)
         elif not p:
-            out, A = inference_attention(q, k, v, mask, self.scale, native=self.native), None
+            native = self.native and not torch.is_grad_enabled()  # (the kernel has no gradient)
+            out, A = inference_attention(q, k, v, mask, self.scale, native=native), None
         else:
             if mask is not None:
                 mask = mask.to(q.dtype)

@@ -7,19 +7,19 @@ which read the cross-attention K/V (fixed for the whole search, larger than the 
 caches once a batch's sources are long) at a fraction of the memory's speed.
 ``native_attention.c`` computes the same function head by head, the next head's K/V
 prefetched while one is read, with K/V in fp32 or in bf16 (a beam search's self-attention
-slots on a CPU with native bf16: widened as they are read, half the bytes); measured on 2 cores of an AMD EPYC
-(Zen 5), one thread, 64 rows x 4 heads x 64 dims, K/V out of the caches as in a step
-(microseconds, two bmm against this kernel):
+slots on a CPU with native bf16: widened as they are read, half the bytes).  Measured on 2
+cores of an AMD EPYC (Zen 5), one thread, 64 rows x 4 heads x 64 dims, fp32 K/V out of the
+caches as in a step (microseconds, two runs; README, few-query attention in C):
 
-    keys   queries    bmm      C
-      30      1       330    112
-     140      1      1038    684
-     140      5      2435   1805
+    keys   queries    two bmm       C
+      30      1       461-600    244-351
+     140      1      1079-1124   629-704
+     140      5      2259-2364  1224-1261
 
 The file is compiled once per machine with the system's C compiler (``cc``, or ``$CC``;
 ``-O3 -march=native``) into s2s's cache directory (``$S2S_CACHE_DIR``, else
-``$XDG_CACHE_HOME/s2s``, else ``~/.cache/s2s``), keyed by the source, the flags and the
-CPU, and loaded with ctypes.  It is reached as the operator
+``$XDG_CACHE_HOME/s2s``, else ``~/.cache/s2s``), keyed by the source, the compiler and its
+flags and the CPU, and loaded with ctypes.  It is reached as the operator
 ``torch.ops.s2s.few_query_attention``, so that the scripted decoder step
 (s2s.model.step_script) calls it as the Python step does.  Where there is no compiler, or
 ``S2S_NATIVE_ATTENTION=0``, :func:`available` is False and decoding takes torch's route:
@@ -36,6 +36,7 @@ import logging
 import math
 import os
 import platform
+import shlex
 import subprocess
 import tempfile
 from pathlib import Path
@@ -68,8 +69,8 @@ def build_key(source: bytes, compiler: str) -> str:
     from s2s.precision import cpuinfo_field
 
     h = hashlib.sha256(source)
-    for part in (compiler, " ".join(CFLAGS), platform.machine(), cpuinfo_field("model name"),
-                 cpuinfo_field("flags")):
+    cpu = [cpuinfo_field(key) for key in ("model name", "flags", "Features", "CPU implementer", "CPU part")]  # x86, arm
+    for part in (compiler, " ".join(CFLAGS), platform.machine(), platform.processor(), *cpu):
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:16]
 
@@ -77,20 +78,29 @@ def build_key(source: bytes, compiler: str) -> str:
 def compile_library() -> Path:
     """The library compiled for this machine, built into :func:`cache_dir` first if it is not
     there (written under a temporary name and renamed, so that processes building it at once
-    never load a partial file).  Raises OSError or subprocess.SubprocessError where it cannot."""
+    never load a partial file).  A compiler that failed leaves ``attention-KEY.failed`` (its
+    message) instead, and is not run again for the same source, compiler and CPU.  Raises
+    OSError or subprocess.SubprocessError where it cannot."""
     compiler = os.environ.get("CC") or "cc"
     source = SOURCE.read_bytes()
     out = cache_dir() / "native" / f"attention-{build_key(source, compiler)}.so"
+    failed = out.with_suffix(".failed")
     if out.exists():
         return out
+    if failed.exists():
+        raise OSError(f"{compiler} failed before ({failed}): {failed.read_text(errors='replace').strip()}")
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".attention-", suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
-                              timeout=COMPILE_TIMEOUT_S, check=False)
+        done = subprocess.run([*shlex.split(compiler), *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
+                              text=True, errors="replace", timeout=COMPILE_TIMEOUT_S, check=False)
         if done.returncode:
-            raise OSError(f"{compiler} failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+            lines = (done.stderr or done.stdout).strip().splitlines()
+            why = lines[-1] if lines else f"exit status {done.returncode}"
+            failed.write_text(why + "\n")
+            raise OSError(f"{compiler} failed: {why}")
+        os.chmod(tmp, 0o755)  # (mkstemp's file is 0600: others sharing $S2S_CACHE_DIR may load it too)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -105,10 +115,10 @@ def library() -> Optional[ctypes.CDLL]:
     debug level)."""
     try:
         lib = ctypes.CDLL(str(compile_library()))
-    except (OSError, subprocess.SubprocessError) as e:
+        fn = lib.s2s_few_query_attention
+    except (OSError, subprocess.SubprocessError, AttributeError) as e:
         log.debug("native attention unavailable (%s): torch's route", e)
         return None
-    fn = lib.s2s_few_query_attention
     fn.restype = ctypes.c_int
     tensor = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]  # data, strides of b, h, and g or s
     fn.argtypes = (tensor * 4 + [ctypes.c_void_p] + [ctypes.c_long] * 5  # q k v mask out B H G S D
@@ -143,11 +153,19 @@ def few_query_attention_kernel(q: Tensor, k: Tensor, v: Tensor, mask: Optional[T
     out (B, heads, G, d_k) fp32, contiguous."""
     B, H, G, D = q.shape
     S = k.size(2)
+    if (q.dtype != torch.float32 or k.dtype not in (torch.float32, torch.bfloat16) or v.dtype != k.dtype
+            or k.shape != (B, H, S, D) or v.shape != k.shape or any(x.stride(-1) != 1 for x in (q, k, v))
+            or (mask is not None and mask.dtype != torch.float32)):
+        raise ValueError(f"s2s::few_query_attention: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, "
+                         f"v {tuple(v.shape)} {v.dtype}: q fp32, k and v both fp32 or both bf16, (B, heads, T, d) "
+                         f"alike, each with a contiguous last dimension")
     out = torch.empty((B, H, G, D), dtype=torch.float32)
     if mask is None:
         m_ptr, m_strides = None, (0, 0, 0)
     else:
         m = mask.expand(B, H, G, S)  # broadcast dimensions get stride 0
+        if m.stride(-1) != 1:  # one column broadcast over the keys: the kernel reads a column per key
+            m = m.contiguous()
         m_ptr, m_strides = m.data_ptr(), m.stride()[:3]
     c = 1.0 / math.sqrt(D) if scale else 1.0
     lib = library()
