@@ -43,10 +43,14 @@ log = logging.getLogger("s2s")
 
 @functools.lru_cache(maxsize=None)
 def cpuinfo_field(key: str) -> str:
-    """The value of the first CPU's ``key`` line in /proc/cpuinfo ("" where there is none)."""
+    """The value of the first CPU's ``key`` line in /proc/cpuinfo ("" where there is none).  Only
+    the first CPU's block is read: a key it lacks (the arm fields on x86, s2s.model.native asks
+    for both) costs no pass over every core's block, which the kernel writes afresh each time."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
+                if not line.strip():  # the end of the first CPU's block
+                    break
                 if line.startswith(key):
                     return line.split(":", 1)[1].strip()
     except OSError:
