@@ -34,7 +34,7 @@ def padded_mask(B: int, S: int, lengths: list[int]) -> torch.Tensor:
 
 
 @needs_kernel
-@pytest.mark.parametrize("D", [64, 32, 128, 8, 24])  # 16-float vectors (32, 64, 128) and the loop for any d_head
+@pytest.mark.parametrize("D", [64, 32, 48, 128, 16, 8, 24])  # 16-float vectors (16 n) and the loop for any d_head
 @pytest.mark.parametrize("G", [1, 5, 16])
 @pytest.mark.parametrize("S", [1, 15, 16, 17, 45])  # blocks of 16 keys and their remainders
 def test_kernel_computes_what_torchs_products_compute(D, G, S):
@@ -72,7 +72,7 @@ def test_kernel_reads_the_layouts_a_step_gives_it():
 
 
 @needs_kernel
-@pytest.mark.parametrize("D", [64, 24])
+@pytest.mark.parametrize("D", [64, 48, 24])
 def test_kernel_widens_bf16_keys_and_values(D):
     """K/V in bf16 (a beam search's self-attention slots): the kernel computes in fp32 what the
     K/V say, widened exactly; torch's products round q and the scores to bf16 as well."""

@@ -21,7 +21,7 @@
 
 #if defined(__has_builtin)
 #if __has_builtin(__builtin_shufflevector)
-#define S2S_VECTORS 1 /* GCC >= 12, clang: 16-float vectors for d_head = 32, 64, 128 */
+#define S2S_VECTORS 1 /* GCC >= 12, clang: 16-float vectors for d_head = 16, 32, ..., 128 */
 #endif
 #endif
 
@@ -283,8 +283,13 @@ int s2s_few_query_attention(const float *q, long q_b, long q_h, long q_g,
 #define EACH_DTYPE(n) (kv_bf16 ? ALL_HEADS(n, 1) : ALL_HEADS(n, 0))
     switch (D) {
 #ifdef S2S_VECTORS
+    case 16: EACH_DTYPE(1); break;
     case 32: EACH_DTYPE(2); break;
+    case 48: EACH_DTYPE(3); break; /* the quickstart shape: d_model 192, 4 heads */
     case 64: EACH_DTYPE(4); break;
+    case 80: EACH_DTYPE(5); break;
+    case 96: EACH_DTYPE(6); break;
+    case 112: EACH_DTYPE(7); break;
     case 128: EACH_DTYPE(8); break;
 #endif
     default: EACH_DTYPE(0);
