@@ -272,6 +272,14 @@ class DecoderCache:
     slot_dtype: Optional[torch.dtype] = None  # the slots' dtype where not the model's (module doc)
     ancestry: Optional[Tensor] = None  # (B, t) long: with slots, the slot of each row's ancestor at each t'
 
+    def narrow_cross_kv(self, dtype: torch.dtype) -> None:
+        """Keep every layer's cross-attention K/V in ``dtype`` (bf16 for an fp32 model: a greedy
+        search reads them whole at every step, and the attention kernel widens them as it reads,
+        s2s.model.native), except a coverage layer's, whose attention weights are kept."""
+        for layer in self.layers:
+            if layer.cross_k is not None and layer.coverage is None:
+                layer.cross_k, layer.cross_v = layer.cross_k.to(dtype), layer.cross_v.to(dtype)
+
     @property
     def slots(self) -> int:
         """K when the self-attention K/V are kept in beam slots (see the module doc), else 1."""
