@@ -86,3 +86,43 @@ def test_training_records_the_decode_keys_it_chose(tmp_path):
 def test_the_api_refuses_before_loading_anything(tmp_path, kwargs, message):
     with pytest.raises(S2SError, match=message):
         Translator.from_dirs([tmp_path / "no-model"], **kwargs)
+
+
+def test_a_model_directory_loads_without_drawing_parameters_it_then_overwrites(prepared, tmp_path, monkeypatch):
+    """load_model_dir builds the model with torch.nn.init's initialisers skipped (every parameter
+    is loaded right after): the loaded weights are the file's, bit for bit; the initialisers are
+    torch's own again after it, an error inside included; and a file missing a parameter is
+    refused, so no undrawn one is ever used."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from s2s.modeldir import WEIGHTS, load_model_dir, skipped_init
+    from s2s.textio import file_sha256
+    from tests.conftest import untrained_model_dir
+
+    model_dir = untrained_model_dir(prepared, tmp_path / "m")
+    drawn = []
+    real = torch.nn.init.xavier_uniform_
+
+    def recording(t, *a, **k):
+        drawn.append(t.shape)
+        return real(t, *a, **k)
+
+    monkeypatch.setattr(torch.nn.init, "xavier_uniform_", recording)
+    loaded = load_model_dir(model_dir).model
+    assert drawn == []  # nothing drawn while building
+    assert torch.nn.init.xavier_uniform_ is recording  # and put back
+    saved = load_file(str(model_dir / WEIGHTS))
+    state = loaded.state_dict()
+    assert saved and all(torch.equal(state[name], t) for name, t in saved.items())
+    with pytest.raises(RuntimeError, match="inside"):
+        with skipped_init():
+            raise RuntimeError("inside")
+    assert torch.nn.init.xavier_uniform_ is recording
+    del saved[next(iter(saved))]
+    save_file(saved, str(model_dir / WEIGHTS))
+    meta = json.loads((model_dir / "model.json").read_text())
+    meta["sha256"] = file_sha256(model_dir / WEIGHTS)  # a consistent directory, one tensor short
+    (model_dir / "model.json").write_text(json.dumps(meta))
+    with pytest.raises(S2SError, match="missing"):
+        load_model_dir(model_dir)
