@@ -139,7 +139,7 @@ def greedy_cross_kv_dtype(device: torch.device, precision: str,
     else None.  A greedy step reads every sentence's K/V for its one query: half the bytes,
     widened as the attention kernel reads them (paired on an Intel Xeon with AMX, int8
     matrices, one thread, 1,000 lines: 0.89-0.95 of greedy's time, BLEU within 0.1; README,
-    bf16 cross-attention K/V).  Not for a beam search: its beams share each sentence's K/V,
+    the AMX Xeon again).  Not for a beam search: its beams share each sentence's K/V,
     and widening them cost more than the bytes saved (1.01-1.02 of beam 5's time)."""
     return beam_slot_dtype(device, precision, flags)
 

@@ -218,3 +218,72 @@ def test_the_library_is_compiled_once_per_machine(tmp_path, monkeypatch):
 
     monkeypatch.setattr(subprocess, "run", no_compiler)
     assert native.compile_library() == built
+
+
+@needs_kernel
+@pytest.mark.parametrize("V", [8000, 37, 16, 1])
+def test_argmax_rows_finds_the_first_maximum_of_bf16_rows(V):
+    """The kernel's argmax over bf16 rows: numpy's first maximum of the widened scores, ties
+    across its blocks of 512 and inside one included; a row of -inf gives index 0; rows that are
+    a view of wider ones are read in place."""
+    g = torch.Generator().manual_seed(V)
+    wide = (torch.randn(6, V + 5, generator=g) * 4).bfloat16()
+    z = wide[:, :V]  # rows V + 5 apart
+    if V > 600:
+        z[1, 20] = z[1, 600] = z[1].max() + 1  # a tie across blocks: the first
+        z[2, 7] = z[2, 9] = z[2].max() + 1  # inside one
+    z[3] = float("-inf")
+    best, index = native.argmax_rows(z)
+    want = torch.from_numpy(z.float().numpy().argmax(axis=1))
+    assert torch.equal(index, want) and index.dtype == torch.int64
+    assert torch.equal(best, z.float().gather(1, want[:, None]).squeeze(1))
+    if V > 600:
+        assert index[1] == 20 and index[2] == 7
+    assert index[3] == 0
+
+
+@needs_kernel
+def test_argmax_rows_leaves_to_the_caller_what_it_does_not_take(monkeypatch):
+    """A row holding NaN, fp32 scores, a strided last dimension, the kernels switched off: None
+    (best_tokens then widens and asks numpy, which gives the same maximum and index)."""
+    from s2s.search import best_tokens
+
+    z = torch.randn(3, 50).bfloat16()
+    with_nan = z.clone()
+    with_nan[1, 4] = float("nan")
+    assert native.argmax_rows(with_nan) is None
+    assert native.argmax_rows(z.float()) is None
+    assert native.argmax_rows(torch.randn(3, 100).bfloat16()[:, ::2]) is None
+    monkeypatch.setenv(native.DISABLE, "0")
+    assert native.argmax_rows(z) is None
+    fallback = best_tokens(z.clone())
+    monkeypatch.delenv(native.DISABLE)
+    kernel_route = best_tokens(z.clone())
+    assert torch.equal(fallback[1], kernel_route[1]) and torch.equal(fallback[0], kernel_route[0])
+    assert best_tokens(with_nan)[1][1] == 4  # numpy's: the first NaN
+
+
+@needs_kernel
+def test_greedy_search_on_bf16_scores_picks_what_the_fp32_scores_pick(monkeypatch):
+    """A bf16 model's greedy search with no score to show: the step's bf16 scores are searched
+    as they are (the kernel's argmax), and choose the tokens of the normalized fp32 log p, and
+    of the same scores widened (the kernel switched off)."""
+    from s2s.config import DecodeConfig
+    from s2s.search import ModelDecoder, SpecialIds, search
+    from tests.test_model import right_pad, tokens
+
+    calls = []
+    real = native.argmax_rows
+    monkeypatch.setattr(native, "argmax_rows", lambda z: calls.append(z.dtype) or real(z))
+    model = make_model(activation="relu", d_model=128, heads=2, d_ff=128).to(torch.bfloat16)
+    src = right_pad([tokens(5, seed=90), tokens(3, seed=91), tokens(7, seed=92)])
+    ids, max_len, greedy = SpecialIds(bos_id=1, eos_id=2, pad_id=0), torch.full((3,), 12), DecodeConfig(beam=1)
+
+    def found(normalized: bool) -> list[list[int]]:
+        return [s[0].tokens for s in search(ModelDecoder(model, src, normalized=normalized), max_len, greedy, ids)]
+
+    raw = found(False)
+    assert calls and set(calls) == {torch.bfloat16}
+    assert raw == found(True)
+    monkeypatch.setenv(native.DISABLE, "0")
+    assert raw == found(False)

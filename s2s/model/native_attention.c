@@ -13,6 +13,8 @@
  * widened to fp32 as they are read; q, M and out are fp32, and every sum runs in fp32.
  * Strides are in elements; the last dimension of every tensor is contiguous.  M may be NULL.
  * Returns 0, or -1 where the scores' scratch cannot be allocated.
+ *
+ * Also (at the end): a greedy step's argmax over bf16 scores, read as they are (s2s_argmax_rows).
  */
 #include <math.h>
 #include <stdint.h>
@@ -298,5 +300,68 @@ int s2s_few_query_attention(const float *q, long q_b, long q_h, long q_g,
 #undef ALL_HEADS
     free(a);
     free(cq);
+    return 0;
+}
+
+/* ---- a greedy step's choice: the best of each row of scores z over the V target tokens ---- */
+
+#define ARGMAX_BLOCK 512
+
+/* the largest of z[b .. end) (fp32 or bf16, widened) and whether any is NaN */
+INLINE float block_max(const int bf16, const void *restrict zn, long b, long end, int *nan)
+{
+    float m = -INFINITY;
+    long v = b;
+#ifdef S2S_VECTORS
+    typedef int32_t i32x16 __attribute__((vector_size(64)));
+    v16 mv = (v16){0} - INFINITY;
+    i32x16 nv = {0};
+    for (; v + 16 <= end; v += 16) {
+        const v16 x = kv16(bf16, zn, v);
+        const i32x16 up = x > mv;
+        mv = (v16)(((i32x16)x & up) | ((i32x16)mv & ~up));
+        nv |= x != x;
+    }
+    for (int l = 0; l < 16; l++) {
+        m = mv[l] > m ? mv[l] : m;
+        *nan |= nv[l] != 0;
+    }
+#endif
+    for (; v < end; v++) {
+        const float x = kv_float(bf16, zn, v);
+        m = x > m ? x : m;
+        *nan |= x != x;
+    }
+    return m;
+}
+
+/* best[n] = max_v z[n,v] and index[n] = the first v holding it (numpy's and torch's choice on
+ * ties; every score -inf: 0), z fp32 or bf16 (``z_bf16``, widened as it is read).  The maxima
+ * of blocks of 512 scores run 16 lanes at a time; only the first block reaching the row's
+ * maximum is scanned for its position.  Returns 0, or 1 at a row holding NaN (the caller takes
+ * torch's route). */
+int s2s_argmax_rows(const void *z, long z_row, int z_bf16, long N, long V, float *best, int64_t *index)
+{
+    for (long n = 0; n < N; n++) {
+        const void *zn = kv_at(z_bf16, z, n * z_row);
+        float top = -INFINITY;
+        long top_block = 0;
+        int nan = 0;
+        for (long b = 0; b < V; b += ARGMAX_BLOCK) {
+            const long end = b + ARGMAX_BLOCK < V ? b + ARGMAX_BLOCK : V;
+            const float m = z_bf16 ? block_max(1, zn, b, end, &nan) : block_max(0, zn, b, end, &nan);
+            if (m > top) {
+                top = m;
+                top_block = b;
+            }
+        }
+        if (nan)
+            return 1;
+        long at = top_block;
+        while (at < V - 1 && kv_float(z_bf16, zn, at) != top)
+            at++;
+        best[n] = kv_float(z_bf16, zn, at);
+        index[n] = at;
+    }
     return 0;
 }
