@@ -16,6 +16,7 @@ import errno
 import json
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,29 +93,50 @@ INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "z
                 "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_")
 
 
+_init_lock = threading.Lock()
+_init_state = {"users": 0, "drawn": {}}  # blocks open in any thread; torch's own initialisers meanwhile
+_init_local = threading.local()  # .skipping: blocks open in this thread
+
+
 @contextlib.contextmanager
 def skipped_init():
-    """Build modules without drawing their parameters: every torch.nn.init initialiser returns
-    its tensor as it is, for a model whose every parameter is loaded right after (the weights of
-    a model directory: :func:`load_weights` refuses a file that misses one).  Building the
-    reference model took 0.06-0.09 s with its draws, 0.003 s without (README, the AMX Xeon
-    again); each translate worker builds it before its first line.  Not thread-safe: the
-    initialisers are torch's module attributes, swapped for the block."""
+    """Build modules without drawing their parameters: in this thread every torch.nn.init
+    initialiser returns its tensor as it is, for a model whose every parameter is loaded right
+    after (the weights of a model directory: :func:`load_weights` refuses a file that misses
+    one).  Building the reference model took 0.06-0.09 s with its draws, 0.003 s without
+    (README, the AMX Xeon again); each translate worker builds it before its first line.
+    While a block is open the initialisers are swapped for stand-ins that draw as torch's do
+    in every other thread, so a model built elsewhere meanwhile is initialised as always."""
     import torch
 
-    drawn = {name: getattr(torch.nn.init, name) for name in INITIALISERS if hasattr(torch.nn.init, name)}
-    for name in drawn:
-        setattr(torch.nn.init, name, _kept)
+    with _init_lock:
+        if _init_state["users"] == 0:
+            _init_state["drawn"] = {n: getattr(torch.nn.init, n) for n in INITIALISERS if hasattr(torch.nn.init, n)}
+            for name, fn in _init_state["drawn"].items():
+                setattr(torch.nn.init, name, _stand_in(fn))
+        _init_state["users"] += 1
+    _init_local.skipping = getattr(_init_local, "skipping", 0) + 1
     try:
         yield
     finally:
-        for name, fn in drawn.items():
-            setattr(torch.nn.init, name, fn)
+        _init_local.skipping -= 1
+        with _init_lock:
+            _init_state["users"] -= 1
+            if _init_state["users"] == 0:
+                for name, fn in _init_state["drawn"].items():
+                    setattr(torch.nn.init, name, fn)
 
 
-def _kept(tensor, *args, **kwargs):
-    """An initialiser that leaves ``tensor`` as it is (:func:`skipped_init`)."""
-    return tensor
+def _stand_in(draw):
+    """``draw`` (a torch.nn.init initialiser), except in a thread inside :func:`skipped_init`,
+    where the tensor is left as it is."""
+
+    def initialiser(tensor, *args, **kwargs):
+        if getattr(_init_local, "skipping", 0):
+            return tensor
+        return draw(tensor, *args, **kwargs)
+
+    return initialiser
 
 
 def build_model(cfg: ExperimentConfig, tok: Tokenizer, init: bool = True) -> S2SModel:

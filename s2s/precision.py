@@ -131,16 +131,18 @@ def beam_slot_dtype(device: torch.device, precision: str,
     return torch.bfloat16
 
 
-def greedy_cross_kv_dtype(device: torch.device, precision: str,
-                          flags: Optional[set[str] | frozenset[str]] = None) -> Optional[torch.dtype]:
-    """The dtype decoding's ``--precision auto`` keeps a greedy search's cross-attention K/V in
-    (s2s.model.cache.DecoderCache.narrow_cross_kv), where not the model's: bf16 for an fp32 model
+def greedy_kv_dtype(device: torch.device, precision: str,
+                    flags: Optional[set[str] | frozenset[str]] = None) -> Optional[torch.dtype]:
+    """The dtype decoding's ``--precision auto`` keeps a greedy search's attention K/V in
+    (s2s.model.cache.DecoderCache.narrow_kv), where not the model's and the attention kernel
+    reads them (the caller's condition: one thread, the kernel built): bf16 for an fp32 model
     (int8 matrices or not) on a CPU with native bf16 products, as for :func:`beam_slot_dtype`;
-    else None.  A greedy step reads every sentence's K/V for its one query: half the bytes,
-    widened as the attention kernel reads them (paired on an Intel Xeon with AMX, int8
-    matrices, one thread, 1,000 lines: 0.89-0.95 of greedy's time, BLEU within 0.1; README,
-    the AMX Xeon again).  Not for a beam search: its beams share each sentence's K/V,
-    and widening them cost more than the bytes saved (1.01-1.02 of beam 5's time)."""
+    else None.  A greedy step reads every row's K/V for its one query: half the bytes,
+    widened as the kernel reads them (paired on an Intel Xeon with AMX, int8 matrices, one
+    thread, 1,000 lines: 0.90-0.94 of greedy's time, BLEU within 0.1; README, the AMX Xeon
+    again; through torch's bf16 products instead, 1.58x the time on a Zen 5).  Not for a beam
+    search: its beams share each sentence's K/V, and widening them cost more than the bytes
+    saved (1.01-1.02 of beam 5's time)."""
     return beam_slot_dtype(device, precision, flags)
 
 

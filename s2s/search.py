@@ -152,9 +152,9 @@ class ModelDecoder:
     cross-attention averaged over heads (for the coverage penalty).  With
     ``vocab_subset`` (V',) ascending target ids (a shortlist), the search runs
     over the subset: token i of the search is target id vocab_subset[i], the
-    log-probs are (N, V') and normalized over the subset.  With ``cross_kv_dtype`` the
-    cross-attention K/V are kept in that dtype (a greedy search's, see
-    :meth:`~s2s.model.cache.DecoderCache.narrow_cross_kv`), unless attention weights are read.
+    log-probs are (N, V') and normalized over the subset.  With ``greedy_kv_dtype`` the
+    attention K/V are kept in that dtype (a greedy search's, see
+    :meth:`~s2s.model.cache.DecoderCache.narrow_kv`), unless attention weights are read.
 
     With ``normalized`` False a step returns the scores z (N, V) themselves, not
     log p = z - log sum_v exp z_v: the same argmax, for a greedy search whose hypotheses
@@ -166,14 +166,14 @@ class ModelDecoder:
 
     def __init__(self, model: S2SModel, src: Tensor, track_attention: bool = False,
                  vocab_subset: Optional[Tensor] = None, normalized: bool = True,
-                 cross_kv_dtype: Optional[torch.dtype] = None):
+                 greedy_kv_dtype: Optional[torch.dtype] = None):
         self.model = model
         self.track_attention = track_attention
         self.normalized = normalized
         self._attention: Optional[Tensor] = None
         self.cache = model.start_decoding(model.encode(src))  # the source's K/V, once
-        if cross_kv_dtype is not None and not track_attention and not model.needs_attention:
-            self.cache.narrow_cross_kv(cross_kv_dtype)  # (no attention weights are read from them)
+        if greedy_kv_dtype is not None and not track_attention and not model.needs_attention:
+            self.cache.narrow_kv(greedy_kv_dtype)  # (no attention weights are read from them)
         self.ids = vocab_subset
         if vocab_subset is not None:
             self.cache.vocab_subset = model.vocab_subset(vocab_subset)  # W_U's rows, once

@@ -31,7 +31,7 @@ from s2s.model.native import available as available_native_attention
 from s2s.model.native import use_native_attention
 from s2s.modeldir import input_cap, model_decode_settings, position_table
 from s2s.output import OutputFormat, confidence, format_translation
-from s2s.precision import auto_arithmetic, auto_precision, beam_slot_dtype, greedy_cross_kv_dtype, resolve_precision  # noqa: F401 (auto_precision: importable from here too)
+from s2s.precision import auto_arithmetic, auto_precision, beam_slot_dtype, greedy_kv_dtype, resolve_precision  # noqa: F401 (auto_precision: importable from here too)
 from s2s.search import (
     EnsembleDecoder,
     Hypothesis,
@@ -287,7 +287,7 @@ class Translator:
         (:func:`auto_arithmetic`: bf16 or fp32 with int8 matrices, whichever was measured faster
         on this kind of CPU; with fp32, a beam search's self-attention K/V in bf16 where the CPU
         multiplies bf16 natively, :func:`~s2s.precision.beam_slot_dtype`, and a greedy search's
-        cross-attention K/V, :func:`~s2s.precision.greedy_cross_kv_dtype`).  ``quantize``: None, or
+        attention K/V where the C kernel reads them, :func:`~s2s.precision.greedy_kv_dtype`).  ``quantize``: None, or
         int8 (see :meth:`quantize_int8`), with fp32 weights only.  fp32 on one CPU thread:
         decoding's attention through the C kernel where it compiled (s2s.model.native)."""
         if precision not in PRECISIONS:
@@ -306,14 +306,14 @@ class Translator:
         native = (self.device.type == "cpu" and precision == "fp32" and torch.get_num_threads() == 1
                   and available_native_attention())  # (the kernel runs on one thread)
         slot_dtype = beam_slot_dtype(self.device, precision) if auto else None
-        cross_dtype = greedy_cross_kv_dtype(self.device, precision) if auto else None
+        greedy_dtype = greedy_kv_dtype(self.device, precision) if auto and native else None  # (the kernel widens)
         if auto:
-            narrow = ", beams' self-attention K/V and greedy search's cross-attention K/V in bf16"
+            narrowed = "beams' self-attention K/V" + (" and greedy search's attention K/V" if greedy_dtype else "")
             log.info("--precision auto: %s%s%s (%s)", precision, " and int8" if quantize == "int8" else "",
-                     narrow if slot_dtype else "", why)
+                     f", {narrowed} in bf16" if slot_dtype else "", why)
         for member in [self.model, *self.extra_models]:
             member.beam_slot_dtype = slot_dtype
-            member.cross_kv_dtype = cross_dtype
+            member.greedy_kv_dtype = greedy_dtype
             use_native_attention(member, native)  # before the step is scripted: it copies the choice
         if precision == "bf16":
             self.to_bf16()
@@ -413,7 +413,8 @@ class Translator:
         # greedy search ranks nothing: without a score to show, its steps need no normalizing
         greedy = greedy_search_runs(self.decode, constraints)
         normalized = self.scores or bool(self.extra_models) or not greedy or self.decode.sampling
-        decoders = [ModelDecoder(m, src, track, ids, normalized, m.cross_kv_dtype if greedy else None)
+        narrow = greedy and not self.decode.sampling  # (measured for greedy search)
+        decoders = [ModelDecoder(m, src, track, ids, normalized, m.greedy_kv_dtype if narrow else None)
                     for m in [self.model, *self.extra_models]]
         decoder = decoders[0] if len(decoders) == 1 else EnsembleDecoder(decoders, self.weights)
         found = search(decoder, max_len, self.decode, special, prefix, constraints)

@@ -325,38 +325,49 @@ def test_searches_over_bf16_beam_slots_run_every_decode_feature():
 
 
 @torch.no_grad()
-def test_greedy_search_over_bf16_cross_kv_reads_the_rounded_kv():
-    """cross_kv_dtype bf16 (a greedy search's under --precision auto on a CPU with native bf16):
-    every layer's cross-attention K/V are bf16, the fp32 ones rounded; greedy search decodes the
-    same as over fp32 K/V holding those rounded values (through the attention kernel, which
-    widens them exactly, to fp32's rounding; through torch's route, whose products round q and
-    the scores to bf16 too, to bf16's); a coverage layer's stay fp32, and a decoder tracking
-    attention keeps them as computed."""
+def test_greedy_search_over_bf16_kv_reads_the_rounded_kv():
+    """greedy_kv_dtype bf16 (a greedy search's under --precision auto on a CPU with native bf16,
+    the attention through the C kernel): every layer's cross-attention K/V are the fp32 ones
+    rounded to bf16, and its self-attention buffers bf16, written as each step computes them;
+    the Python step and the scripted one keep the same dtypes and search the same tokens, to
+    fp32's rounding of the scores; through torch's route too (whose products round q and the
+    scores to bf16 as well, so to bf16's).  A coverage layer's K/V stay fp32, and a decoder
+    tracking attention keeps them as computed."""
     import s2s.model.native as native
     from s2s.config import DecodeConfig
     from s2s.search import SpecialIds, search
 
-    model = make_model().float()
     src = right_pad([tokens(5, seed=80), tokens(3, seed=81), tokens(6, seed=82)])
     ids, max_len, greedy = SpecialIds(bos_id=1, eos_id=2, pad_id=0), torch.full((3,), 10), DecodeConfig(beam=1)
+    found = {}
     for kernel in (False, True) if native.available() else (False,):
-        native.use_native_attention(model, kernel)
-        narrow = ModelDecoder(model, src, cross_kv_dtype=torch.bfloat16)
-        wide = ModelDecoder(model, src)
-        for n, w in zip(narrow.cache.layers, wide.cache.layers):
-            assert n.cross_k.dtype == n.cross_v.dtype == torch.bfloat16
-            assert torch.equal(n.cross_k, w.cross_k.bfloat16()) and torch.equal(n.cross_v, w.cross_v.bfloat16())
-            w.cross_k, w.cross_v = w.cross_k.bfloat16().float(), w.cross_v.bfloat16().float()
-        got, want = search(narrow, max_len, greedy, ids), search(wide, max_len, greedy, ids)
-        assert [[h.tokens for h in s] for s in got] == [[h.tokens for h in s] for s in want]
-        for a, b in zip(got, want):
-            assert a[0].score == pytest.approx(b[0].score, abs=1e-4 if kernel else 2e-2)
-    native.use_native_attention(model, False)
-    tracked = ModelDecoder(model, src, track_attention=True, cross_kv_dtype=torch.bfloat16)
+        for scripted in (False, True):
+            model = make_model(activation="relu").float()
+            model.lay_out_for_steps()
+            native.use_native_attention(model, kernel)
+            if scripted:
+                model.script_step()
+                assert model.step_script is not None
+            narrow = ModelDecoder(model, src, greedy_kv_dtype=torch.bfloat16)
+            wide = ModelDecoder(model, src)
+            for n, w in zip(narrow.cache.layers, wide.cache.layers):
+                assert n.cross_k.dtype == n.cross_v.dtype == torch.bfloat16
+                assert torch.equal(n.cross_k, w.cross_k.bfloat16()) and torch.equal(n.cross_v, w.cross_v.bfloat16())
+            hyps = search(narrow, max_len, greedy, ids)
+            assert {(lc.k_buf.dtype, lc.v_buf.dtype) for lc in narrow.cache.layers} == {(torch.bfloat16,) * 2}
+            found[kernel, scripted] = [(s[0].tokens, s[0].score) for s in hyps]
+    for kernel, scripted in found:
+        got, want = found[kernel, scripted], found[kernel, False]
+        assert [t for t, _ in got] == [t for t, _ in want]
+        for (_, a), (_, b) in zip(got, want):
+            assert a == pytest.approx(b, abs=1e-4 if kernel else 2e-2)
+    model = make_model().float()
+    tracked = ModelDecoder(model, src, track_attention=True, greedy_kv_dtype=torch.bfloat16)
     assert {lc.cross_k.dtype for lc in tracked.cache.layers} == {torch.float32}
+    assert {lc.kv_dtype for lc in tracked.cache.layers} == {None}
     cache = model.start_decoding(model.encode(src))
     cache.layers[-1].coverage = torch.zeros(3, src.size(1))
-    cache.narrow_cross_kv(torch.bfloat16)
+    cache.narrow_kv(torch.bfloat16)
     assert [lc.cross_k.dtype for lc in cache.layers] == [torch.bfloat16] * (len(cache.layers) - 1) + [torch.float32]
 
 
@@ -425,11 +436,11 @@ def test_beam_slots_in_bf16_only_for_an_fp32_model_on_a_cpu_with_native_bf16():
     assert beam_slot_dtype(cpu, "bf16", zen5) is None  # its K/V are bf16 already
     assert beam_slot_dtype(cpu, "fp32", {"avx2", "avx512f"}) is None
     assert beam_slot_dtype(torch.device("cuda"), "fp32", zen5) is None
-    from s2s.precision import greedy_cross_kv_dtype  # the same CPUs: a greedy search's cross-attention K/V
+    from s2s.precision import greedy_kv_dtype  # the same CPUs: a greedy search's cross-attention K/V
 
-    assert greedy_cross_kv_dtype(cpu, "fp32", zen5) == torch.bfloat16
-    assert greedy_cross_kv_dtype(cpu, "bf16", zen5) is None
-    assert greedy_cross_kv_dtype(cpu, "fp32", {"avx2", "avx512f"}) is None
+    assert greedy_kv_dtype(cpu, "fp32", zen5) == torch.bfloat16
+    assert greedy_kv_dtype(cpu, "bf16", zen5) is None
+    assert greedy_kv_dtype(cpu, "fp32", {"avx2", "avx512f"}) is None
 
 
 def test_auto_precision_reads_the_cpu_flags():

@@ -102,13 +102,16 @@ def test_a_model_directory_loads_without_drawing_parameters_it_then_overwrites(p
 
     model_dir = untrained_model_dir(prepared, tmp_path / "m")
     drawn = []
-    real = torch.nn.init.xavier_uniform_
 
-    def recording(t, *a, **k):
-        drawn.append(t.shape)
-        return real(t, *a, **k)
+    def recorded(real):
+        def recording(t, *a, **k):
+            drawn.append(t.shape)
+            return real(t, *a, **k)
+        return recording
 
-    monkeypatch.setattr(torch.nn.init, "xavier_uniform_", recording)
+    for name in ("xavier_uniform_", "normal_", "kaiming_uniform_"):  # the matrices', embeddings', nn.Linear's
+        monkeypatch.setattr(torch.nn.init, name, recorded(getattr(torch.nn.init, name)))
+    recording = torch.nn.init.xavier_uniform_
     loaded = load_model_dir(model_dir).model
     assert drawn == []  # nothing drawn while building
     assert torch.nn.init.xavier_uniform_ is recording  # and put back
@@ -118,6 +121,18 @@ def test_a_model_directory_loads_without_drawing_parameters_it_then_overwrites(p
     with pytest.raises(RuntimeError, match="inside"):
         with skipped_init():
             raise RuntimeError("inside")
+    assert torch.nn.init.xavier_uniform_ is recording
+    import threading
+
+    with skipped_init():  # another thread building meanwhile draws as always
+        other = []
+        thread = threading.Thread(target=lambda: other.append(torch.nn.Linear(4, 4).weight.detach().clone()))
+        thread.start()
+        thread.join()
+        here = torch.nn.Linear(4, 4)
+        torch.nn.init.normal_(here.weight)  # skipped here: whatever torch.empty held
+    assert drawn == [torch.Size([4, 4])]  # the other thread's nn.Linear, drawn through kaiming_uniform_
+    assert other[0].abs().max() <= 0.5 and other[0].std() > 0  # U(-1/2, 1/2)
     assert torch.nn.init.xavier_uniform_ is recording
     del saved[next(iter(saved))]
     save_file(saved, str(model_dir / WEIGHTS))

@@ -53,9 +53,9 @@ class ModelBase(nn.Module):
     # decoding: a beam search's self-attention K/V slots kept in this dtype where it is not the
     # model's (s2s.model.cache; bf16 on a CPU with native bf16, s2s.precision.beam_slot_dtype)
     beam_slot_dtype: Optional[torch.dtype] = None
-    # decoding: a greedy search's cross-attention K/V kept in this dtype where it is not the
-    # model's (DecoderCache.narrow_cross_kv; bf16 on a CPU with native bf16, s2s.precision.greedy_cross_kv_dtype)
-    cross_kv_dtype: Optional[torch.dtype] = None
+    # decoding: a greedy search's attention K/V kept in this dtype where it is not the model's
+    # (DecoderCache.narrow_kv; bf16 on a CPU with native bf16, s2s.precision.greedy_kv_dtype)
+    greedy_kv_dtype: Optional[torch.dtype] = None
 
     def build_embedding_and_output(self, cfg: ModelConfig, vocab: int) -> None:
         """s_E and the embedding dropout, W_U (None when tied to E), b_U and s_U of the formulas above."""

@@ -80,6 +80,7 @@ class LayerCache:
     length: int = 0  # positions in use: t
     slots: int = 1  # K > 1: one buffer row per sentence, K columns per position (see the module doc)
     slot_dtype: Optional[torch.dtype] = None  # with slots: their dtype, buffers read whole (module doc)
+    kv_dtype: Optional[torch.dtype] = None  # without slots: the buffers' dtype where not the model's (narrow_kv)
 
     @property
     def whole(self) -> bool:
@@ -131,8 +132,8 @@ class LayerCache:
     def reserve(self, B: int, n: int, heads: int, d_head: int, like: Tensor) -> None:
         """Room in the buffers for n more columns of B rows (sentences, with slots), grown a
         bucket at a time (:func:`bucketed`; read whole: :meth:`columns_after_append`), the
-        columns in use copied over; new buffers in ``like``'s dtype (or the slot_dtype) and
-        device.  What :meth:`append` writes into, and a scripted step too (s2s.model.step_script)."""
+        columns in use copied over; new buffers in ``like``'s dtype (or the slot_dtype, or the
+        kv_dtype) and device.  What :meth:`append` writes into, and a scripted step too (s2s.model.step_script)."""
         t, K = self.length * self.slots, self.slots  # columns in use; K columns per position
         if self.k_buf is not None and self.k_buf.size(2) >= t + n and self.k_buf.size(0) >= B:
             return
@@ -142,8 +143,8 @@ class LayerCache:
             v_buf = like.new_zeros(max(B, self.batch), heads, capacity, d_head, dtype=self.slot_dtype)
         else:
             capacity = bucketed(self.length + n // K) * K
-            k_buf = like.new_empty(max(B, self.batch), heads, capacity, d_head)
-            v_buf = like.new_empty(max(B, self.batch), heads, capacity, d_head)
+            k_buf = like.new_empty(max(B, self.batch), heads, capacity, d_head, dtype=self.kv_dtype)
+            v_buf = like.new_empty(max(B, self.batch), heads, capacity, d_head, dtype=self.kv_dtype)
         if t:
             k_buf[:self.batch, :, :t] = self.self_k
             v_buf[:self.batch, :, :t] = self.self_v
@@ -272,13 +273,18 @@ class DecoderCache:
     slot_dtype: Optional[torch.dtype] = None  # the slots' dtype where not the model's (module doc)
     ancestry: Optional[Tensor] = None  # (B, t) long: with slots, the slot of each row's ancestor at each t'
 
-    def narrow_cross_kv(self, dtype: torch.dtype) -> None:
-        """Keep every layer's cross-attention K/V in ``dtype`` (bf16 for an fp32 model: a greedy
-        search reads them whole at every step, and the attention kernel widens them as it reads,
-        s2s.model.native), except a coverage layer's, whose attention weights are kept."""
+    def narrow_kv(self, dtype: torch.dtype) -> None:
+        """Keep every layer's attention K/V in ``dtype`` from now on, for a search without slots
+        (greedy): the cross-attention K/V rounded once, the self-attention K/V as each step
+        writes them (bf16 for an fp32 model: every step reads them all for one query per row,
+        and the attention kernel widens them as it reads, s2s.model.native).  Not a coverage
+        layer's, whose attention weights are kept."""
         for layer in self.layers:
-            if layer.cross_k is not None and layer.coverage is None:
+            if layer.coverage is not None or layer.slots > 1:
+                continue
+            if layer.cross_k is not None:
                 layer.cross_k, layer.cross_v = layer.cross_k.to(dtype), layer.cross_v.to(dtype)
+            layer.kv_dtype = dtype
 
     @property
     def slots(self) -> int:

@@ -43,7 +43,7 @@ class S2SModel(Protocol):
     cfg: ModelConfig
     pad_id: int
     beam_slot_dtype: Optional[torch.dtype]  # a beam search's self-attention K/V dtype, if not the model's
-    cross_kv_dtype: Optional[torch.dtype]  # a greedy search's cross-attention K/V dtype, if not the model's
+    greedy_kv_dtype: Optional[torch.dtype]  # a greedy search's attention K/V dtype, if not the model's
 
     @property
     def device(self) -> torch.device:

@@ -123,8 +123,8 @@ def library() -> Optional[ctypes.CDLL]:
     tensor = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]  # data, strides of b, h, and g or s
     fn.argtypes = (tensor * 4 + [ctypes.c_void_p] + [ctypes.c_long] * 5  # q k v mask out B H G S D
                    + [ctypes.c_float, ctypes.c_int])  # c, K/V in bf16
-    lib.s2s_argmax_rows.restype = ctypes.c_int  # z, its row stride, bf16, N, V, best, index
-    lib.s2s_argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_long, ctypes.c_long,
+    lib.s2s_argmax_rows.restype = ctypes.c_int  # z, its row stride, N, V, best, index
+    lib.s2s_argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
                                     ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
@@ -195,7 +195,7 @@ def argmax_rows(z: Tensor) -> Optional[tuple[Tensor, Tensor]]:
         return None
     N, V = z.shape
     best, index = torch.empty(N, dtype=torch.float32), torch.empty(N, dtype=torch.int64)
-    if lib.s2s_argmax_rows(z.data_ptr(), z.stride(0), 1, N, V, best.data_ptr(), index.data_ptr()):
+    if lib.s2s_argmax_rows(z.data_ptr(), z.stride(0), N, V, best.data_ptr(), index.data_ptr()):
         return None
     return best, index
 

@@ -307,8 +307,8 @@ int s2s_few_query_attention(const float *q, long q_b, long q_h, long q_g,
 
 #define ARGMAX_BLOCK 512
 
-/* the largest of z[b .. end) (fp32 or bf16, widened) and whether any is NaN */
-INLINE float block_max(const int bf16, const void *restrict zn, long b, long end, int *nan)
+/* the largest of the bf16 scores z[b .. end) (widened) and whether any is NaN */
+INLINE float block_max(const uint16_t *restrict zn, long b, long end, int *nan)
 {
     float m = -INFINITY;
     long v = b;
@@ -317,7 +317,7 @@ INLINE float block_max(const int bf16, const void *restrict zn, long b, long end
     v16 mv = (v16){0} - INFINITY;
     i32x16 nv = {0};
     for (; v + 16 <= end; v += 16) {
-        const v16 x = kv16(bf16, zn, v);
+        const v16 x = kv16(1, zn, v);
         const i32x16 up = x > mv;
         mv = (v16)(((i32x16)x & up) | ((i32x16)mv & ~up));
         nv |= x != x;
@@ -328,7 +328,7 @@ INLINE float block_max(const int bf16, const void *restrict zn, long b, long end
     }
 #endif
     for (; v < end; v++) {
-        const float x = kv_float(bf16, zn, v);
+        const float x = kv_float(1, zn, v);
         m = x > m ? x : m;
         *nan |= x != x;
     }
@@ -336,20 +336,19 @@ INLINE float block_max(const int bf16, const void *restrict zn, long b, long end
 }
 
 /* best[n] = max_v z[n,v] and index[n] = the first v holding it (numpy's and torch's choice on
- * ties; every score -inf: 0), z fp32 or bf16 (``z_bf16``, widened as it is read).  The maxima
- * of blocks of 512 scores run 16 lanes at a time; only the first block reaching the row's
- * maximum is scanned for its position.  Returns 0, or 1 at a row holding NaN (the caller takes
- * torch's route). */
-int s2s_argmax_rows(const void *z, long z_row, int z_bf16, long N, long V, float *best, int64_t *index)
+ * ties; every score -inf: 0), z bf16 (widened as it is read; rows z_row elements apart).  The
+ * maxima of blocks of 512 scores run 16 lanes at a time; only the first block reaching the
+ * row's maximum is scanned for its position.  Returns 0, or 1 at a row holding NaN (the caller
+ * takes torch's route). */
+int s2s_argmax_rows(const uint16_t *z, long z_row, long N, long V, float *best, int64_t *index)
 {
     for (long n = 0; n < N; n++) {
-        const void *zn = kv_at(z_bf16, z, n * z_row);
+        const uint16_t *zn = z + n * z_row;
         float top = -INFINITY;
         long top_block = 0;
         int nan = 0;
         for (long b = 0; b < V; b += ARGMAX_BLOCK) {
-            const long end = b + ARGMAX_BLOCK < V ? b + ARGMAX_BLOCK : V;
-            const float m = z_bf16 ? block_max(1, zn, b, end, &nan) : block_max(0, zn, b, end, &nan);
+            const float m = block_max(zn, b, b + ARGMAX_BLOCK < V ? b + ARGMAX_BLOCK : V, &nan);
             if (m > top) {
                 top = m;
                 top_block = b;
@@ -358,9 +357,9 @@ int s2s_argmax_rows(const void *z, long z_row, int z_bf16, long N, long V, float
         if (nan)
             return 1;
         long at = top_block;
-        while (at < V - 1 && kv_float(z_bf16, zn, at) != top)
+        while (at < V - 1 && kv_float(1, zn, at) != top)
             at++;
-        best[n] = kv_float(z_bf16, zn, at);
+        best[n] = kv_float(1, zn, at);
         index[n] = at;
     }
     return 0;

@@ -245,8 +245,9 @@ class Seq2SeqTransformer(ModelBase):
         from now on)."""
         B, first = y_prev.size(0), cache.layers[0]
         sa = self.decoder_layers[0].self_attn
+        like = cache.src_mask  # the model's dtype and device (the cross K/V may be narrower: narrow_kv)
         for layer in cache.layers:  # room for this position's K/V, which the script writes
-            layer.reserve(B // first.slots, first.slots, sa.heads, sa.d_head, layer.cross_k)
+            layer.reserve(B // first.slots, first.slots, sa.heads, sa.d_head, like)
         P = None if self.dec_positions is None else self.dec_positions(1, cache.step, device=y_prev.device)
         try:
             h = run_step_script(self.step_script, y_prev, P, self_mask, cache)  # (B, 1, d_model)
