@@ -15,6 +15,8 @@ from s2s.search import (
     greedy_search,
     largest_k,
     length_penalty,
+    row_bucket,
+    rows_leaving,
     search,
 )
 
@@ -238,6 +240,50 @@ def test_search_on_model_batch_invariance(device):
             alone = search(ModelDecoder(model, src[i:i + 1]), max_len[:1], s, IDS)
             assert alone[0][0].tokens == batch[i][0].tokens
             assert alone[0][0].score == pytest.approx(batch[i][0].score, abs=1e-5)
+
+
+def test_row_buckets():
+    """A search steps a few row counts: multiples of 8, or 1, 2, 4, 8 below (oneDNN builds a kernel
+    per new row count); rows_leaving lets ended rows step on until a bucket's worth can go, and
+    keeps the first ended rows (which do not move) to fill the bucket."""
+    sizes = (1, 2, 3, 4, 5, 8, 9, 16, 17, 57, 64, 65)
+    assert [row_bucket(n) for n in sizes] == [1, 2, 4, 4, 8, 8, 16, 16, 24, 64, 64, 72]
+    ended = torch.tensor([False, True, False, True, True, False, False, False, False, False])  # 7 live of 10
+    assert rows_leaving(ended, 7).tolist() == [False] * 3 + [True, True] + [False] * 5  # row 1 fills the 8
+    assert rows_leaving(torch.tensor([True] * 3 + [False] * 5), 5) is None  # 8 rows: already a bucket
+    ended = torch.tensor([True] * 6 + [False] * 4 + [True] * 2)  # 12 rows, 4 live: a bucket of 4
+    assert rows_leaving(ended, 4).tolist() == [True] * 6 + [False] * 4 + [True] * 2
+    ended = torch.tensor([True] * 3 + [False] * 5 + [True] * 4)  # 12 rows, 5 live: a bucket of 8
+    assert rows_leaving(ended, 5).tolist() == [False] * 8 + [True] * 4
+    assert rows_leaving(torch.tensor([False, True]), 1).tolist() == [False, True]
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_search_steps_bucketed_rows_and_keeps_each_sentences_output(beam):
+    """Sentences that end step on (their outputs unread) until a bucket's worth of rows can
+    leave: every step runs the batch's rows or row_bucket(n) x beam of them, and each sentence's
+    output is the one it gets decoded alone."""
+    model = _tiny_model(3)
+    torch.manual_seed(3)
+    n = 21
+    src = torch.randint(4, 40, (n, 8))
+    src[:, -1] = EOS
+    max_len = torch.randint(2, 14, (n,))  # sentences end at many different steps
+    s = settings(beam=beam, nbest=1, alpha=0.6)
+    rows = []
+
+    class Recording(ModelDecoder):
+        def step(self, y_prev):
+            rows.append(y_prev.size(0))
+            return super().step(y_prev)
+
+    with torch.no_grad():
+        batch = search(Recording(model, src), max_len, s, IDS)
+        alone = [search(ModelDecoder(model, src[i:i + 1]), max_len[i:i + 1], s, IDS)[0] for i in range(n)]
+    assert [h[0].tokens for h in batch] == [h[0].tokens for h in alone]
+    assert [h[0].score for h in batch] == pytest.approx([h[0].score for h in alone], abs=1e-6)
+    assert rows[0] == n * beam and len(set(rows)) > 2
+    assert all(r == n * beam or (r % beam == 0 and row_bucket(r // beam) == r // beam) for r in rows), rows
 
 
 @pytest.mark.parametrize("seed", range(5))
