@@ -288,8 +288,10 @@ class Translator:
         on this kind of CPU; with fp32, a beam search's self-attention K/V in bf16 where the CPU
         multiplies bf16 natively, :func:`~s2s.precision.beam_slot_dtype`, and a greedy search's
         attention K/V where the C kernel reads them, :func:`~s2s.precision.greedy_kv_dtype`).  ``quantize``: None, or
-        int8 (see :meth:`quantize_int8`), with fp32 weights only.  fp32 on one CPU thread:
-        decoding's attention through the C kernel where it compiled (s2s.model.native)."""
+        int8 (see :meth:`quantize_int8`), with fp32 weights only.  On one CPU thread, decoding's
+        attention goes through the C kernel where it compiled (s2s.model.native): all of it for
+        fp32 weights, a beam's self-attention over its ancestors' slots for bf16 ones
+        (s2s.model.attention.slot_attention)."""
         if precision not in PRECISIONS:
             raise S2SError(f"--precision: {precision!r} is not fp32, bf16 or auto")
         if quantize not in (None, "int8"):
@@ -303,8 +305,9 @@ class Translator:
         if quantize == "int8" and precision == "bf16":
             raise S2SError("--quantize int8 quantizes fp32 weights: use it with --precision fp32")
         self.precision = precision
-        native = (self.device.type == "cpu" and precision == "fp32" and torch.get_num_threads() == 1
-                  and available_native_attention())  # (the kernel runs on one thread)
+        # the kernel runs on one thread; for a bf16 model, only a beam's self-attention (its
+        # ancestors' slots): bf16 queries elsewhere take torch's products, measured faster
+        native = self.device.type == "cpu" and torch.get_num_threads() == 1 and available_native_attention()
         slot_dtype = beam_slot_dtype(self.device, precision) if auto else None
         greedy_dtype = greedy_kv_dtype(self.device, precision) if auto and native else None  # (the kernel widens)
         if auto:

@@ -1,8 +1,9 @@
 """Few-query attention in C (s2s.model.native): the function torch's two products compute
 (few_query_attention; in fp64 as the exact values), within fp32 rounding, over the shapes and
-layouts a decoding step gives it; the scripted step and the Python step through it search the
-same hypotheses, bit for bit; ``s2s translate``'s arithmetic takes it on one thread; and
-without a compiler decoding goes on through torch."""
+layouts a decoding step gives it, and each beam's own columns of its sentence's slots; the
+scripted step and the Python step through it search the same hypotheses, bit for bit;
+``s2s translate``'s arithmetic takes it on one thread; and without a compiler decoding goes on
+through torch."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import pytest
 import torch
 
 import s2s.model.native as native
+from s2s.config import DecodeConfig
 from s2s.model.attention import NEG_INF, few_query_attention, inference_attention
+from s2s.model.cache import CACHE_BUCKET
 from s2s.model.native import use_native_attention
-from tests.test_model import make_model
+from s2s.search import ModelDecoder, SpecialIds, search
+from tests.test_model import make_model, right_pad, tokens
 from tests.test_step_script import assert_same_searches
 
 needs_kernel = pytest.mark.skipif(not native.available(), reason="the kernel is not built (no C compiler?) or "
@@ -88,6 +92,53 @@ def test_kernel_widens_bf16_keys_and_values(D):
     torch.testing.assert_close(got, few_query_attention(q, k, v, mask), atol=0.05, rtol=0.05)  # torch's bf16 route
 
 
+@needs_kernel
+@pytest.mark.parametrize("D", [64, 48, 24])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_each_beams_own_columns(D, dtype):
+    """With columns (a beam's ancestors' slots): row b reads keys columns[b, :] of K/V row
+    b // K alone, what the ancestry's mask over every column leaves; a column outside the
+    buffer is refused before anything is read."""
+    g = torch.Generator().manual_seed(D)
+    N, K, H, t1, capacity = 3, 4, 2, 7, 10 * 4  # t + 1 positions; buffers wider than (t + 1) K
+    q = torch.randn(N * K, H, 1, D, generator=g)
+    k, v = (torch.randn(N, H, capacity, D, generator=g).to(dtype) for _ in range(2))
+    ancestry = torch.randint(0, K, (N * K, t1), generator=g)
+    columns = ancestry + K * torch.arange(t1)
+    got = torch.ops.s2s.few_query_attention(q, k, v, None, True, columns)
+    mask = torch.full((N * K, capacity), NEG_INF).scatter_(1, columns, 0.0)  # the ancestry's mask
+    sentence = torch.arange(N * K) // K
+    exact = few_query_attention(q.double(), k.double()[sentence], v.double()[sentence], mask.double()[:, None, None])
+    torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="column outside"):
+        torch.ops.s2s.few_query_attention(q, k, v, None, True, columns + capacity)
+    with pytest.raises(ValueError, match="columns"):
+        torch.ops.s2s.few_query_attention(q, k, v, mask[:, None, None], True, columns)  # columns take no mask
+
+
+@needs_kernel
+def test_beams_through_their_columns_search_what_the_masked_slots_search():
+    """A beam search whose self-attention reads each beam's own columns through the kernel
+    (s2s.model.attention.slot_attention) finds the hypotheses torch's masked products find,
+    fp32 and bf16 models alike."""
+    src = right_pad([tokens(5, seed=40), tokens(3, seed=41), tokens(7, seed=42), tokens(4, seed=43)])
+    ids = SpecialIds(bos_id=2, eos_id=3, pad_id=0)
+    for dtype in (torch.float32, torch.bfloat16):
+        found = []
+        for on in (True, False):
+            model = make_model(activation="relu", d_model=128, heads=2, d_ff=128).to(dtype)
+            model.lay_out_for_steps()
+            use_native_attention(model, on)
+            assert model.script_step()
+            with torch.inference_mode():
+                found.append(search(ModelDecoder(model, src), torch.full((4,), 4 + CACHE_BUCKET),
+                                    DecodeConfig(beam=4, nbest=2, alpha=0.6), ids))
+        tol = 1e-4 if dtype == torch.float32 else 0.05
+        for got, want in zip(*found):
+            assert [h.tokens for h in got] == [h.tokens for h in want]
+            assert [h.score for h in got] == pytest.approx([h.score for h in want], abs=tol)
+
+
 class RecordingLibrary:
     """The kernel's library, recording each call's last argument (K/V in bf16: 1)."""
 
@@ -119,8 +170,9 @@ def test_scripted_and_python_steps_through_the_kernel_search_alike(monkeypatch):
 
 @needs_kernel
 def test_translate_takes_the_kernel_on_one_thread_only(prepared, tmp_path, monkeypatch):
-    """fp32 on one thread (and --precision auto, fp32 here): the attention modules take the
-    kernel; on two threads, with bf16, or with $S2S_NATIVE_ATTENTION=0: torch's route."""
+    """On one thread, any precision: the attention modules take the kernel (a bf16 model's only
+    for a beam's self-attention over its slots, s2s.model.attention.slot_attention); on two
+    threads or with $S2S_NATIVE_ATTENTION=0: torch's route."""
     from s2s.translate import Translator
     from tests.conftest import untrained_model_dir
 
@@ -132,8 +184,8 @@ def test_translate_takes_the_kernel_on_one_thread_only(prepared, tmp_path, monke
 
     torch.set_num_threads(1)
     assert routes(precision="fp32") == {True}
-    assert routes(precision="auto") == {Translator.from_dirs([model_dir], precision="auto").precision == "fp32"}
-    assert routes(precision="bf16") == {False}
+    assert routes(precision="auto") == {True}
+    assert routes(precision="bf16") == {True}
     monkeypatch.setenv(native.DISABLE, "0")
     assert routes(precision="fp32") == {False}
     monkeypatch.delenv(native.DISABLE)

@@ -149,6 +149,17 @@ def inference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=None if scale else 1.0)
 
 
+def slot_attention(q: Tensor, k: Tensor, v: Tensor, columns: Tensor, scale: bool) -> Tensor:
+    """A beam search's self-attention over its slots through the C kernel (s2s.model.native),
+    each beam reading only its own ancestors' keys: q (B, heads, 1, d_k) fp32 or bf16 (widened,
+    the output rounded back), k, v a sentence's slots (B / K, heads, >= (t + 1) K, d_k), and
+    ``columns`` (B, t + 1) long, the columns t' K + a_{t'} of row b's ancestors
+    (s2s.model.cache.DecoderCache.self_columns) -> (B, heads, 1, d_k).  The same function as
+    the ancestry's mask over all (t + 1) K columns, reading 1/K of them.  Scriptable."""
+    out = torch.ops.s2s.few_query_attention(q.float(), k, v, None, scale, columns)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
 class MultiHeadAttention(nn.Module):
     """MHA(X, Y) = concat_h(attention(X W_Q^h, Y W_K^h, Y W_V^h)) W_O.
 

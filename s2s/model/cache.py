@@ -81,6 +81,7 @@ class LayerCache:
     slots: int = 1  # K > 1: one buffer row per sentence, K columns per position (see the module doc)
     slot_dtype: Optional[torch.dtype] = None  # with slots: their dtype, buffers read whole (module doc)
     kv_dtype: Optional[torch.dtype] = None  # without slots: the buffers' dtype where not the model's (narrow_kv)
+    columns: Optional[Tensor] = None  # with slots, this step's: the columns each row reads (DecoderCache.self_columns)
 
     @property
     def whole(self) -> bool:
@@ -291,6 +292,22 @@ class DecoderCache:
         """K when the self-attention K/V are kept in beam slots (see the module doc), else 1."""
         return self.layers[0].slots if self.layers else 1
 
+    def record_slots(self) -> Tensor:
+        """With slots: record this step's own slots in every row's ancestry (each beam's new
+        keys go to its own slot j), once per step, before the layers; the ancestry (B, t + 1)."""
+        K = self.slots
+        own = torch.arange(K, device=self.src_mask.device).repeat(self.batch_size // K)  # (B,)
+        self.ancestry = own[:, None] if self.ancestry is None else torch.cat([self.ancestry, own[:, None]], 1)
+        return self.ancestry
+
+    def self_columns(self) -> Tensor:
+        """With slots, after :meth:`record_slots`: the self-attention columns each row reads this
+        step, (B, t + 1) long, t' K + a_{t'} (its ancestor's slot at every position t' <= t):
+        what the mask of :meth:`self_attention_mask` leaves, for the attention kernel to read
+        alone (s2s.model.native: one key in K instead of all, masked)."""
+        t1 = self.ancestry.size(1)
+        return self.ancestry + self.slots * torch.arange(t1, device=self.ancestry.device)
+
     def self_attention_mask(self, position_mask: Optional[Tensor]) -> Optional[Tensor]:
         """The mask of this step's self-attention, over the t + 1 positions (a relative
         position bias (1, heads, 1, t + 1), or None); with slots also over the ancestry,
@@ -300,9 +317,7 @@ class DecoderCache:
         K = self.slots
         if K == 1:
             return position_mask
-        own = torch.arange(K, device=self.src_mask.device).repeat(self.batch_size // K)  # (B,)
-        self.ancestry = own[:, None] if self.ancestry is None else torch.cat([self.ancestry, own[:, None]], 1)
-        mask = ancestry_mask(self.ancestry, K, self.src_mask.dtype)
+        mask = ancestry_mask(self.record_slots(), K, self.src_mask.dtype)
         if position_mask is not None:
             mask = mask + position_mask.repeat_interleave(K, dim=-1)
         if self.layers[0].whole:  # every layer's buffers have the same columns

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from s2s.config import ModelConfig
 from s2s.model import gemm
-from s2s.model.attention import MultiHeadAttention, attention
+from s2s.model.attention import MultiHeadAttention, attention, slot_attention
 from s2s.model.cache import LayerCache
 from s2s.model.dropout import Dropout
 from s2s.model.int8 import Int8Linear
@@ -184,6 +184,9 @@ class DecoderLayer(nn.Module):
             return packed_self_attention(self.self_attn, x, self_mask, packing)
         q, k, v = self.self_attn.project_qkv(x)  # (B, heads, T, d_head)
         k, v = cache.append(k, v)  # (B, heads, t+T, d_head): the prefix is reused
+        if cache.columns is not None:  # each beam its own ancestors' slots, through the kernel
+            mha = self.self_attn
+            return mha.out_proj(mha.merge_heads(slot_attention(q, k, v, cache.columns, mha.scale)))
         # with beam slots: (B / K, heads, (t+1) K, d_head), a sentence's beams as K queries
         return self.self_attn.attend(q, k, v, self_mask, group=cache.slots)[0]
 

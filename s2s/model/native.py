@@ -121,7 +121,8 @@ def library() -> Optional[ctypes.CDLL]:
         return None
     fn.restype = ctypes.c_int
     tensor = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]  # data, strides of b, h, and g or s
-    fn.argtypes = (tensor * 4 + [ctypes.c_void_p] + [ctypes.c_long] * 5  # q k v mask out B H G S D
+    fn.argtypes = (tensor * 4 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_long]  # q k v mask, columns group capacity
+                   + [ctypes.c_void_p] + [ctypes.c_long] * 5  # out B H G S D
                    + [ctypes.c_float, ctypes.c_int])  # c, K/V in bf16
     lib.s2s_argmax_rows.restype = ctypes.c_int  # z, its row stride, N, V, best, index
     lib.s2s_argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
@@ -148,17 +149,30 @@ def use_native_attention(model: torch.nn.Module, on: Optional[bool] = None) -> b
     return on
 
 
-def few_query_attention_kernel(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: bool) -> Tensor:
+def few_query_attention_kernel(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: bool,
+                               columns: Optional[Tensor] = None) -> Tensor:
     """The CPU kernel of ``torch.ops.s2s.few_query_attention``: out = softmax(c q K^T + M) V,
     c = 1/sqrt(d_k) with ``scale``, else 1.  q (B, heads, G, d_k) fp32, k, v (B, heads, T_k, d_k)
     both fp32 or both bf16 (widened as they are read; every sum in fp32), each with a contiguous
     last dimension (any other strides), mask None or fp32 broadcastable to (B, heads, G, T_k) ->
-    out (B, heads, G, d_k) fp32, contiguous."""
+    out (B, heads, G, d_k) fp32, contiguous.
+
+    With ``columns`` (B, T) int64 (and G = 1, no mask): row b's keys are only the T rows
+    columns[b, :] of k, v (B', heads, capacity, d_k), K/V row b // (B / B'): a beam reading its
+    own ancestors' slots (s2s.model.cache) instead of all of its sentence's, masked."""
     B, H, G, D = q.shape
     S = k.size(2)
+    group, capacity = 1, S  # q rows per K/V row; the keys a row's columns may name
+    if columns is not None:
+        if (G != 1 or mask is not None or columns.dim() != 2 or columns.size(0) != B or columns.dtype != torch.int64
+                or k.size(0) == 0 or B % k.size(0)):
+            raise ValueError(f"s2s::few_query_attention: columns {tuple(columns.shape)} {columns.dtype} for q "
+                             f"{tuple(q.shape)}, k {tuple(k.shape)}: (B, T) int64, one query per row, no mask, "
+                             f"B a multiple of k's rows")
+        group, S, columns = B // k.size(0), columns.size(1), columns.contiguous()  # (the kernel checks each column)
     if (q.dtype != torch.float32 or k.dtype not in (torch.float32, torch.bfloat16) or v.dtype != k.dtype
-            or k.shape != (B, H, S, D) or v.shape != k.shape or any(x.stride(-1) != 1 for x in (q, k, v))
-            or (mask is not None and mask.dtype != torch.float32)):
+            or k.shape[1:] != (H, capacity, D) or k.size(0) * group != B or v.shape != k.shape
+            or any(x.stride(-1) != 1 for x in (q, k, v)) or (mask is not None and mask.dtype != torch.float32)):
         raise ValueError(f"s2s::few_query_attention: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, "
                          f"v {tuple(v.shape)} {v.dtype}: q fp32, k and v both fp32 or both bf16, (B, heads, T, d) "
                          f"alike, each with a contiguous last dimension")
@@ -175,8 +189,11 @@ def few_query_attention_kernel(q: Tensor, k: Tensor, v: Tensor, mask: Optional[T
     if lib is None:
         raise RuntimeError("s2s::few_query_attention: the native attention library is not built")
     rc = lib.s2s_few_query_attention(q.data_ptr(), *q.stride()[:3], k.data_ptr(), *k.stride()[:3],
-                                     v.data_ptr(), *v.stride()[:3], m_ptr, *m_strides, out.data_ptr(),
+                                     v.data_ptr(), *v.stride()[:3], m_ptr, *m_strides,
+                                     None if columns is None else columns.data_ptr(), group, capacity, out.data_ptr(),
                                      B, H, G, S, D, c, int(k.dtype == torch.bfloat16))
+    if rc == -2:
+        raise ValueError(f"s2s::few_query_attention: a column outside 0 .. {capacity - 1}")
     if rc:
         raise MemoryError("s2s::few_query_attention: no memory for the scores")
     return out
@@ -205,7 +222,8 @@ def register_operator() -> torch.library.Library:
     scripted decoder step resolves it by name."""
     lib = torch.library.Library("s2s", "FRAGMENT")
     if not hasattr(torch.ops.s2s, "few_query_attention"):
-        lib.define("few_query_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, bool scale) -> Tensor")
+        lib.define("few_query_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, bool scale, "
+                   "Tensor? columns=None) -> Tensor")
         lib.impl("few_query_attention", few_query_attention_kernel, "CPU")
     return lib
 

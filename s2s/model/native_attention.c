@@ -12,7 +12,11 @@
  * K and V are fp32 or bf16 (``kv_bf16``: a beam search's self-attention slots, s2s.model.cache),
  * widened to fp32 as they are read; q, M and out are fp32, and every sum runs in fp32.
  * Strides are in elements; the last dimension of every tensor is contiguous.  M may be NULL.
- * Returns 0, or -1 where the scores' scratch cannot be allocated.
+ * ``columns`` (NULL, or B x S, with G = 1): row b's S keys are rows columns[b, :] (each in 0 ..
+ * capacity - 1) of K/V row b / group: a beam's self-attention over its own ancestors' slots
+ * (s2s.model.cache: t + 1 of its sentence's (t + 1) K columns; the others are never read).
+ * Returns 0, -1 where the scores' scratch cannot be allocated, or -2 for a column outside 0 ..
+ * capacity - 1.
  *
  * Also (at the end): a greedy step's argmax over bf16 scores, read as they are (s2s_argmax_rows).
  */
@@ -101,14 +105,17 @@ INLINE void softmax_rows(float *restrict a, const float *restrict mb, long m_g, 
     }
 }
 
+/* key s of a head: row s of its K/V, or row col[s] where the query row reads given columns */
+#define KEY(s) (col ? col[s] : (s))
+
 /* one head, any D: a[j,s] = cq[j,:] . K[s,:], softmax, out[j,:] = sum_s A[j,s] V[s,:] */
 INLINE void head_any(const int bf16, const float *restrict cq, const void *restrict kb, long k_s,
                      const void *restrict vb, long v_s, const void *restrict kn, const float *restrict mb, long m_g,
-                     float *restrict ob, float *restrict a, long G, long S, long D)
+                     const long *restrict col, float *restrict ob, float *restrict a, long G, long S, long D)
 {
     for (long s = 0; s < S; s++) {
-        const void *restrict ks = kv_at(bf16, kb, s * k_s);
-        prefetch_row(bf16, kv_at(bf16, vb, s * v_s), D);
+        const void *restrict ks = kv_at(bf16, kb, KEY(s) * k_s);
+        prefetch_row(bf16, kv_at(bf16, vb, KEY(s) * v_s), D);
         for (long j = 0; j < G; j++) {
             const float *restrict qj = cq + j * D;
             float dot = 0.f;
@@ -121,7 +128,7 @@ INLINE void head_any(const int bf16, const float *restrict cq, const void *restr
     for (long d = 0; d < G * D; d++)
         ob[d] = 0.f;
     for (long s = 0; s < S; s++) {
-        const void *restrict vs = kv_at(bf16, vb, s * v_s);
+        const void *restrict vs = kv_at(bf16, vb, KEY(s) * v_s);
         if (kn)
             prefetch_row(bf16, kv_at(bf16, kn, s * k_s), D);
         for (long j = 0; j < G; j++) {
@@ -175,19 +182,19 @@ INLINE v16 sum_lanes16(const v16 *x)
  * core's first cache. */
 INLINE void head_vec(const int n, const int bf16, const float *restrict cq, const void *restrict kb, long k_s,
                      const void *restrict vb, long v_s, const void *restrict kn, const float *restrict mb,
-                     long m_g, float *restrict ob, float *restrict a, long G, long S)
+                     long m_g, const long *restrict col, float *restrict ob, float *restrict a, long G, long S)
 {
     const long D = 16 * n;
     for (long s = 0; s < S; s += 16) { /* scores: a block of 16 keys' sums in one vector per query */
         const long rows = S - s < 16 ? S - s : 16;
         for (long r = 0; r < rows; r++)
-            prefetch_row(bf16, kv_at(bf16, vb, (s + r) * v_s), D);
+            prefetch_row(bf16, kv_at(bf16, vb, KEY(s + r) * v_s), D);
         for (long j = 0; j < G; j++) {
             v16 qv[8], acc[16];
             for (int i = 0; i < n; i++)
                 qv[i] = load16(cq + j * D + 16 * i);
             for (long r = 0; r < rows; r++) {
-                const long row = (s + r) * k_s;
+                const long row = KEY(s + r) * k_s;
                 v16 x = qv[0] * kv16(bf16, kb, row);
                 for (int i = 1; i < n; i++)
                     x += qv[i] * kv16(bf16, kb, row + 16 * i);
@@ -222,7 +229,7 @@ INLINE void head_vec(const int n, const int bf16, const float *restrict cq, cons
             }
             long r = 0;
             for (; r + 2 <= rows; r += 2) { /* two rows into two sets of sums: twice the FMAs in flight */
-                const long row0 = (s + r) * v_s, row1 = row0 + v_s;
+                const long row0 = KEY(s + r) * v_s, row1 = KEY(s + r + 1) * v_s;
                 for (int i = 0; i < n; i++) {
                     o0[i] += p[r] * kv16(bf16, vb, row0 + 16 * i);
                     o1[i] += p[r + 1] * kv16(bf16, vb, row1 + 16 * i);
@@ -230,7 +237,7 @@ INLINE void head_vec(const int n, const int bf16, const float *restrict cq, cons
             }
             if (r < rows)
                 for (int i = 0; i < n; i++)
-                    o0[i] += p[r] * kv16(bf16, vb, (s + r) * v_s + 16 * i);
+                    o0[i] += p[r] * kv16(bf16, vb, KEY(s + r) * v_s + 16 * i);
             for (int i = 0; i < n; i++)
                 store16(ob + j * D + 16 * i, o0[i] + o1[i]);
         }
@@ -242,15 +249,18 @@ INLINE void head_vec(const int n, const int bf16, const float *restrict cq, cons
 INLINE void all_heads(const int n, const int bf16, const float *restrict q, long q_b, long q_h, long q_g,
                       const void *restrict k, long k_b, long k_h, long k_s, const void *restrict v, long v_b,
                       long v_h, long v_s, const float *restrict mask, long m_b, long m_h, long m_g,
-                      float *restrict out, long B, long H, long G, long S, long D, float c, float *restrict a,
-                      float *restrict cq)
+                      const long *restrict columns, long group, float *restrict out, long B, long H, long G, long S,
+                      long D, float c, float *restrict a, float *restrict cq)
 {
     for (long b = 0; b < B; b++) {
+        /* with columns: row b's S keys are rows columns[b, :] of K/V row b / group */
+        const long *restrict col = columns ? columns + b * S : NULL;
+        const long kv = columns ? b / group : b, kv_next = columns ? (b + 1) / group : b + 1;
         for (long h = 0; h < H; h++) {
             const float *restrict qb = q + b * q_b + h * q_h;
-            const void *restrict kb = kv_at(bf16, k, b * k_b + h * k_h);
-            const void *restrict vb = kv_at(bf16, v, b * v_b + h * v_h);
-            const void *restrict kn = h + 1 < H ? kv_at(bf16, kb, k_h) : (b + 1 < B ? kv_at(bf16, k, (b + 1) * k_b) : NULL);
+            const void *restrict kb = kv_at(bf16, k, kv * k_b + h * k_h);
+            const void *restrict vb = kv_at(bf16, v, kv * v_b + h * v_h);
+            const void *restrict kn = h + 1 < H ? kv_at(bf16, kb, k_h) : (b + 1 < B ? kv_at(bf16, k, kv_next * k_b) : NULL);
             const float *restrict mb = mask ? mask + b * m_b + h * m_h : NULL;
             float *restrict ob = out + (b * H + h) * G * D;
             for (long j = 0; j < G; j++)
@@ -258,11 +268,11 @@ INLINE void all_heads(const int n, const int bf16, const float *restrict q, long
                     cq[j * D + d] = qb[j * q_g + d] * c;
 #ifdef S2S_VECTORS
             if (n) {
-                head_vec(n, bf16, cq, kb, k_s, vb, v_s, kn, mb, m_g, ob, a, G, S);
+                head_vec(n, bf16, cq, kb, k_s, vb, v_s, kn, mb, m_g, col, ob, a, G, S);
                 continue;
             }
 #endif
-            head_any(bf16, cq, kb, k_s, vb, v_s, kn, mb, m_g, ob, a, G, S, D);
+            head_any(bf16, cq, kb, k_s, vb, v_s, kn, mb, m_g, col, ob, a, G, S, D);
         }
     }
 }
@@ -271,8 +281,12 @@ int s2s_few_query_attention(const float *q, long q_b, long q_h, long q_g,
                             const void *k, long k_b, long k_h, long k_s,
                             const void *v, long v_b, long v_h, long v_s,
                             const float *mask, long m_b, long m_h, long m_g,
+                            const long *columns, long group, long capacity,
                             float *out, long B, long H, long G, long S, long D, float c, int kv_bf16)
 {
+    for (long i = 0; columns && i < B * S; i++)
+        if (columns[i] < 0 || columns[i] >= capacity)
+            return -2;
     float *a = malloc(sizeof(float) * (size_t)(G * S + 16)); /* one head's scores, then weights A */
     float *cq = malloc(sizeof(float) * (size_t)(G * D));     /* its queries, times c */
     if (!a || !cq) {
@@ -281,7 +295,7 @@ int s2s_few_query_attention(const float *q, long q_b, long q_h, long q_g,
         return -1;
     }
 #define ALL_HEADS(n, bf16) all_heads(n, bf16, q, q_b, q_h, q_g, k, k_b, k_h, k_s, v, v_b, v_h, v_s, mask, m_b, \
-                                     m_h, m_g, out, B, H, G, S, D, c, a, cq)
+                                     m_h, m_g, columns, group, out, B, H, G, S, D, c, a, cq)
 #define EACH_DTYPE(n) (kv_bf16 ? ALL_HEADS(n, 1) : ALL_HEADS(n, 0))
     switch (D) {
 #ifdef S2S_VECTORS

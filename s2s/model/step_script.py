@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from s2s.model import gemm
-from s2s.model.attention import beams_as_queries, inference_attention, queries_as_beams
+from s2s.model.attention import beams_as_queries, inference_attention, queries_as_beams, slot_attention
 from s2s.model.cache import DecoderCache
 from s2s.model.int8 import Int8Linear
 from s2s.model.layers import FeedForward
@@ -171,7 +171,7 @@ class ScriptedLayer(nn.Module):
         return x.reshape(x.size(0), 1, self.heads * self.d_head)
 
     def self_attn(self, x: Tensor, mask: Optional[Tensor], k_buf: Tensor, v_buf: Tensor, t: int, slots: int,
-                  whole: bool) -> Tensor:
+                  whole: bool, columns: Optional[Tensor] = None) -> Tensor:
         """SelfAttn(x) = MHA(x, [y_<t; x]) over the cache's keys and values, this position's
         appended at column t (with K = ``slots`` beam slots, columns t K .. t K + K - 1 of
         each sentence's buffer, a sentence's beams its K queries)."""
@@ -185,6 +185,8 @@ class ScriptedLayer(nn.Module):
         v_buf = v_buf.narrow(0, 0, n)
         k_buf.narrow(2, c, slots).copy_(k)
         v_buf.narrow(2, c, slots).copy_(v)
+        if columns is not None:  # each beam reads its ancestors' slots alone, through the kernel
+            return self.self_out_proj(self.merge_heads(slot_attention(q, k_buf, v_buf, columns, self.self_scale)))
         if whole:  # slots read whole: every column, those past t K masked
             keys, values = k_buf, v_buf
         else:
@@ -215,14 +217,15 @@ class ScriptedLayer(nn.Module):
         return self.w_2(self.w_1.activated(x))
 
     def forward(self, x: Tensor, self_mask: Optional[Tensor], src_mask: Tensor, k_buf: Tensor, v_buf: Tensor,
-                t: int, slots: int, whole: bool, group: int, cross_k: Tensor, cross_v: Tensor) -> Tensor:
+                t: int, slots: int, whole: bool, group: int, cross_k: Tensor, cross_v: Tensor,
+                self_columns: Optional[Tensor]) -> Tensor:
         if self.pre_norm:
             # 1. causal self-attention, 2. cross-attention, 3. feed-forward: x + Sublayer(Norm(x))
-            x = x + self.self_attn(self.norm1(x), self_mask, k_buf, v_buf, t, slots, whole)
+            x = x + self.self_attn(self.norm1(x), self_mask, k_buf, v_buf, t, slots, whole, self_columns)
             x = x + self.cross_attn(self.norm2(x), src_mask, cross_k, cross_v, group)
             return x + self.ffn(self.norm3(x))
         # post-norm: Norm(x + Sublayer(x))
-        x = self.norm1(x + self.self_attn(x, self_mask, k_buf, v_buf, t, slots, whole))
+        x = self.norm1(x + self.self_attn(x, self_mask, k_buf, v_buf, t, slots, whole, self_columns))
         x = self.norm2(x + self.cross_attn(x, src_mask, cross_k, cross_v, group))
         return self.norm3(x + self.ffn(x))
 
@@ -241,7 +244,7 @@ class StepScript(nn.Module):
 
     def forward(self, y_prev: Tensor, P: Optional[Tensor], self_mask: Optional[Tensor], src_mask: Tensor,
                 k_bufs: List[Tensor], v_bufs: List[Tensor], cross_k: List[Tensor], cross_v: List[Tensor],
-                t: int, slots: int, whole: bool, group: int) -> Tensor:
+                t: int, slots: int, whole: bool, group: int, self_columns: Optional[Tensor] = None) -> Tensor:
         x = F.embedding(y_prev, self.table) * self.embed_scale  # (B, 1, d_model): E[y] s_E (ModelBase.embed)
         if P is not None:
             x = x + P.to(x.dtype)
@@ -249,7 +252,8 @@ class StepScript(nn.Module):
         if embed_norm is not None:
             x = embed_norm(x)
         for i, layer in enumerate(self.layers):
-            x = layer(x, self_mask, src_mask, k_bufs[i], v_bufs[i], t, slots, whole, group, cross_k[i], cross_v[i])
+            x = layer(x, self_mask, src_mask, k_bufs[i], v_bufs[i], t, slots, whole, group, cross_k[i], cross_v[i],
+                      self_columns)
         final = self.final_norm
         if final is not None:
             x = final(x)
@@ -307,7 +311,7 @@ def script_step(model: nn.Module) -> Optional[torch.jit.ScriptModule]:
 
 
 def run_step_script(script: torch.jit.ScriptModule, y_prev: Tensor, P: Optional[Tensor],
-                    self_mask: Optional[Tensor], cache: DecoderCache) -> Tensor:
+                    self_mask: Optional[Tensor], cache: DecoderCache, self_columns: Optional[Tensor] = None) -> Tensor:
     """One step through ``script`` over ``cache`` (a DecoderCache, its buffers reserved for this
     position): h (B, 1, d_model).  The interpreter runs without its optimizing passes."""
     layers = cache.layers
@@ -315,4 +319,4 @@ def run_step_script(script: torch.jit.ScriptModule, y_prev: Tensor, P: Optional[
     with torch.jit.optimized_execution(False):
         return script(y_prev, P, self_mask, cache.src_mask, [lc.k_buf for lc in layers], [lc.v_buf for lc in layers],
                       [lc.cross_k for lc in layers], [lc.cross_v for lc in layers], first.length, first.slots,
-                      first.whole, cache.group)
+                      first.whole, cache.group, self_columns)

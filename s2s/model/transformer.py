@@ -228,10 +228,22 @@ class Seq2SeqTransformer(ModelBase):
         position; the cross K/V are reused; the coverage adds this step's attention.
         """
         t = cache.step
-        self_mask = cache.self_attention_mask(self._self_mask(1, t + 1, t, y_prev.device))
-        if self.step_script is not None and not (need_weights or need_last or self.training or torch.is_grad_enabled()
-                                                 or y_prev.device.type != "cpu" or torch.compiler.is_compiling()):
-            z = self._scripted_step(y_prev, cache, self_mask)
+        scripted = self.step_script is not None and not (need_weights or need_last or self.training
+                                                         or torch.is_grad_enabled() or y_prev.device.type != "cpu"
+                                                         or torch.compiler.is_compiling())
+        position_mask = self._self_mask(1, t + 1, t, y_prev.device)
+        # beams in slots through the attention kernel: each reads its own ancestors' columns alone
+        # (DecoderCache.self_columns), no mask; the scripted and the Python step alike
+        if (cache.slots > 1 and position_mask is None and self.decoder_layers[0].self_attn.native
+                and y_prev.device.type == "cpu" and not (need_weights or self.training or torch.is_grad_enabled())):
+            cache.record_slots()
+            self_mask, columns = None, cache.self_columns()
+        else:
+            self_mask, columns = cache.self_attention_mask(position_mask), None
+        for lc in cache.layers:
+            lc.columns = columns
+        if scripted:
+            z = self._scripted_step(y_prev, cache, self_mask, columns)
             if z is not None:
                 return z, [None] * len(self.decoder_layers)
         x_in = self._embed(y_prev, self.tgt_embed, self.dec_positions, self.dec_embed_norm, start=t)  # (B, 1, d_model)
@@ -239,7 +251,8 @@ class Seq2SeqTransformer(ModelBase):
         cache.step += 1
         return self._scores(h, x_in, weights[-1], cache)[:, -1], weights
 
-    def _scripted_step(self, y_prev: Tensor, cache: DecoderCache, self_mask: Optional[Tensor]) -> Optional[Tensor]:
+    def _scripted_step(self, y_prev: Tensor, cache: DecoderCache, self_mask: Optional[Tensor],
+                       self_columns: Optional[Tensor] = None) -> Optional[Tensor]:
         """decode_step through :attr:`step_script` (s2s.model.step_script): the same scores; None
         where the script fails (then nothing of this step is kept, and the steps run in Python
         from now on)."""
@@ -250,7 +263,7 @@ class Seq2SeqTransformer(ModelBase):
             layer.reserve(B // first.slots, first.slots, sa.heads, sa.d_head, like)
         P = None if self.dec_positions is None else self.dec_positions(1, cache.step, device=y_prev.device)
         try:
-            h = run_step_script(self.step_script, y_prev, P, self_mask, cache)  # (B, 1, d_model)
+            h = run_step_script(self.step_script, y_prev, P, self_mask, cache, self_columns)  # (B, 1, d_model)
         except RuntimeError as e:  # TorchScript's errors too: a torch that scripts but cannot run it
             log.warning("the scripted decoder step failed (%s); decoding in Python",
                         str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
