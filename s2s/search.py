@@ -18,10 +18,11 @@ from the cache) so the remaining sentences run on a smaller batch.
 Sentences (greedy search: rows) that end leave in groups: they step on, their
 outputs unread, until the live ones fit :func:`row_bucket`'s next smaller row
 count, so a batch's steps multiply a few row counts (64, 56, ..., 8, 4, 2, 1)
-instead of every one from the batch size down.  oneDNN builds its bf16 kernels
-per row count the first time it meets one (0.35-0.8 ms each on an Intel Xeon
-with AMX); there, with 2 workers and --precision auto (bf16), a whole ``s2s translate``
-of 1,000 lines took 0.89-0.92 of its time for greedy search and 0.96 for beam 5, the
+instead of every one from the batch size down (not when sampling: an ended row
+would draw, and move the seed's draws).  oneDNN builds its bf16 kernels per row
+count the first time it meets one (0.35-0.8 ms each on an Intel Xeon with AMX);
+there, with 2 workers and --precision auto (bf16), a whole ``s2s translate`` of
+1,000 lines took 0.89-0.92 of its time for greedy search and 0.96 for beam 5, the
 same outputs (README).
 """
 
@@ -425,7 +426,9 @@ def greedy_search(decoder: StepDecoder, max_len: Tensor, s: DecodeConfig, ids: S
             live = int((~ended).sum())
             if live == 0:
                 break
-            leaving = rows_leaving(ended, live)
+            # sampling draws for every row it holds: rows leave as they end, so that a seed's
+            # draws and the rows they go to stay as they were (and an ended row never draws)
+            leaving = ended if gen is not None else rows_leaving(ended, live)
             if leaving is not None:
                 keep = tail_filled(leaving)
                 decoder.select(keep, group=1)  # rows leave one by one: no longer K per sentence

@@ -100,32 +100,46 @@ def test_kernel_reads_each_beams_own_columns(D, dtype):
     b // K alone, what the ancestry's mask over every column leaves; a column outside the
     buffer is refused before anything is read."""
     g = torch.Generator().manual_seed(D)
-    N, K, H, t1, capacity = 3, 4, 2, 7, 10 * 4  # t + 1 positions; buffers wider than (t + 1) K
-    q = torch.randn(N * K, H, 1, D, generator=g)
-    k, v = (torch.randn(N, H, capacity, D, generator=g).to(dtype) for _ in range(2))
-    ancestry = torch.randint(0, K, (N * K, t1), generator=g)
-    columns = ancestry + K * torch.arange(t1)
-    got = torch.ops.s2s.few_query_attention(q, k, v, None, True, columns)
-    mask = torch.full((N * K, capacity), NEG_INF).scatter_(1, columns, 0.0)  # the ancestry's mask
-    sentence = torch.arange(N * K) // K
-    exact = few_query_attention(q.double(), k.double()[sentence], v.double()[sentence], mask.double()[:, None, None])
-    torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-4)
-    with pytest.raises(ValueError, match="column outside"):
-        torch.ops.s2s.few_query_attention(q, k, v, None, True, columns + capacity)
+    for N, K, t1 in ((3, 4, 7), (2, 5, 37), (4, 1, 17)):  # t + 1 positions: a block of 16 keys and its tail
+        H, capacity = 2, (t1 + 3) * K  # buffers wider than (t + 1) K
+        q = torch.randn(N * K, H, 1, D, generator=g)
+        k, v = (torch.randn(N, H, capacity, D, generator=g).to(dtype) for _ in range(2))
+        ancestry = torch.randint(0, K, (N * K, t1), generator=g)
+        columns = ancestry + K * torch.arange(t1)
+        mask = torch.full((N * K, capacity), NEG_INF).scatter_(1, columns, 0.0)  # the ancestry's mask
+        sentence = torch.arange(N * K) // K
+        exact = few_query_attention(q.double(), k.double()[sentence], v.double()[sentence],
+                                    mask.double()[:, None, None])
+        for cols in (columns, columns.t().contiguous().t()):  # its rows contiguous, or not
+            got = torch.ops.s2s.few_query_attention(q, k, v, None, True, cols)
+            torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-4)
+    for wrong in (columns + capacity, columns - columns.max() - 1):
+        with pytest.raises(ValueError, match="column outside"):
+            torch.ops.s2s.few_query_attention(q, k, v, None, True, wrong)
     with pytest.raises(ValueError, match="columns"):
         torch.ops.s2s.few_query_attention(q, k, v, mask[:, None, None], True, columns)  # columns take no mask
 
 
 @needs_kernel
-def test_beams_through_their_columns_search_what_the_masked_slots_search():
+def test_beams_through_their_columns_search_what_the_masked_slots_search(monkeypatch):
     """A beam search whose self-attention reads each beam's own columns through the kernel
     (s2s.model.attention.slot_attention) finds the hypotheses torch's masked products find,
-    fp32 and bf16 models alike."""
+    fp32 and bf16 models alike; the kernel is given the columns (a bf16 model calls it for
+    those alone), and not called at all with the kernel off."""
     src = right_pad([tokens(5, seed=40), tokens(3, seed=41), tokens(7, seed=42), tokens(4, seed=43)])
     ids = SpecialIds(bos_id=2, eos_id=3, pad_id=0)
+    lib, calls = native.library(), []
+
+    class Recording:  # whether each call of the kernel was given columns
+        def s2s_few_query_attention(self, *args):
+            calls.append(args[16] is not None)
+            return lib.s2s_few_query_attention(*args)
+
+    monkeypatch.setattr(native, "library", lambda: Recording())
     for dtype in (torch.float32, torch.bfloat16):
         found = []
         for on in (True, False):
+            calls.clear()
             model = make_model(activation="relu", d_model=128, heads=2, d_ff=128).to(dtype)
             model.lay_out_for_steps()
             use_native_attention(model, on)
@@ -133,6 +147,7 @@ def test_beams_through_their_columns_search_what_the_masked_slots_search():
             with torch.inference_mode():
                 found.append(search(ModelDecoder(model, src), torch.full((4,), 4 + CACHE_BUCKET),
                                     DecodeConfig(beam=4, nbest=2, alpha=0.6), ids))
+            assert (any(calls) and (dtype == torch.float32 or all(calls))) if on else not calls
         tol = 1e-4 if dtype == torch.float32 else 0.05
         for got, want in zip(*found):
             assert [h.tokens for h in got] == [h.tokens for h in want]

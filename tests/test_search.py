@@ -286,6 +286,29 @@ def test_search_steps_bucketed_rows_and_keeps_each_sentences_output(beam):
     assert all(r == n * beam or (r % beam == 0 and row_bucket(r // beam) == r // beam) for r in rows), rows
 
 
+def test_sampling_draws_for_live_rows_only(monkeypatch):
+    """Sampling keeps no ended row (a row would draw, moving the seed's draws, and could draw
+    from nothing): each step draws for the samples whose </s> is still to come, even where a
+    tiny vocabulary and no_repeat_ngram=1 leave an ended row no token to take."""
+    torch.manual_seed(0)
+    model = Seq2SeqTransformer(ModelConfig(d_model=32, heads=4, enc_layers=1, dec_layers=1, d_ff=64, dropout=0.0),
+                               8, 8).double().eval()
+    src = torch.randint(4, 8, (4, 5))
+    src[:, -1] = EOS
+    prefix = torch.full((4, 10), 4)
+    prefix[1] = -1  # rows 0, 2 and 3 forced on for 10 steps; row 1 free to end early
+    drawn, multinomial = [], torch.multinomial
+    monkeypatch.setattr(torch, "multinomial", lambda q, *a, **kw: drawn.append(q.size(0)) or multinomial(q, *a, **kw))
+    for s, forced in ((settings(beam=1, nbest=1, no_repeat_ngram=1, sampling=True, seed=1), prefix),
+                      (settings(beam=1, nbest=3, sampling=True, seed=2), None)):
+        drawn.clear()
+        with torch.no_grad():
+            found = search(ModelDecoder(model, src), torch.full((4,), 20), s, IDS, forced)
+        lengths = [len(h.tokens) + 1 for hyps in found for h in hyps]  # m: the steps each sample took
+        assert len(lengths) == 4 * s.nbest
+        assert drawn == [sum(m > t for m in lengths) for t in range(len(drawn))]
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_wide_beam_finds_the_exhaustive_optimum(seed):
     """With a beam as wide as the hypothesis space, beam search is exact."""

@@ -105,13 +105,14 @@ INLINE void softmax_rows(float *restrict a, const float *restrict mb, long m_g, 
     }
 }
 
-/* key s of a head: row s of its K/V, or row col[s] where the query row reads given columns */
+/* key s of a head: row s of its K/V, or row col[s] where the query row reads given columns (the
+ * next head's prefetch aims at the same rows: the same row's next head reads them) */
 #define KEY(s) (col ? col[s] : (s))
 
 /* one head, any D: a[j,s] = cq[j,:] . K[s,:], softmax, out[j,:] = sum_s A[j,s] V[s,:] */
 INLINE void head_any(const int bf16, const float *restrict cq, const void *restrict kb, long k_s,
                      const void *restrict vb, long v_s, const void *restrict kn, const float *restrict mb, long m_g,
-                     const long *restrict col, float *restrict ob, float *restrict a, long G, long S, long D)
+                     const int64_t *restrict col, float *restrict ob, float *restrict a, long G, long S, long D)
 {
     for (long s = 0; s < S; s++) {
         const void *restrict ks = kv_at(bf16, kb, KEY(s) * k_s);
@@ -130,7 +131,7 @@ INLINE void head_any(const int bf16, const float *restrict cq, const void *restr
     for (long s = 0; s < S; s++) {
         const void *restrict vs = kv_at(bf16, vb, KEY(s) * v_s);
         if (kn)
-            prefetch_row(bf16, kv_at(bf16, kn, s * k_s), D);
+            prefetch_row(bf16, kv_at(bf16, kn, KEY(s) * k_s), D);
         for (long j = 0; j < G; j++) {
             const float p = a[j * S + s];
             float *restrict o = ob + j * D;
@@ -182,7 +183,7 @@ INLINE v16 sum_lanes16(const v16 *x)
  * core's first cache. */
 INLINE void head_vec(const int n, const int bf16, const float *restrict cq, const void *restrict kb, long k_s,
                      const void *restrict vb, long v_s, const void *restrict kn, const float *restrict mb,
-                     long m_g, const long *restrict col, float *restrict ob, float *restrict a, long G, long S)
+                     long m_g, const int64_t *restrict col, float *restrict ob, float *restrict a, long G, long S)
 {
     const long D = 16 * n;
     for (long s = 0; s < S; s += 16) { /* scores: a block of 16 keys' sums in one vector per query */
@@ -219,7 +220,7 @@ INLINE void head_vec(const int n, const int bf16, const float *restrict cq, cons
         const long rows = S - s < 16 ? S - s : 16;
         if (kn)
             for (long r = 0; r < rows; r++)
-                prefetch_row(bf16, kv_at(bf16, kn, (s + r) * k_s), D);
+                prefetch_row(bf16, kv_at(bf16, kn, KEY(s + r) * k_s), D);
         for (long j = 0; j < G; j++) {
             const float *restrict p = a + j * S + s;
             v16 o0[8], o1[8];
@@ -249,12 +250,12 @@ INLINE void head_vec(const int n, const int bf16, const float *restrict cq, cons
 INLINE void all_heads(const int n, const int bf16, const float *restrict q, long q_b, long q_h, long q_g,
                       const void *restrict k, long k_b, long k_h, long k_s, const void *restrict v, long v_b,
                       long v_h, long v_s, const float *restrict mask, long m_b, long m_h, long m_g,
-                      const long *restrict columns, long group, float *restrict out, long B, long H, long G, long S,
+                      const int64_t *restrict columns, long group, float *restrict out, long B, long H, long G, long S,
                       long D, float c, float *restrict a, float *restrict cq)
 {
     for (long b = 0; b < B; b++) {
         /* with columns: row b's S keys are rows columns[b, :] of K/V row b / group */
-        const long *restrict col = columns ? columns + b * S : NULL;
+        const int64_t *restrict col = columns ? columns + b * S : NULL;
         const long kv = columns ? b / group : b, kv_next = columns ? (b + 1) / group : b + 1;
         for (long h = 0; h < H; h++) {
             const float *restrict qb = q + b * q_b + h * q_h;
@@ -281,7 +282,7 @@ int s2s_few_query_attention(const float *q, long q_b, long q_h, long q_g,
                             const void *k, long k_b, long k_h, long k_s,
                             const void *v, long v_b, long v_h, long v_s,
                             const float *mask, long m_b, long m_h, long m_g,
-                            const long *columns, long group, long capacity,
+                            const int64_t *columns, long group, long capacity,
                             float *out, long B, long H, long G, long S, long D, float c, int kv_bf16)
 {
     for (long i = 0; columns && i < B * S; i++)

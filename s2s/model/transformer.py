@@ -235,7 +235,8 @@ class Seq2SeqTransformer(ModelBase):
         # beams in slots through the attention kernel: each reads its own ancestors' columns alone
         # (DecoderCache.self_columns), no mask; the scripted and the Python step alike
         if (cache.slots > 1 and position_mask is None and self.decoder_layers[0].self_attn.native
-                and y_prev.device.type == "cpu" and not (need_weights or self.training or torch.is_grad_enabled())):
+                and y_prev.device.type == "cpu" and not (need_weights or self.training or torch.is_grad_enabled()
+                                                          or torch.compiler.is_compiling())):
             cache.record_slots()
             self_mask, columns = None, cache.self_columns()
         else:
