@@ -431,7 +431,7 @@ def greedy_search(decoder: StepDecoder, max_len: Tensor, s: DecodeConfig, ids: S
             leaving = ended if gen is not None else rows_leaving(ended, live)
             if leaving is not None:
                 keep = tail_filled(leaving)
-                decoder.select(keep, group=1)  # rows leave one by one: no longer K per sentence
+                decoder.select(keep, group=1)  # rows leave on their own: no longer K per sentence
                 active, row_max, tokens, ended = active[keep], row_max[keep], tokens[keep], ended[keep]
                 log_prob, y_t = log_prob[keep], y_t[keep]
         y = y_t[:, None]

@@ -228,15 +228,14 @@ class Seq2SeqTransformer(ModelBase):
         position; the cross K/V are reused; the coverage adds this step's attention.
         """
         t = cache.step
-        scripted = self.step_script is not None and not (need_weights or need_last or self.training
-                                                         or torch.is_grad_enabled() or y_prev.device.type != "cpu"
-                                                         or torch.compiler.is_compiling())
+        # inference on the CPU, no attention weights read: what the script and the kernel take
+        decoding = not (need_weights or self.training or torch.is_grad_enabled() or y_prev.device.type != "cpu"
+                        or torch.compiler.is_compiling())
+        scripted = decoding and not need_last and self.step_script is not None
         position_mask = self._self_mask(1, t + 1, t, y_prev.device)
         # beams in slots through the attention kernel: each reads its own ancestors' columns alone
         # (DecoderCache.self_columns), no mask; the scripted and the Python step alike
-        if (cache.slots > 1 and position_mask is None and self.decoder_layers[0].self_attn.native
-                and y_prev.device.type == "cpu" and not (need_weights or self.training or torch.is_grad_enabled()
-                                                          or torch.compiler.is_compiling())):
+        if decoding and cache.slots > 1 and position_mask is None and self.decoder_layers[0].self_attn.native:
             cache.record_slots()
             self_mask, columns = None, cache.self_columns()
         else:
