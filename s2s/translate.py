@@ -28,7 +28,7 @@ from s2s.leantorch import complete_torch
 from s2s.model import S2SModel, Seq2SeqTransformer
 from s2s.model.gemm import use_packed_bf16
 from s2s.model.native import available as available_native_attention
-from s2s.model.native import use_native_attention
+from s2s.model.native import linear_isa, use_native_attention
 from s2s.modeldir import input_cap, model_decode_settings, position_table
 from s2s.output import OutputFormat, confidence, format_translation
 from s2s.precision import auto_arithmetic, auto_precision, beam_slot_dtype, greedy_kv_dtype, resolve_precision  # noqa: F401 (auto_precision: importable from here too)
@@ -319,7 +319,7 @@ class Translator:
             member.greedy_kv_dtype = greedy_dtype
             use_native_attention(member, native)  # before the step is scripted: it copies the choice
         if precision == "bf16":
-            self.to_bf16()
+            self.to_bf16(native_linear=native and linear_isa() is not None)
         if quantize == "int8":
             self.quantize_int8()
         self.int8 = quantize == "int8"
@@ -334,17 +334,19 @@ class Translator:
             if hasattr(member, "script_step"):
                 member.script_step()
 
-    def to_bf16(self) -> None:
+    def to_bf16(self, native_linear: bool = False) -> None:
         """Convert every member's weights to bf16 once (no autocast per operation).  What
         accuracy needs stays fp32 inside the kernels: layer norm statistics and the
         attention softmax accumulate in fp32 (s2s.model.attention casts the reference
         path's scores up), and the search takes log_softmax of fp32 logits.  On the CPU each
-        matrix is packed for oneDNN once (s2s.model.gemm.use_packed_bf16)."""
+        matrix is packed once (s2s.model.gemm.use_packed_bf16): for s2s's own kernel with
+        ``native_linear`` (one thread, AMX or AVX512-BF16: s2s.model.native.linear_isa), else
+        for oneDNN."""
         self.model = self.model.to(torch.bfloat16)
         self.extra_models = [m.to(torch.bfloat16) for m in self.extra_models]
-        if self.device.type == "cpu":  # each W reordered for oneDNN once, not per product
+        if self.device.type == "cpu":  # each W packed once, not per product
             for member in [self.model, *self.extra_models]:
-                use_packed_bf16(member)
+                use_packed_bf16(member, native=native_linear)
         self.script_steps()
 
     def quantize_int8(self) -> None:

@@ -7,6 +7,7 @@ through torch."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 
 import pytest
@@ -121,66 +122,56 @@ def test_kernel_reads_each_beams_own_columns(D, dtype):
 
 
 @needs_kernel
-def test_beams_through_their_columns_search_what_the_masked_slots_search(monkeypatch):
+def test_beams_through_their_columns_search_what_the_masked_slots_search():
     """A beam search whose self-attention reads each beam's own columns through the kernel
     (s2s.model.attention.slot_attention) finds the hypotheses torch's masked products find,
-    fp32 and bf16 models alike; the kernel is given the columns (a bf16 model calls it for
-    those alone), and not called at all with the kernel off."""
+    fp32 and bf16 models alike; the kernel is given the columns, and not called at all with the
+    kernel off."""
     src = right_pad([tokens(5, seed=40), tokens(3, seed=41), tokens(7, seed=42), tokens(4, seed=43)])
     ids = SpecialIds(bos_id=2, eos_id=3, pad_id=0)
-    lib, calls = native.library(), []
-
-    class Recording:  # whether each call of the kernel was given columns
-        def s2s_few_query_attention(self, *args):
-            calls.append(args[16] is not None)
-            return lib.s2s_few_query_attention(*args)
-
-    monkeypatch.setattr(native, "library", lambda: Recording())
     for dtype in (torch.float32, torch.bfloat16):
         found = []
         for on in (True, False):
-            calls.clear()
             model = make_model(activation="relu", d_model=128, heads=2, d_ff=128).to(dtype)
             model.lay_out_for_steps()
             use_native_attention(model, on)
             assert model.script_step()
-            with torch.inference_mode():
+            with torch.inference_mode(), kernel_calls() as calls:
                 found.append(search(ModelDecoder(model, src), torch.full((4,), 4 + CACHE_BUCKET),
                                     DecodeConfig(beam=4, nbest=2, alpha=0.6), ids))
-            assert (any(calls) and (dtype == torch.float32 or all(calls))) if on else not calls
+            assert any(shapes[5] != [] for shapes, _ in calls) if on else not calls
         tol = 1e-4 if dtype == torch.float32 else 0.05
         for got, want in zip(*found):
             assert [h.tokens for h in got] == [h.tokens for h in want]
             assert [h.score for h in got] == pytest.approx([h.score for h in want], abs=tol)
 
 
-class RecordingLibrary:
-    """The kernel's library, recording each call's last argument (K/V in bf16: 1)."""
-
-    def __init__(self, lib):
-        self.lib, self.kv_bf16 = lib, []
-
-    def s2s_few_query_attention(self, *args):
-        self.kv_bf16.append(args[-1])
-        return self.lib.s2s_few_query_attention(*args)
+@contextlib.contextmanager
+def kernel_calls(name: str = "s2s::few_query_attention", inputs: int = 6):
+    """The calls of operator ``name`` made inside the block (from Python or a scripted step), as
+    (input shapes, input dtypes) of its ``inputs`` arguments each (an absent one: [] and ''),
+    recorded by torch's profiler.  (A scripted call's record starts with values of the
+    interpreter's stack: the operator's own are the last.)"""
+    calls: list[tuple[list, list]] = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        yield calls
+    calls.extend((e.input_shapes[-inputs:], e.input_dtypes[-inputs:]) for e in prof.events() if e.name == name)
 
 
 @needs_kernel
-def test_scripted_and_python_steps_through_the_kernel_search_alike(monkeypatch):
+def test_scripted_and_python_steps_through_the_kernel_search_alike():
     """fp32, d_head 64 (the vector path), laid out as ``s2s translate`` lays it out, the beams'
     self-attention K/V in fp32 or in bf16 slots: greedy, beams, n-best, sampling, a prefix and
     constraints search the same hypotheses scripted and in Python, bit for bit, both through
     the kernel (with bf16 slots, their self-attention through its bf16 path)."""
-    recorder = RecordingLibrary(native.library())
-    monkeypatch.setattr(native, "library", lambda: recorder)
     model = make_model(activation="relu", d_model=128, heads=2, d_ff=128).float()
     model.lay_out_for_steps()
     assert use_native_attention(model, True)
-    for slot_dtype, kv_bf16 in ((None, {0}), (torch.bfloat16, {0, 1})):
+    for slot_dtype, kv_dtypes in ((None, {"float"}), (torch.bfloat16, {"float", "c10::BFloat16"})):
         model.beam_slot_dtype = slot_dtype
-        recorder.kv_bf16.clear()
-        assert_same_searches(model)
-        assert set(recorder.kv_bf16) == kv_bf16
+        with kernel_calls() as calls:
+            assert_same_searches(model)
+        assert {dtypes[1] for _, dtypes in calls} == kv_dtypes  # K's
 
 
 @needs_kernel
@@ -246,9 +237,9 @@ def test_a_failing_compile_leaves_a_marker_not_a_library(tmp_path, monkeypatch):
 @needs_kernel
 def test_the_route_leaves_to_torch_what_the_kernel_does_not_take():
     """inference_attention with ``native``: a mask of one column broadcast over the keys, a bf16
-    mask, more than 16 queries, a q whose last dimension is strided: torch's route, the same
-    values bit for bit; and the operator itself refuses what it cannot read (those, and K fp32
-    with V bf16)."""
+    mask with fp32 queries, more than 16 queries, a q whose last dimension is strided: torch's
+    route, the same values bit for bit; and the operator itself refuses what it cannot read (a
+    strided q, K fp32 with V bf16) and widens a bf16 mask."""
     g = torch.Generator().manual_seed(3)
     B, H, S, D = 2, 2, 20, 64
     q, k, v = (torch.randn(B, H, n, D, generator=g) for n in (1, S, S))
@@ -258,10 +249,11 @@ def test_the_route_leaves_to_torch_what_the_kernel_does_not_take():
                           (torch.randn(B, H, 17, D, generator=g), k, v, None), strided_q]:
         got = inference_attention(q_, k_, v_, m, True, native=True)
         assert torch.equal(got, inference_attention(q_, k_, v_, m, True, native=False))
-    for q_, k_, v_, m in [bf16_mask, strided_q, (q, k, v.bfloat16(), None)]:
+    for q_, k_, v_, m in [strided_q, (q, k, v.bfloat16(), None)]:
         with pytest.raises(ValueError, match="few_query_attention"):
             kernel(q_, k_, v_, m)
     torch.testing.assert_close(kernel(q, k, v, torch.zeros(B, 1, 1, 1)), few_query_attention(q, k, v, None))
+    assert torch.equal(kernel(*bf16_mask), kernel(q, k, v, bf16_mask[3].float()))
 
 
 @needs_kernel

@@ -131,16 +131,17 @@ def inference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
                         few_queries: int = FEW_QUERIES, native: bool = False) -> Tensor:
     """out = softmax(Q K^T / sqrt(d_k) + M) V without weights or dropout (decoding), by the route
     measured fastest: with ``native`` (s2s.model.native: compiled, and chosen for a model that
-    decodes on one CPU thread), up to ``few_queries`` fp32 queries against fp32 or bf16 K/V
-    through the C kernel; else
+    decodes on one CPU thread), up to ``few_queries`` fp32 queries against fp32 or bf16 K/V, or
+    bf16 queries against bf16 K/V (a bf16 model), through the C kernel; else
     :func:`few_query_attention` for K/V in a dtype of their own (bf16 beam slots) and for up
     to ``few_queries`` fp32 queries on the CPU; else torch's scaled_dot_product_attention.
     q (B, heads, T_q, d_k), k, v (B, heads, T_k, d_k) -> (B, heads, T_q, d_v).  Scriptable:
     the scripted decoder step (s2s.model.step_script) takes the same route."""
-    if (native and q.size(-2) <= few_queries and q.dtype == torch.float32 and v.dtype == k.dtype
-            and (k.dtype == q.dtype or k.dtype == torch.bfloat16) and q.device.type == "cpu"
+    if (native and q.size(-2) <= few_queries and (q.dtype == torch.float32 or q.dtype == torch.bfloat16)
+            and v.dtype == k.dtype and (k.dtype == q.dtype or k.dtype == torch.bfloat16) and q.device.type == "cpu"
             and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
-            and (mask is None or (mask.dtype == q.dtype and mask.size(-1) == k.size(-2)))):
+            and (mask is None or ((mask.dtype == q.dtype or mask.dtype == torch.float32)
+                                  and mask.size(-1) == k.size(-2)))):
         return torch.ops.s2s.few_query_attention(q, k, v, mask, scale)
     if k.dtype != q.dtype or (q.size(-2) <= few_queries and q.dtype == torch.float32 and q.device.type == "cpu"):
         return few_query_attention(q, k, v, mask, scale)
@@ -156,8 +157,7 @@ def slot_attention(q: Tensor, k: Tensor, v: Tensor, columns: Tensor, scale: bool
     ``columns`` (B, t + 1) long, the columns t' K + a_{t'} of row b's ancestors
     (s2s.model.cache.DecoderCache.self_columns) -> (B, heads, 1, d_k).  The same function as
     the ancestry's mask over all (t + 1) K columns, reading 1/K of them.  Scriptable."""
-    out = torch.ops.s2s.few_query_attention(q.float(), k, v, None, scale, columns)
-    return out if q.dtype == torch.float32 else out.to(q.dtype)
+    return torch.ops.s2s.few_query_attention(q, k, v, None, scale, columns)
 
 
 class MultiHeadAttention(nn.Module):

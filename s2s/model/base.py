@@ -66,7 +66,7 @@ class ModelBase(nn.Module):
         self.output_bias = nn.Parameter(torch.zeros(vocab)) if cfg.output_bias else None
         self.output_scale = d ** -0.5 if cfg.scale_output else 1.0
         self.gemm = "torch"  # or, training: openblas (s2s.model.gemm.use_openblas), rows (use_row_blocks);
-        # decoding in bf16: packed (use_packed_bf16)
+        # decoding in bf16: packed for oneDNN, or native, for s2s's kernel (use_packed_bf16)
         self.output_int8: Optional[nn.Module] = None  # W_U in int8 too, decoding (s2s.model.int8)
         self.output_packed: Optional[Tensor] = None  # the tied W_U packed for oneDNN, decoding in bf16
 
@@ -99,7 +99,7 @@ class ModelBase(nn.Module):
             z = gemm.linear(h, self.tgt_embed.weight)
         elif self.gemm == "rows":  # bf16 training on the CPU: rows in blocks (s2s.model.gemm)
             z = gemm.row_block_linear(h, self.tgt_embed.weight)
-        elif self.gemm == "packed":  # bf16 decoding on the CPU: W_U packed once (s2s.model.gemm)
+        elif self.gemm in ("packed", "native"):  # bf16 decoding on the CPU: W_U packed once (s2s.model.gemm)
             z = gemm.packed_linear(h, self.tgt_embed.weight, self.output_packed)
         else:
             z = h @ self.tgt_embed.weight.t()
@@ -131,8 +131,8 @@ class ModelBase(nn.Module):
             from s2s.model.int8 import Int8Linear  # torch's quantized operators, only when asked
 
             subset.int8 = Int8Linear(subset.W, b)
-        elif self.gemm == "packed":
-            subset.packed = gemm.pack_bf16(subset.W)
+        elif self.gemm in ("packed", "native"):
+            subset.packed = gemm.pack_bf16(subset.W, native=self.gemm == "native")
         return subset
 
     def embedding_tables(self) -> Iterable[nn.Embedding]:

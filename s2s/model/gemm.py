@@ -292,10 +292,16 @@ def packs_bf16() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def pack_bf16(W: Tensor) -> Optional[Tensor]:
-    """W (out, in) bf16 on the CPU reordered once into oneDNN's layout for y = x W^T; None where
-    oneDNN cannot take it (another dtype or device, or a torch without the operator)."""
-    if W.dtype != torch.bfloat16 or W.device.type != "cpu" or not packs_bf16():
+def pack_bf16(W: Tensor, native: bool = False) -> Optional[Tensor]:
+    """W (out, in) bf16 on the CPU packed once for y = x W^T: into oneDNN's layout, or with
+    ``native`` into s2s's own (``torch.ops.s2s.bf16_pack``, a 3-dimensional tensor of tiles:
+    s2s.model.native_linear.c); None where neither can take it (another dtype or device, or a
+    torch without oneDNN's operator)."""
+    if W.dtype != torch.bfloat16 or W.device.type != "cpu":
+        return None
+    if native:
+        return torch.ops.s2s.bf16_pack(W.detach())
+    if not packs_bf16():
         return None
     return torch.ops.mkldnn._reorder_linear_weight(W.detach(), PACK_ROWS)
 
@@ -323,6 +329,8 @@ def packed_linear(x: Tensor, W: Tensor, packed: Optional[Tensor], b: Optional[Te
             raise ValueError("packed_linear: an activation is applied only with a packed W")
         return F.linear(x, W, b)
     name, algorithm = POST_OPS[activation] if activation is not None else ("none", "")
+    if packed.dim() == 3:  # s2s's own kernel (pack_bf16 with native)
+        return torch.ops.s2s.bf16_linear(x, W, packed, b, name, algorithm)
     return torch.ops.mkldnn._linear_pointwise(x, packed, b, name, [], algorithm)
 
 
@@ -336,16 +344,18 @@ class PackedLinear(nn.Linear):
         return packed_linear(x, self.weight, self.packed, self.bias)
 
 
-def use_packed_bf16(model: nn.Module) -> int:
+def use_packed_bf16(model: nn.Module, native: bool = False) -> int:
     """For decoding a bf16 model on the CPU: every nn.Linear made a :class:`PackedLinear` with its W
-    packed, and the tied output projection's W_U packed too (``model.gemm = "packed"``).  Returns
-    how many layers; 0 (and nothing changed) where oneDNN cannot pack the weights."""
-    if pack_bf16(next(model.parameters())) is None:
+    packed, and the tied output projection's W_U packed too (``model.gemm = "packed"``), for
+    oneDNN or, with ``native``, for s2s's kernel (``model.gemm = "native"``; one thread, on a
+    CPU with AMX or AVX512-BF16: s2s.model.native.linear_isa).  Returns how many layers; 0 (and
+    nothing changed) where the weights cannot be packed."""
+    if pack_bf16(next(model.parameters()), native) is None:
         return 0
-    swapped = _swap_linears(model, PackedLinear, "packed")
+    swapped = _swap_linears(model, PackedLinear, "native" if native else "packed")
     for m in model.modules():
         if isinstance(m, PackedLinear):
-            m.packed = pack_bf16(m.weight)
-        elif getattr(m, "gemm", None) == "packed":  # W_U = E^T: the embedding's table, packed
-            m.output_packed = pack_bf16(m.tgt_embed.weight)
+            m.packed = pack_bf16(m.weight, native)
+        elif getattr(m, "gemm", None) in ("packed", "native"):  # W_U = E^T: the embedding's table, packed
+            m.output_packed = pack_bf16(m.tgt_embed.weight, native)
     return swapped

@@ -1,4 +1,4 @@
-"""Few-query attention in C, compiled for the machine it runs on.
+"""Few-query attention and bf16 products in C, compiled for the machine it runs on.
 
 A decoding step's attention is G queries (1, or a sentence's beams) against each head's
 K/V cache.  torch runs it as two batched matrix products over B x heads small matrices,
@@ -16,42 +16,55 @@ caches as in a step (microseconds, two runs; README, few-query attention in C):
      140      1      1079-1124   629-704
      140      5      2259-2364  1224-1261
 
-The file is compiled once per machine with the system's C compiler (``cc``, or ``$CC``;
-``-O3 -march=native``) into s2s's cache directory (``$S2S_CACHE_DIR``, else
-``$XDG_CACHE_HOME/s2s``, else ``~/.cache/s2s``), keyed by the source, the compiler and its
-flags and the CPU, and loaded with ctypes.  It is reached as the operator
-``torch.ops.s2s.few_query_attention``, so that the scripted decoder step
-(s2s.model.step_script) calls it as the Python step does.  Where there is no compiler, or
-``S2S_NATIVE_ATTENTION=0``, :func:`available` is False and decoding takes torch's route:
-nothing else changes.  Its sums run in another order than torch's products, so its
-outputs differ from theirs in the last bits (tests/test_native_attention.py).
+The same library holds ``native_linear.c``: a decoding step's bf16 products x W^T + b on AMX
+or AVX512-BF16, W packed once (``torch.ops.s2s.bf16_pack`` and ``bf16_linear``; s2s.model.gemm
+takes them on one thread, :func:`linear_isa`), where oneDNN costs about 19 us a call.
+
+Both C files are compiled once per machine with the system's C compiler (``cc``, or ``$CC``;
+``-O3 -march=native``) and linked with ``native_op.cpp`` (compiled by ``c++``, or ``$CXX``,
+against torch's own headers: the operators' CPU kernels) into one library in s2s's cache
+directory (``$S2S_CACHE_DIR``, else ``$XDG_CACHE_HOME/s2s``, else ``~/.cache/s2s``), keyed by
+the sources, the compilers and their flags, torch's version and the CPU.  Loading it
+registers the CPU kernels of the operators (their schemas are defined at import here), so
+that the scripted decoder step (s2s.model.step_script) calls them as it calls torch's own
+operators, about 2 us a call where an operator implemented in Python cost 35; ctypes reaches
+the greedy argmax.  Where either compiler is missing or fails, or ``S2S_NATIVE_ATTENTION=0``,
+:func:`available` is False and decoding takes torch's route: nothing else changes.  Its sums
+run in another order than torch's products, so its outputs differ from theirs in the last
+bits (tests/test_native_attention.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import logging
-import math
 import os
 import platform
 import shlex
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
 
 log = logging.getLogger("s2s")
 
-SOURCE = Path(__file__).with_name("native_attention.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("native_attention.c", "native_linear.c"))
+OPERATOR_SOURCE = Path(__file__).with_name("native_op.cpp")
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-          "-fno-trapping-math", "-fPIC", "-shared")
+          "-fno-trapping-math", "-fPIC")
+CXXFLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-w")
 DISABLE = "S2S_NATIVE_ATTENTION"  # =0: torch's route only
-COMPILE_TIMEOUT_S = 120
+COMPILE_TIMEOUT_S = 300
+SCHEMAS = ("few_query_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, bool scale, Tensor? columns=None) "
+           "-> Tensor",
+           "bf16_pack(Tensor W) -> Tensor",
+           "bf16_linear(Tensor x, Tensor W, Tensor P, Tensor? b, str activation='none', str algorithm='') -> Tensor")
 
 
 def cache_dir() -> Path:
@@ -63,70 +76,78 @@ def cache_dir() -> Path:
     return Path(base) / "s2s"
 
 
-def build_key(source: bytes, compiler: str) -> str:
-    """What the compiled library depends on: the source, the compiler and its flags, and the CPU
-    (-march=native), hashed."""
+def build_key(sources: bytes, compilers: str) -> str:
+    """What the compiled library depends on: both sources, the compilers and their flags, torch's
+    version and C++ ABI (its headers), and the CPU (-march=native), hashed."""
     from s2s.precision import cpuinfo_field
 
-    h = hashlib.sha256(source)
+    h = hashlib.sha256(sources)
     cpu = [cpuinfo_field(key) for key in ("model name", "flags", "Features", "CPU implementer", "CPU part")]  # x86, arm
-    for part in (compiler, " ".join(CFLAGS), platform.machine(), platform.processor(), *cpu):
+    for part in (compilers, " ".join(CFLAGS + CXXFLAGS), torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI),
+                 platform.machine(), platform.processor(), *cpu):
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:16]
+
+
+def torch_build_flags() -> list[str]:
+    """What native_op.cpp compiles and links with: torch's headers and libraries (already loaded
+    into the process that loads the library), and its C++ ABI."""
+    root = Path(torch.__file__).parent
+    return [f"-I{root / 'include'}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            f"-L{root / 'lib'}", f"-Wl,-rpath,{root / 'lib'}", "-ltorch_cpu", "-lc10"]
 
 
 def compile_library() -> Path:
     """The library compiled for this machine, built into :func:`cache_dir` first if it is not
     there (written under a temporary name and renamed, so that processes building it at once
     never load a partial file).  A compiler that failed leaves ``attention-KEY.failed`` (its
-    message) instead, and is not run again for the same source, compiler and CPU.  Raises
+    message) instead, and is not run again for the same sources, compilers and CPU.  Raises
     OSError or subprocess.SubprocessError where it cannot."""
-    compiler = os.environ.get("CC") or "cc"
-    source = SOURCE.read_bytes()
-    out = cache_dir() / "native" / f"attention-{build_key(source, compiler)}.so"
+    cc, cxx = os.environ.get("CC") or "cc", os.environ.get("CXX") or "c++"
+    sources = b"".join(path.read_bytes() for path in (*SOURCES, OPERATOR_SOURCE))
+    out = cache_dir() / "native" / f"attention-{build_key(sources, cc + chr(0) + cxx)}.so"
     failed = out.with_suffix(".failed")
     if out.exists():
         return out
     if failed.exists():
-        raise OSError(f"{compiler} failed before ({failed}): {failed.read_text(errors='replace').strip()}")
+        raise OSError(f"compiling failed before ({failed}): {failed.read_text(errors='replace').strip()}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".attention-", suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([*shlex.split(compiler), *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
-                              text=True, errors="replace", timeout=COMPILE_TIMEOUT_S, check=False)
-        if done.returncode:
-            lines = (done.stderr or done.stdout).strip().splitlines()
-            why = lines[-1] if lines else f"exit status {done.returncode}"
-            failed.write_text(why + "\n")
-            raise OSError(f"{compiler} failed: {why}")
-        os.chmod(tmp, 0o755)  # (mkstemp's file is 0600: others sharing $S2S_CACHE_DIR may load it too)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    log.info("compiling s2s's CPU kernels for this machine, once (s2s.model.native)")
+    with tempfile.TemporaryDirectory(prefix=".attention-", dir=out.parent) as tmp:
+        objects = [os.path.join(tmp, f"{path.stem}.o") for path in SOURCES]
+        lib = os.path.join(tmp, "attention.so")
+        commands = [(cc, [*shlex.split(cc), *CFLAGS, "-c", str(path), "-o", obj])
+                    for path, obj in zip(SOURCES, objects)]
+        commands.append((cxx, [*shlex.split(cxx), *CXXFLAGS, str(OPERATOR_SOURCE), *objects, "-o", lib,
+                               *torch_build_flags(), "-lm"]))
+        for compiler, command in commands:
+            done = subprocess.run(command, capture_output=True, text=True, errors="replace",
+                                  timeout=COMPILE_TIMEOUT_S, check=False)
+            if done.returncode:
+                lines = (done.stderr or done.stdout).strip().splitlines()
+                why = lines[-1] if lines else f"exit status {done.returncode}"
+                failed.write_text(f"{compiler}: {why}\n")
+                raise OSError(f"{compiler} failed: {why}")
+        os.chmod(lib, 0o755)  # (others sharing $S2S_CACHE_DIR may load it too)
+        os.replace(lib, out)
     log.debug("native attention compiled into %s", out)
     return out
 
 
 @functools.lru_cache(maxsize=None)
 def library() -> Optional[ctypes.CDLL]:
-    """The compiled kernel's library, loaded; None where it cannot be built or loaded (why: at
-    debug level)."""
+    """The compiled library, loaded (which registers the operator's CPU kernel); None where it
+    cannot be built or loaded (why: at debug level)."""
     try:
         lib = ctypes.CDLL(str(compile_library()))
-        fn = lib.s2s_few_query_attention
+        lib.s2s_argmax_rows  # noqa: B018  (an older or foreign file: AttributeError)
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         log.debug("native attention unavailable (%s): torch's route", e)
         return None
-    fn.restype = ctypes.c_int
-    tensor = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]  # data, strides of b, h, and g or s
-    fn.argtypes = (tensor * 4 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_long]  # q k v mask, columns group capacity
-                   + [ctypes.c_void_p] + [ctypes.c_long] * 5  # out B H G S D
-                   + [ctypes.c_float, ctypes.c_int])  # c, K/V in bf16
     lib.s2s_argmax_rows.restype = ctypes.c_int  # z, its row stride, N, V, best, index
     lib.s2s_argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
                                     ctypes.c_void_p, ctypes.c_void_p]
+    lib.s2s_bf16_linear_isa.restype = ctypes.c_int
     return lib
 
 
@@ -136,67 +157,41 @@ def available() -> bool:
     return os.environ.get(DISABLE, "1") != "0" and library() is not None
 
 
+LINEAR_ISAS = {1: "avx512_bf16", 2: "amx_bf16"}  # native_linear.c's kernels
+
+
+def linear_isa() -> Optional[str]:
+    """Which of the CPU's bf16 instructions ``torch.ops.s2s.bf16_linear`` multiplies with here
+    (native_linear.c): amx_bf16, avx512_bf16, or None (no such CPU, no kernel compiled, or
+    ``$S2S_NATIVE_ATTENTION=0``: bf16 products take oneDNN's route, s2s.model.gemm)."""
+    return LINEAR_ISAS.get(library().s2s_bf16_linear_isa()) if available() else None
+
+
+@contextlib.contextmanager
+def capped_linear_isa(isa: Optional[str]) -> Iterator[None]:
+    """Inside the block, ``bf16_linear`` takes no kernel better than ``isa`` (a value of
+    :data:`LINEAR_ISAS`, or None: none at all): an AMX CPU runs the AVX512-BF16 kernel that
+    AMD's CPUs take."""
+    cap = {v: k for k, v in LINEAR_ISAS.items()}.get(isa, 0)
+    was = library().s2s_bf16_linear_cap_isa(cap)
+    try:
+        yield
+    finally:
+        library().s2s_bf16_linear_cap_isa(was)
+
+
 def use_native_attention(model: torch.nn.Module, on: Optional[bool] = None) -> bool:
     """Route the attention of every MultiHeadAttention in ``model`` through the C kernel
-    (``on``: default :func:`available`), or back through torch's products; returns ``on``.
+    (``on``: default, or where it is not :func:`available`, off), or back through torch's
+    products; returns whether it did.
     Decoding only: the kernel has no gradient.  Script the step after (it copies the choice)."""
     from s2s.model.attention import MultiHeadAttention
 
-    on = available() if on is None else on
+    on = available() if on is None else bool(on) and available()  # (no kernel: nothing to call)
     for m in model.modules():
         if isinstance(m, MultiHeadAttention):
             m.native = on
     return on
-
-
-def few_query_attention_kernel(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: bool,
-                               columns: Optional[Tensor] = None) -> Tensor:
-    """The CPU kernel of ``torch.ops.s2s.few_query_attention``: out = softmax(c q K^T + M) V,
-    c = 1/sqrt(d_k) with ``scale``, else 1.  q (B, heads, G, d_k) fp32, k, v (B, heads, T_k, d_k)
-    both fp32 or both bf16 (widened as they are read; every sum in fp32), each with a contiguous
-    last dimension (any other strides), mask None or fp32 broadcastable to (B, heads, G, T_k) ->
-    out (B, heads, G, d_k) fp32, contiguous.
-
-    With ``columns`` (B, T) int64 (and G = 1, no mask): row b's keys are only the T rows
-    columns[b, :] of k, v (B', heads, capacity, d_k), K/V row b // (B / B'): a beam reading its
-    own ancestors' slots (s2s.model.cache) instead of all of its sentence's, masked."""
-    B, H, G, D = q.shape
-    S = k.size(2)
-    group, capacity = 1, S  # q rows per K/V row; the keys a row's columns may name
-    if columns is not None:
-        if (G != 1 or mask is not None or columns.dim() != 2 or columns.size(0) != B or columns.dtype != torch.int64
-                or k.size(0) == 0 or B % k.size(0)):
-            raise ValueError(f"s2s::few_query_attention: columns {tuple(columns.shape)} {columns.dtype} for q "
-                             f"{tuple(q.shape)}, k {tuple(k.shape)}: (B, T) int64, one query per row, no mask, "
-                             f"B a multiple of k's rows")
-        group, S, columns = B // k.size(0), columns.size(1), columns.contiguous()  # (the kernel checks each column)
-    if (q.dtype != torch.float32 or k.dtype not in (torch.float32, torch.bfloat16) or v.dtype != k.dtype
-            or k.shape[1:] != (H, capacity, D) or k.size(0) * group != B or v.shape != k.shape
-            or any(x.stride(-1) != 1 for x in (q, k, v)) or (mask is not None and mask.dtype != torch.float32)):
-        raise ValueError(f"s2s::few_query_attention: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, "
-                         f"v {tuple(v.shape)} {v.dtype}: q fp32, k and v both fp32 or both bf16, (B, heads, T, d) "
-                         f"alike, each with a contiguous last dimension")
-    out = torch.empty((B, H, G, D), dtype=torch.float32)
-    if mask is None:
-        m_ptr, m_strides = None, (0, 0, 0)
-    else:
-        m = mask.expand(B, H, G, S)  # broadcast dimensions get stride 0
-        if m.stride(-1) != 1:  # one column broadcast over the keys: the kernel reads a column per key
-            m = m.contiguous()
-        m_ptr, m_strides = m.data_ptr(), m.stride()[:3]
-    c = 1.0 / math.sqrt(D) if scale else 1.0
-    lib = library()
-    if lib is None:
-        raise RuntimeError("s2s::few_query_attention: the native attention library is not built")
-    rc = lib.s2s_few_query_attention(q.data_ptr(), *q.stride()[:3], k.data_ptr(), *k.stride()[:3],
-                                     v.data_ptr(), *v.stride()[:3], m_ptr, *m_strides,
-                                     None if columns is None else columns.data_ptr(), group, capacity, out.data_ptr(),
-                                     B, H, G, S, D, c, int(k.dtype == torch.bfloat16))
-    if rc == -2:
-        raise ValueError(f"s2s::few_query_attention: a column outside 0 .. {capacity - 1}")
-    if rc:
-        raise MemoryError("s2s::few_query_attention: no memory for the scores")
-    return out
 
 
 def argmax_rows(z: Tensor) -> Optional[tuple[Tensor, Tensor]]:
@@ -217,15 +212,16 @@ def argmax_rows(z: Tensor) -> Optional[tuple[Tensor, Tensor]]:
     return best, index
 
 
-def register_operator() -> torch.library.Library:
-    """Define ``torch.ops.s2s.few_query_attention`` (the CPU kernel above), once per process: the
-    scripted decoder step resolves it by name."""
+def define_operators() -> torch.library.Library:
+    """Define the schemas of ``torch.ops.s2s.few_query_attention``, ``bf16_pack`` and
+    ``bf16_linear``, once per process, so that the scripted decoder step resolves them by name
+    whether or not the library is loaded (their CPU kernels come with the library,
+    :func:`library`; without it nothing calls them)."""
     lib = torch.library.Library("s2s", "FRAGMENT")
-    if not hasattr(torch.ops.s2s, "few_query_attention"):
-        lib.define("few_query_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, bool scale, "
-                   "Tensor? columns=None) -> Tensor")
-        lib.impl("few_query_attention", few_query_attention_kernel, "CPU")
+    for schema in SCHEMAS:
+        if not hasattr(torch.ops.s2s, schema.split("(")[0]):
+            lib.define(schema)
     return lib
 
 
-_OPERATOR = register_operator()  # kept: a Library's registrations end with it
+_OPERATORS = define_operators()  # kept: a Library's registrations end with it

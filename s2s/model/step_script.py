@@ -114,6 +114,8 @@ class ScriptedProduct(nn.Module):
         packed = self.packed
         if packed is not None:
             if x.dtype == packed.dtype:  # gemm.packed_linear
+                if packed.dim() == 3:  # packed for s2s's kernel (gemm.pack_bf16)
+                    return torch.ops.s2s.bf16_linear(x, self.weight, packed, self.bias, "none", "")
                 return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", no_scalars(), "")
         return F.linear(x, self.weight, self.bias)
 
@@ -139,6 +141,9 @@ class ScriptedProduct(nn.Module):
             packed = self.packed
             if packed is not None:
                 if x.dtype == packed.dtype:
+                    if packed.dim() == 3:
+                        return torch.ops.s2s.bf16_linear(x, self.weight, packed, self.bias, self.post_op,
+                                                         self.post_algorithm)
                     return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, self.post_op, no_scalars(),
                                                               self.post_algorithm)
         return activation(self.forward(x), self.act)
