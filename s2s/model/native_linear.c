@@ -121,6 +121,8 @@ static inline void finish(const float *sums, long rows, long cols, const uint16_
 #endif
 
 #ifdef S2S_AMX
+#define CHUNK_NB 16 /* (even: the blocks go in pairs) */
+
 struct tile_config {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -148,14 +150,18 @@ static void linear_amx(const uint16_t *x, long x_row, long M, long N, long K, co
     const long KB = K / 32, NB = (N + 15) / 16;
     float sums[4][16 * 16] __attribute__((aligned(64)));
     long configured0 = -1, configured1 = -1;
-    for (long m = 0; m < M; m += 32) { /* (rows outer: a partial last block of rows configures the tiles once) */
+    /* W's columns in chunks of CHUNK_NB blocks (256 columns: 128 KiB of P at K = 256), each
+     * multiplied by every block of rows while it is in the core's second cache: a wide W (an
+     * output projection) read once from memory, not once per 32 rows */
+    for (long n0 = 0; n0 < NB; n0 += CHUNK_NB)
+    for (long m = 0; m < M; m += 32) {
         const long rows0 = M - m < 16 ? M - m : 16, rows1 = M - m - 16 < 16 ? M - m - 16 : 16;
-        if (rows0 != configured0 || rows1 != configured1) {
+        if (rows0 != configured0 || rows1 != configured1) { /* (a partial last block of rows: twice a chunk) */
             configure(rows0, rows1);
             configured0 = rows0, configured1 = rows1;
         }
         const uint16_t *x0 = x + m * x_row, *x1 = x0 + 16 * x_row;
-        for (long nb = 0; nb < NB; nb += 2) {
+        for (long nb = n0; nb < NB && nb < n0 + CHUNK_NB; nb += 2) {
             const int two = nb + 1 < NB;
             const uint16_t *p0 = P + nb * KB * 512, *p1 = p0 + KB * 512;
             _tile_zero(0);
