@@ -340,8 +340,7 @@ class Translator:
         attention softmax accumulate in fp32 (s2s.model.attention casts the reference
         path's scores up), and the search takes log_softmax of fp32 logits.  On the CPU each
         matrix is packed once (s2s.model.gemm.use_packed_bf16): for s2s's own kernel with
-        ``native_linear`` (one thread, AMX or AVX512-BF16: s2s.model.native.linear_isa), else
-        for oneDNN."""
+        ``native_linear`` (one thread, AMX: s2s.model.native.linear_isa), else for oneDNN."""
         self.model = self.model.to(torch.bfloat16)
         self.extra_models = [m.to(torch.bfloat16) for m in self.extra_models]
         if self.device.type == "cpu":  # each W packed once, not per product

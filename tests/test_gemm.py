@@ -222,16 +222,22 @@ def test_bf16_model_decodes_the_same_with_packed_weights():
 @needs_packing
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
 @pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("native", [False, True])
 @torch.no_grad()
-def test_feed_forward_with_the_activation_inside_the_packed_product(activation, gated):
-    """A packed W_1 applies the activation in oneDNN's product (a post-op): the FFN's output equals
-    the unpacked bf16 FFN's up to bf16 rounding."""
+def test_feed_forward_with_the_activation_inside_the_packed_product(activation, gated, native):
+    """A packed W_1 applies the activation in oneDNN's product (a post-op), or in s2s's AMX kernel
+    (``native``; ReLU before rounding, the others after): the FFN's output equals the unpacked
+    bf16 FFN's up to bf16 rounding."""
     from s2s.model.layers import FeedForward
+    from s2s.model.native import linear_isa
 
+    if native and linear_isa() is None:
+        pytest.skip("no AMX here, or the kernels are not built")
     torch.manual_seed(3)
     plain = FeedForward(32, 64, activation, dropout=0.0, gated=gated).eval().to(torch.bfloat16)
     packed = copy.deepcopy(plain)
-    use_packed_bf16(packed)
+    use_packed_bf16(packed, native=native)
+    assert packed.w_1.packed.dim() == (3 if native else 2)
     assert packed.post_op == activation
     x = torch.randn(2, 5, 32).bfloat16()
     torch.testing.assert_close(packed(x), plain(x), atol=0.05, rtol=0.02)

@@ -293,13 +293,13 @@ def packs_bf16() -> bool:
 
 
 def pack_bf16(W: Tensor, native: bool = False) -> Optional[Tensor]:
-    """W (out, in) bf16 on the CPU packed once for y = x W^T: into oneDNN's layout, or with
-    ``native`` into s2s's own (``torch.ops.s2s.bf16_pack``, a 3-dimensional tensor of tiles:
-    s2s.model.native_linear.c); None where neither can take it (another dtype or device, or a
-    torch without oneDNN's operator)."""
+    """W (out, in) bf16 on the CPU packed once for y = x W^T: with ``native``, into s2s's own
+    layout where its kernel takes W (``in`` a multiple of 32: ``torch.ops.s2s.bf16_pack``, a
+    3-dimensional tensor of AMX tiles, s2s.model.native_linear.c), else into oneDNN's; None
+    where neither can take it (another dtype or device, or a torch without oneDNN's operator)."""
     if W.dtype != torch.bfloat16 or W.device.type != "cpu":
         return None
-    if native:
+    if native and W.size(1) % 32 == 0:
         return torch.ops.s2s.bf16_pack(W.detach())
     if not packs_bf16():
         return None
@@ -347,8 +347,8 @@ class PackedLinear(nn.Linear):
 def use_packed_bf16(model: nn.Module, native: bool = False) -> int:
     """For decoding a bf16 model on the CPU: every nn.Linear made a :class:`PackedLinear` with its W
     packed, and the tied output projection's W_U packed too (``model.gemm = "packed"``), for
-    oneDNN or, with ``native``, for s2s's kernel (``model.gemm = "native"``; one thread, on a
-    CPU with AMX or AVX512-BF16: s2s.model.native.linear_isa).  Returns how many layers; 0 (and
+    oneDNN or, with ``native``, for s2s's kernel where it takes them (``model.gemm = "native"``;
+    one thread, on a CPU with AMX: s2s.model.native.linear_isa).  Returns how many layers; 0 (and
     nothing changed) where the weights cannot be packed."""
     if pack_bf16(next(model.parameters()), native) is None:
         return 0

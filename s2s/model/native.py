@@ -16,8 +16,8 @@ caches as in a step (microseconds, two runs; README, few-query attention in C):
      140      1      1079-1124   629-704
      140      5      2259-2364  1224-1261
 
-The same library holds ``native_linear.c``: a decoding step's bf16 products x W^T + b on AMX
-or AVX512-BF16, W packed once (``torch.ops.s2s.bf16_pack`` and ``bf16_linear``; s2s.model.gemm
+The same library holds ``native_linear.c``: a decoding step's bf16 products x W^T + b on AMX,
+W packed once (``torch.ops.s2s.bf16_pack`` and ``bf16_linear``; s2s.model.gemm
 takes them on one thread, :func:`linear_isa`), where oneDNN costs about 19 us a call.
 
 Both C files are compiled once per machine with the system's C compiler (``cc``, or ``$CC``;
@@ -36,7 +36,6 @@ bits (tests/test_native_attention.py).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import hashlib
@@ -47,7 +46,7 @@ import shlex
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -157,27 +156,11 @@ def available() -> bool:
     return os.environ.get(DISABLE, "1") != "0" and library() is not None
 
 
-LINEAR_ISAS = {1: "avx512_bf16", 2: "amx_bf16"}  # native_linear.c's kernels
-
-
 def linear_isa() -> Optional[str]:
     """Which of the CPU's bf16 instructions ``torch.ops.s2s.bf16_linear`` multiplies with here
-    (native_linear.c): amx_bf16, avx512_bf16, or None (no such CPU, no kernel compiled, or
+    (native_linear.c): amx_bf16, or None (no AMX, no kernel compiled, or
     ``$S2S_NATIVE_ATTENTION=0``: bf16 products take oneDNN's route, s2s.model.gemm)."""
-    return LINEAR_ISAS.get(library().s2s_bf16_linear_isa()) if available() else None
-
-
-@contextlib.contextmanager
-def capped_linear_isa(isa: Optional[str]) -> Iterator[None]:
-    """Inside the block, ``bf16_linear`` takes no kernel better than ``isa`` (a value of
-    :data:`LINEAR_ISAS`, or None: none at all): an AMX CPU runs the AVX512-BF16 kernel that
-    AMD's CPUs take."""
-    cap = {v: k for k, v in LINEAR_ISAS.items()}.get(isa, 0)
-    was = library().s2s_bf16_linear_cap_isa(cap)
-    try:
-        yield
-    finally:
-        library().s2s_bf16_linear_cap_isa(was)
+    return "amx_bf16" if available() and library().s2s_bf16_linear_isa() else None
 
 
 def use_native_attention(model: torch.nn.Module, on: Optional[bool] = None) -> bool:

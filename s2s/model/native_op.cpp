@@ -31,7 +31,6 @@ extern "C" int s2s_few_query_attention(const float *q, long q_b, long q_h, long 
                                        float c, int kv_bf16);
 
 extern "C" int s2s_bf16_linear_isa(void);
-extern "C" long s2s_bf16_packed_size(long N, long K);
 extern "C" void s2s_bf16_pack(const uint16_t *W, long w_row, long N, long K, uint16_t *P);
 extern "C" int s2s_bf16_linear(const uint16_t *x, long x_row, long M, long N, long K, const uint16_t *P,
                                const uint16_t *b, int act, uint16_t *y, long y_row);
@@ -112,7 +111,8 @@ at::Tensor bf16_pack(const at::Tensor &W_in)
     return P;
 }
 
-// bf16_linear: y = act(x W^T + b) in bf16, x (..., K) bf16, P = bf16_pack(W), b None or (N).
+// bf16_linear: y = act(x W^T + b) in bf16, x (..., K) bf16, P = bf16_pack(W), b None or (N),
+// K a multiple of 32, on a CPU with AMX (native_linear.c).
 // activation and algorithm name oneDNN's post-ops as s2s.model.gemm.POST_OPS does: none and
 // relu inside the kernel (before y is rounded to bf16), gelu and swish after it.
 at::Tensor bf16_linear(const at::Tensor &x, const at::Tensor &W, const at::Tensor &P,
@@ -127,6 +127,7 @@ at::Tensor bf16_linear(const at::Tensor &x, const at::Tensor &W, const at::Tenso
     TORCH_CHECK_VALUE(P.scalar_type() == at::kBFloat16 && P.is_contiguous() && P.dim() == 3 &&
                           P.size(0) == (N + 15) / 16 && P.size(1) == (K + 31) / 32 && P.size(2) == 512,
                       "s2s::bf16_linear: P ", P.sizes(), " is not W ", W.sizes(), " packed by s2s::bf16_pack");
+    TORCH_CHECK_VALUE(K % 32 == 0, "s2s::bf16_linear: W ", W.sizes(), ": its columns a multiple of 32 (a tile's depth)");
     const bool relu = activation == "relu", none = activation == "none";
     TORCH_CHECK_VALUE(relu || none || activation == "gelu" || activation == "swish",
                       "s2s::bf16_linear: activation ", activation, ": none, relu, gelu or swish");
@@ -146,7 +147,7 @@ at::Tensor bf16_linear(const at::Tensor &x, const at::Tensor &W, const at::Tenso
         const int rc = s2s_bf16_linear(bits<at::BFloat16>(x2), x2.stride(0), M, N, K, bits<at::BFloat16>(P),
                                        b.defined() ? bits<at::BFloat16>(b) : nullptr, relu ? 1 : 0,
                                        reinterpret_cast<uint16_t *>(y.data_ptr<at::BFloat16>()), N);
-        TORCH_CHECK(rc == 0, "s2s::bf16_linear: this CPU has no bf16 kernel here (s2s.model.native.linear_isa)");
+        TORCH_CHECK(rc == 0, "s2s::bf16_linear: no AMX kernel in this library or process (s2s.model.native.linear_isa)");
     }
     if (activation == "gelu")
         y = at::gelu(y, algorithm == "tanh" ? "tanh" : "none");
