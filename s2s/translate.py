@@ -289,9 +289,8 @@ class Translator:
         multiplies bf16 natively, :func:`~s2s.precision.beam_slot_dtype`, and a greedy search's
         attention K/V where the C kernel reads them, :func:`~s2s.precision.greedy_kv_dtype`).  ``quantize``: None, or
         int8 (see :meth:`quantize_int8`), with fp32 weights only.  On one CPU thread, decoding's
-        attention goes through the C kernel where it compiled (s2s.model.native): all of it for
-        fp32 weights, a beam's self-attention over its ancestors' slots for bf16 ones
-        (s2s.model.attention.slot_attention)."""
+        attention goes through the C kernel where it compiled (s2s.model.native), and a bf16
+        model's products through s2s's AMX kernel where the CPU has AMX (:meth:`to_bf16`)."""
         if precision not in PRECISIONS:
             raise S2SError(f"--precision: {precision!r} is not fp32, bf16 or auto")
         if quantize not in (None, "int8"):
@@ -305,8 +304,7 @@ class Translator:
         if quantize == "int8" and precision == "bf16":
             raise S2SError("--quantize int8 quantizes fp32 weights: use it with --precision fp32")
         self.precision = precision
-        # the kernel runs on one thread; for a bf16 model, only a beam's self-attention (its
-        # ancestors' slots): bf16 queries elsewhere take torch's products, measured faster
+        # the kernels run on one thread (oneDNN's products and torch's attention split over several)
         native = self.device.type == "cpu" and torch.get_num_threads() == 1 and available_native_attention()
         slot_dtype = beam_slot_dtype(self.device, precision) if auto else None
         greedy_dtype = greedy_kv_dtype(self.device, precision) if auto and native else None  # (the kernel widens)

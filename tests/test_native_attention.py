@@ -176,9 +176,8 @@ def test_scripted_and_python_steps_through_the_kernel_search_alike():
 
 @needs_kernel
 def test_translate_takes_the_kernel_on_one_thread_only(prepared, tmp_path, monkeypatch):
-    """On one thread, any precision: the attention modules take the kernel (a bf16 model's only
-    for a beam's self-attention over its slots, s2s.model.attention.slot_attention); on two
-    threads or with $S2S_NATIVE_ATTENTION=0: torch's route."""
+    """On one thread, any precision: the attention modules take the kernel; on two threads or
+    with $S2S_NATIVE_ATTENTION=0: torch's route."""
     from s2s.translate import Translator
     from tests.conftest import untrained_model_dir
 

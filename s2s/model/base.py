@@ -68,7 +68,7 @@ class ModelBase(nn.Module):
         self.gemm = "torch"  # or, training: openblas (s2s.model.gemm.use_openblas), rows (use_row_blocks);
         # decoding in bf16: packed for oneDNN, or native, for s2s's kernel (use_packed_bf16)
         self.output_int8: Optional[nn.Module] = None  # W_U in int8 too, decoding (s2s.model.int8)
-        self.output_packed: Optional[Tensor] = None  # the tied W_U packed for oneDNN, decoding in bf16
+        self.output_packed: Optional[Tensor] = None  # the tied W_U packed (gemm.pack_bf16), decoding in bf16
 
     def embed(self, tokens: Tensor, table: nn.Embedding, P: Optional[Tensor],
               norm: Optional[nn.Module]) -> Tensor:

@@ -37,6 +37,17 @@
  * multiply-add, which -fassociative-math cannot merge), |r| <= ln(2) / 2, e^r by Cephes' expf
  * polynomial (within 0.83 ulp of e^x on [-87, 0], measured); 0 below ln(FLT_MIN), so e^-inf = 0 as a masked key's weight must be; NaN stays
  * NaN.  Branch-free: the softmax's loop of it vectorizes, where libm's expf is a call per score. */
+#define EXP_REDUCED(T, r) /* e^r, |r| <= ln(2) / 2, for T float or 16 floats (v16) */ \
+    ({                                                                                  \
+        T p_ = (T){0} + 1.9875691500e-4f;                                               \
+        p_ = p_ * (r) + 1.3981999507e-3f;                                               \
+        p_ = p_ * (r) + 8.3334519073e-3f;                                               \
+        p_ = p_ * (r) + 4.1665795894e-2f;                                               \
+        p_ = p_ * (r) + 1.6666665459e-1f;                                               \
+        p_ = p_ * (r) + 5.0000001201e-1f;                                               \
+        p_ * (r) * (r) + (r) + 1.0f;                                                    \
+    })
+
 INLINE float exp_poly(float x)
 {
     const float lo = -87.33654475f, hi = 88.37626266f;
@@ -45,13 +56,7 @@ INLINE float exp_poly(float x)
     const float n = floorf(xc * 1.44269504088896341f + 0.5f);
     float r = __builtin_fmaf(n, -0.693359375f, xc);
     r = __builtin_fmaf(n, 2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    const float p = EXP_REDUCED(float, r);
     const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23; /* 2^n, n in [-126, 127] */
     float two_n;
     memcpy(&two_n, &bits, sizeof two_n);
@@ -186,13 +191,7 @@ INLINE v16 exp16(v16 x)
     const v16 n = t - (v16)((i32x16)((v16){0} + 1.f) & (t > z));
     v16 r = n * -0.693359375f + xc;
     r = n * 2.12194440e-4f + r;
-    v16 p = (v16){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    const v16 p = EXP_REDUCED(v16, r);
     const v16 two_n = (v16)((__builtin_convertvector(n, i32x16) + 127) << 23);
     return select16(is_nan, x, select16(below, (v16){0}, p * two_n));
 }
