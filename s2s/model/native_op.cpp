@@ -30,7 +30,6 @@ extern "C" int s2s_few_query_attention(const float *q, long q_b, long q_h, long 
                                        long group, long capacity, float *out, long B, long H, long G, long S, long D,
                                        float c, int kv_bf16);
 
-extern "C" int s2s_bf16_linear_isa(void);
 extern "C" void s2s_bf16_pack(const uint16_t *W, long w_row, long N, long K, uint16_t *P);
 extern "C" int s2s_bf16_linear(const uint16_t *x, long x_row, long M, long N, long K, const uint16_t *P,
                                const uint16_t *b, int act, uint16_t *y, long y_row);
