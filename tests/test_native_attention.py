@@ -215,6 +215,21 @@ def test_without_a_compiler_decoding_takes_torchs_route(tmp_path, monkeypatch):
         native.library.cache_clear()
 
 
+def test_without_a_cplusplus_compiler_nothing_is_compiled(tmp_path, monkeypatch):
+    """A C compiler but no C++ one (gcc without g++): no kernel, found before the C files are
+    compiled (every process would pay that), and no marker (installing g++ is enough)."""
+    monkeypatch.setenv("S2S_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+
+    def no_compiler(*a, **kw):
+        raise AssertionError("compiled")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    with pytest.raises(OSError, match="no such compiler"):
+        native.compile_library()
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+
 def test_a_failing_compile_leaves_a_marker_not_a_library(tmp_path, monkeypatch):
     """A compiler that fails (here: `false`) is an unavailable kernel: no library in the cache, and
     a marker with its message, so that the next process does not run it again."""

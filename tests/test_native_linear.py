@@ -86,7 +86,8 @@ def test_the_operator_refuses_what_it_cannot_multiply():
     W48 = torch.randn(32, 48).bfloat16()  # a depth that is not whole tiles of 32
     for args in [(x.float(), W, P, None), (x[:, :32], W, P, None), (x, W[:16], P, None),
                  (x, W, P, torch.zeros(31).bfloat16()), (x, W, P, None, "tanh"),
-                 (x[:, :48], W48, torch.ops.s2s.bf16_pack(W48), None)]:
+                 (x[:, :48], W48, torch.ops.s2s.bf16_pack(W48), None), (x, W, P, None, "gelu", "erf"),
+                 (x[:, :0], W[:, :0], torch.ops.s2s.bf16_pack(W[:, :0]), None)]:
         with pytest.raises(ValueError, match="bf16_linear"):
             torch.ops.s2s.bf16_linear(*args)
     with pytest.raises(ValueError, match="bf16_pack"):
@@ -175,3 +176,18 @@ def test_packed_linear_routes_by_the_packed_form():
     if packs_bf16():
         assert pack_bf16(torch.randn(8, 48).bfloat16(), native=True).dim() == 2  # oneDNN's
 
+
+
+def test_without_the_amx_kernel_the_packing_is_onednns(monkeypatch):
+    """Where the kernel cannot run (no AMX, no library), use_packed_bf16 with ``native`` packs for
+    oneDNN (model.gemm "packed"), and pack_bf16 never makes s2s's tiles."""
+    import s2s.model.gemm as gemm
+    from tests.test_model import make_model
+
+    monkeypatch.setattr(gemm, "native_linear_isa", lambda: None)
+    W = torch.randn(8, 32).bfloat16()
+    packed = pack_bf16(W, native=True)
+    assert packed is None if not packs_bf16() else packed.dim() == 2
+    model = make_model().to(torch.bfloat16)
+    use_packed_bf16(model, native=True)
+    assert model.gemm == ("packed" if packs_bf16() else "torch")

@@ -43,6 +43,7 @@ import logging
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -110,6 +111,9 @@ def compile_library() -> Path:
         return out
     if failed.exists():
         raise OSError(f"compiling failed before ({failed}): {failed.read_text(errors='replace').strip()}")
+    for compiler in (cc, cxx):  # both, before compiling anything (no marker: installing one later is enough)
+        if not shlex.split(compiler) or shutil.which(shlex.split(compiler)[0]) is None:
+            raise OSError(f"{compiler}: no such compiler")
     out.parent.mkdir(parents=True, exist_ok=True)
     log.info("compiling s2s's CPU kernels for this machine, once (s2s.model.native)")
     with tempfile.TemporaryDirectory(prefix=".attention-", dir=out.parent) as tmp:

@@ -1,5 +1,5 @@
 /* Few-query attention for decoding on the CPU: s2s.model.native compiles this file for the
- * machine it runs on (cc -O3 -march=native) and calls it through ctypes.
+ * machine it runs on (cc -O3 -march=native); native_op.cpp calls it as torch.ops.s2s.few_query_attention.
  *
  *   out[b,h,j,:] = sum_s A[j,s] V[b,h,s,:],   A[j,:] = softmax_s(c q[b,h,j,:] . K[b,h,s,:] + M[b,h,j,s])
  *
@@ -190,6 +190,7 @@ INLINE v16 exp16(v16 x)
     const v16 t = __builtin_convertvector(__builtin_convertvector(z, i32x16), v16);
     const v16 n = t - (v16)((i32x16)((v16){0} + 1.f) & (t > z));
     v16 r = n * -0.693359375f + xc;
+    __asm__("" : "+m"(r)); /* (ln 2's two parts stay two steps: -fassociative-math would fold them into one) */
     r = n * 2.12194440e-4f + r;
     const v16 p = EXP_REDUCED(v16, r);
     const v16 two_n = (v16)((__builtin_convertvector(n, i32x16) + 127) << 23);

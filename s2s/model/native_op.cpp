@@ -56,7 +56,8 @@ at::Tensor few_query_attention(const at::Tensor &q_in, const at::Tensor &k, cons
     if (columns_in.has_value()) {
         columns = *columns_in;
         TORCH_CHECK_VALUE(G == 1 && !mask_in.has_value() && columns.dim() == 2 && columns.size(0) == B &&
-                              columns.scalar_type() == at::kLong && k.size(0) > 0 && B % k.size(0) == 0,
+                              columns.scalar_type() == at::kLong && columns.device().is_cpu() && k.size(0) > 0 &&
+                              B % k.size(0) == 0,
                           "s2s::few_query_attention: columns ", columns.sizes(), " ", columns.scalar_type(),
                           " for q ", q.sizes(), ", k ", k.sizes(),
                           ": (B, T) int64, one query per row, no mask, B a multiple of k's rows");
@@ -67,8 +68,9 @@ at::Tensor few_query_attention(const at::Tensor &q_in, const at::Tensor &k, cons
     const bool kv_ok = (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16) &&
                        v.scalar_type() == k.scalar_type() && k.size(1) == H && k.size(2) == capacity &&
                        k.size(3) == D && k.size(0) * group == B && v.sizes() == k.sizes();
-    const bool mask_ok = !mask_in.has_value() || mask_in->scalar_type() == at::kFloat ||
-                         mask_in->scalar_type() == at::kBFloat16;
+    const bool mask_ok = !mask_in.has_value() || ((mask_in->scalar_type() == at::kFloat ||
+                                                   mask_in->scalar_type() == at::kBFloat16) &&
+                                                  mask_in->device().is_cpu());
     TORCH_CHECK_VALUE(kv_ok && mask_ok && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 &&
                           q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
                       "s2s::few_query_attention: q ", q_in.sizes(), " ", q_in.scalar_type(), ", k ", k.sizes(), " ",
@@ -123,17 +125,21 @@ at::Tensor bf16_linear(const at::Tensor &x, const at::Tensor &W, const at::Tenso
                       "s2s::bf16_linear: x ", x.sizes(), " ", x.scalar_type(), ", W ", W.sizes(),
                       ": x bf16 on the CPU, its last dimension W's columns");
     const int64_t N = W.size(0), K = W.size(1);
-    TORCH_CHECK_VALUE(P.scalar_type() == at::kBFloat16 && P.is_contiguous() && P.dim() == 3 &&
+    TORCH_CHECK_VALUE(P.scalar_type() == at::kBFloat16 && P.is_contiguous() && P.dim() == 3 && P.device().is_cpu() &&
                           P.size(0) == (N + 15) / 16 && P.size(1) == (K + 31) / 32 && P.size(2) == 512,
                       "s2s::bf16_linear: P ", P.sizes(), " is not W ", W.sizes(), " packed by s2s::bf16_pack");
-    TORCH_CHECK_VALUE(K % 32 == 0, "s2s::bf16_linear: W ", W.sizes(), ": its columns a multiple of 32 (a tile's depth)");
+    TORCH_CHECK_VALUE(K > 0 && K % 32 == 0, "s2s::bf16_linear: W ", W.sizes(),
+                      ": its columns a positive multiple of 32 (a tile's depth)");
     const bool relu = activation == "relu", none = activation == "none";
     TORCH_CHECK_VALUE(relu || none || activation == "gelu" || activation == "swish",
                       "s2s::bf16_linear: activation ", activation, ": none, relu, gelu or swish");
+    TORCH_CHECK_VALUE(activation != "gelu" || algorithm == "none" || algorithm == "tanh",
+                      "s2s::bf16_linear: gelu's algorithm ", algorithm, ": none or tanh");
     at::Tensor b;
     if (b_in.has_value()) {
         b = b_in->scalar_type() == at::kBFloat16 ? b_in->contiguous() : b_in->to(at::kBFloat16).contiguous();
-        TORCH_CHECK_VALUE(b.dim() == 1 && b.size(0) == N, "s2s::bf16_linear: b ", b.sizes(), " for W ", W.sizes());
+        TORCH_CHECK_VALUE(b.dim() == 1 && b.size(0) == N && b.device().is_cpu(), "s2s::bf16_linear: b ", b.sizes(),
+                          " on ", b.device(), " for W ", W.sizes());
     }
     at::Tensor x2 = x.reshape({-1, K});
     if (x2.stride(1) != 1)
@@ -149,7 +155,7 @@ at::Tensor bf16_linear(const at::Tensor &x, const at::Tensor &W, const at::Tenso
         TORCH_CHECK(rc == 0, "s2s::bf16_linear: no AMX kernel in this library or process (s2s.model.native.linear_isa)");
     }
     if (activation == "gelu")
-        y = at::gelu(y, algorithm == "tanh" ? "tanh" : "none");
+        y = at::gelu(y, algorithm);
     else if (activation == "swish")
         y = at::silu(y);
     return y.view(shape);
