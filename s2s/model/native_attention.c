@@ -86,16 +86,20 @@ INLINE void prefetch_row(const int bf16, const void *row, long D)
         __builtin_prefetch((const char *)row + byte, 0, 3);
 }
 
+/* r[s] += m[s] for s < S (m NULL: no mask) */
+INLINE void add_mask(float *restrict r, const float *restrict m, long S)
+{
+    if (m)
+        for (long s = 0; s < S; s++)
+            r[s] += m[s];
+}
+
 /* A[j,:] = softmax(a[j,:] + M[j,:]) in place, for each query j */
 INLINE void softmax_rows(float *restrict a, const float *restrict mb, long m_g, long G, long S)
 {
     for (long j = 0; j < G; j++) {
         float *restrict r = a + j * S;
-        if (mb) {
-            const float *restrict mj = mb + j * m_g;
-            for (long s = 0; s < S; s++)
-                r[s] += mj[s];
-        }
+        add_mask(r, mb ? mb + j * m_g : NULL, S);
         float top = -INFINITY;
         for (long s = 0; s < S; s++)
             top = r[s] > top ? r[s] : top;
@@ -205,11 +209,7 @@ INLINE void softmax_rows16(float *restrict a, const float *restrict mb, long m_g
     const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     for (long j = 0; j < G; j++) {
         float *restrict r = a + j * S;
-        if (mb) {
-            const float *restrict mj = mb + j * m_g;
-            for (long s = 0; s < S; s++)
-                r[s] += mj[s];
-        }
+        add_mask(r, mb ? mb + j * m_g : NULL, S);
         v16 top = (v16){0} - INFINITY;
         for (long s = 0; s < S; s += 16)
             top = select16(lane < (int32_t)(S - s), select16(load16(r + s) > top, load16(r + s), top), top);
