@@ -28,7 +28,7 @@ from s2s.leantorch import complete_torch
 from s2s.model import S2SModel, Seq2SeqTransformer
 from s2s.model.gemm import use_packed_bf16
 from s2s.model.native import available as available_native_attention
-from s2s.model.native import linear_isa, use_native_attention
+from s2s.model.native import use_native_attention
 from s2s.modeldir import input_cap, model_decode_settings, position_table
 from s2s.output import OutputFormat, confidence, format_translation
 from s2s.precision import auto_arithmetic, auto_precision, beam_slot_dtype, greedy_kv_dtype, resolve_precision  # noqa: F401 (auto_precision: importable from here too)
@@ -317,7 +317,7 @@ class Translator:
             member.greedy_kv_dtype = greedy_dtype
             use_native_attention(member, native)  # before the step is scripted: it copies the choice
         if precision == "bf16":
-            self.to_bf16(native_linear=native and linear_isa() is not None)
+            self.to_bf16(native_linear=native)
         if quantize == "int8":
             self.quantize_int8()
         self.int8 = quantize == "int8"
@@ -338,7 +338,8 @@ class Translator:
         attention softmax accumulate in fp32 (s2s.model.attention casts the reference
         path's scores up), and the search takes log_softmax of fp32 logits.  On the CPU each
         matrix is packed once (s2s.model.gemm.use_packed_bf16): for s2s's own kernel with
-        ``native_linear`` (one thread, AMX: s2s.model.native.linear_isa), else for oneDNN."""
+        ``native_linear`` (one thread) where the CPU has AMX (s2s.model.native.linear_isa), else
+        for oneDNN."""
         self.model = self.model.to(torch.bfloat16)
         self.extra_models = [m.to(torch.bfloat16) for m in self.extra_models]
         if self.device.type == "cpu":  # each W packed once, not per product

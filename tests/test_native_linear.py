@@ -184,7 +184,7 @@ def test_without_the_amx_kernel_the_packing_is_onednns(monkeypatch):
     import s2s.model.gemm as gemm
     from tests.test_model import make_model
 
-    monkeypatch.setattr(gemm, "native_linear_isa", lambda: None)
+    monkeypatch.setattr(gemm, "linear_isa", lambda: None)
     W = torch.randn(8, 32).bfloat16()
     packed = pack_bf16(W, native=True)
     assert packed is None if not packs_bf16() else packed.dim() == 2

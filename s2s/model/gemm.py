@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from s2s.errors import S2SError
+from s2s.model.native import linear_isa
 from s2s.precision import cpuinfo_field, native_bf16_cpu
 
 log = logging.getLogger("s2s")
@@ -292,13 +293,6 @@ def packs_bf16() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def native_linear_isa() -> Optional[str]:
-    """s2s.model.native.linear_isa (imported when asked: the library is built on first use)."""
-    from s2s.model.native import linear_isa
-
-    return linear_isa()
-
-
 def pack_bf16(W: Tensor, native: bool = False) -> Optional[Tensor]:
     """W (out, in) bf16 on the CPU packed once for y = x W^T: with ``native``, into s2s's own
     layout where its kernel runs and takes W (AMX, and ``in`` a multiple of 32:
@@ -307,7 +301,7 @@ def pack_bf16(W: Tensor, native: bool = False) -> Optional[Tensor]:
     where neither can take it (another dtype or device, or a torch without oneDNN's operator)."""
     if W.dtype != torch.bfloat16 or W.device.type != "cpu":
         return None
-    if native and W.size(1) > 0 and W.size(1) % 32 == 0 and native_linear_isa() is not None:
+    if native and W.size(1) > 0 and W.size(1) % 32 == 0 and linear_isa() is not None:
         return torch.ops.s2s.bf16_pack(W.detach())
     if not packs_bf16():
         return None
@@ -358,7 +352,7 @@ def use_packed_bf16(model: nn.Module, native: bool = False) -> int:
     oneDNN or, with ``native``, for s2s's kernel where it takes them (``model.gemm = "native"``;
     one thread, on a CPU with AMX: s2s.model.native.linear_isa).  Returns how many layers; 0 (and
     nothing changed) where the weights cannot be packed."""
-    native = native and native_linear_isa() is not None  # (no AMX kernel here: oneDNN's packing)
+    native = native and linear_isa() is not None  # (no AMX kernel here: oneDNN's packing)
     if pack_bf16(next(model.parameters()), native) is None:
         return 0
     swapped = _swap_linears(model, PackedLinear, "native" if native else "packed")

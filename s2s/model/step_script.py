@@ -113,11 +113,16 @@ class ScriptedProduct(nn.Module):
                 return self.int8_product(x, int8, False)
         packed = self.packed
         if packed is not None:
-            if x.dtype == packed.dtype:  # gemm.packed_linear
-                if packed.dim() == 3:  # packed for s2s's kernel (gemm.pack_bf16)
-                    return torch.ops.s2s.bf16_linear(x, self.weight, packed, self.bias, "none", "")
-                return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", no_scalars(), "")
+            if x.dtype == packed.dtype:
+                return self.packed_product(x, packed, "none", "")
         return F.linear(x, self.weight, self.bias)
+
+    def packed_product(self, x: Tensor, packed: Tensor, post_op: str, algorithm: str) -> Tensor:
+        """gemm.packed_linear: post_op(x W^T + b) through W packed for s2s's AMX kernel (3
+        dimensions, gemm.pack_bf16 with native) or for oneDNN."""
+        if packed.dim() == 3:
+            return torch.ops.s2s.bf16_linear(x, self.weight, packed, self.bias, post_op, algorithm)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, post_op, no_scalars(), algorithm)
 
     def int8_product(self, x: Tensor, int8: torch.classes.quantized.LinearPackedParamsBase, relu: bool) -> Tensor:
         """Int8Linear.int8: x W^T + b (max(0, .) with ``relu``) through oneDNN's copy from its
@@ -141,11 +146,7 @@ class ScriptedProduct(nn.Module):
             packed = self.packed
             if packed is not None:
                 if x.dtype == packed.dtype:
-                    if packed.dim() == 3:
-                        return torch.ops.s2s.bf16_linear(x, self.weight, packed, self.bias, self.post_op,
-                                                         self.post_algorithm)
-                    return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, self.post_op, no_scalars(),
-                                                              self.post_algorithm)
+                    return self.packed_product(x, packed, self.post_op, self.post_algorithm)
         return activation(self.forward(x), self.act)
 
 
