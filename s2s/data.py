@@ -33,7 +33,7 @@ from s2s.config import ExperimentConfig
 from s2s.errors import S2SError
 from s2s.langs import target_tag
 from s2s.textio import atomic_write, file_sha256, read_lines, resolve_corpus
-from s2s.tokenizer import BOS_ID, PAD_ID, Tokenizer, resolve_tokenizer_config
+from s2s.tokenizer import BOS_ID, PAD_ID, Tokenizer, resolve_tokenizer_config, truncate  # noqa: F401 (truncate: importable from here too)
 
 SPLITS = ("train", "dev", "test")
 DROP_REASONS = ("empty", "too_long", "length_ratio", "duplicate")
@@ -74,11 +74,6 @@ class CleanStats:
 
 
 KEEP, EMPTY, TOO_LONG, LENGTH_RATIO, DUPLICATE = range(len(DROP_REASONS) + 1)
-
-
-def truncate(ids: list[int], n: int) -> list[int]:
-    """The first n-1 tokens and the final </s>: an over-long input cut to n tokens."""
-    return ids if len(ids) <= n else ids[:n - 1] + ids[-1:]
 
 
 def drop_codes(empty: np.ndarray, src_lens: np.ndarray, tgt_lens: np.ndarray,

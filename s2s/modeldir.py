@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import re
 import threading
@@ -35,6 +36,8 @@ if TYPE_CHECKING:  # torch is imported where weights are touched: `s2s info` rea
     from s2s.model import S2SModel
 
 FORMAT_VERSION = 1
+log = logging.getLogger("s2s")
+
 WEIGHTS = "model.safetensors"
 META = "model.json"
 CONFIG = "config.yaml"
@@ -374,6 +377,22 @@ def position_table(model: ModelConfig) -> Optional[int]:
     return model.max_positions // (1 if model.arch == "encoder_decoder" else 2)
 
 
+def output_cap(model: ModelConfig, decode: DecodeConfig) -> int:
+    """The longest output: decode.max_output_tokens, and the learned position table's rows."""
+    table = position_table(model)
+    return decode.max_output_tokens if table is None else min(decode.max_output_tokens, table - 1)
+
+
+def warn_past_output_cap(model: ModelConfig, decode: DecodeConfig) -> None:
+    """A warning where decode.max_len_b alone goes past :func:`output_cap` (outputs stop there)."""
+    cap = output_cap(model, decode)
+    if decode.max_len_b > cap:
+        table = position_table(model)
+        log.warning("decode.max_len_b: %d is more than the %d output tokens %s allows; outputs stop there",
+                    decode.max_len_b, cap, "the model's learned position table"
+                    if table is not None and table - 1 < decode.max_output_tokens else "decode.max_output_tokens")
+
+
 def input_cap(model: ModelConfig, decode: DecodeConfig) -> int:
     """The most source tokens a translator takes: decode.max_input_tokens, and no more than
     a learned position table's share (:func:`position_table`)."""
@@ -391,6 +410,19 @@ def load_spec(directory: Path) -> tuple[ExperimentConfig, Tokenizer]:
     return cfg, Tokenizer.load(directory, cfg.tokenizer, cfg.data)
 
 
+def verified_meta(directory: Path) -> dict:
+    """model.json of a model directory, its weights (where the file is there) checked against
+    the checksum it records; a mismatch is an error naming the file."""
+    meta = read_meta(directory)
+    weights = directory / WEIGHTS
+    if weights.is_file() and file_sha256(weights) != meta.get("sha256"):
+        time.sleep(1.0)  # a training run may be between renaming the weights and model.json
+        meta = read_meta(directory)
+        if file_sha256(weights) != meta.get("sha256"):
+            raise S2SError(f"{weights}: checksum mismatch (file corrupted or modified)")
+    return meta
+
+
 def load_model_dir(directory: str | Path, device: str | torch.device = "cpu") -> LoadedModel:
     """Load config, tokenizer and verified weights of a model directory (eval mode), or of a
     training checkpoint RUN/checkpoints/step-N (config and tokenizer from RUN, the checksum
@@ -405,16 +437,10 @@ def load_model_dir(directory: str | Path, device: str | torch.device = "cpu") ->
         load_weights(model, d / WEIGHTS, digest)
         model.to(device).eval()
         return LoadedModel(model=model, tokenizer=tok, cfg=cfg, meta={"checkpoint": str(d)}, directory=run)
-    meta = read_meta(d)
+    meta = verified_meta(d)
     cfg, tok = load_spec(d)
     model = build_model(cfg, tok, init=False)  # every parameter is loaded below
-    weights = d / WEIGHTS
-    if weights.is_file() and file_sha256(weights) != meta.get("sha256"):
-        time.sleep(1.0)  # a training run may be between renaming the weights and model.json
-        meta = read_meta(d)
-        if file_sha256(weights) != meta.get("sha256"):
-            raise S2SError(f"{weights}: checksum mismatch (file corrupted or modified)")
-    load_weights(model, weights)
+    load_weights(model, d / WEIGHTS)
     model.to(device).eval()
     return LoadedModel(model=model, tokenizer=tok, cfg=cfg, meta=meta, directory=d)
 

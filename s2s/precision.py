@@ -31,36 +31,15 @@ the model, its state-dict keys and its checkpoints are unchanged.
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
+from s2s.cbuild import cpu_flags, cpuinfo_field  # noqa: F401 (cpuinfo_field: importable from here too)
+
 log = logging.getLogger("s2s")
-
-
-@functools.lru_cache(maxsize=None)
-def cpuinfo_field(key: str) -> str:
-    """The value of the first CPU's ``key`` line in /proc/cpuinfo ("" where there is none).  Only
-    the first CPU's block is read: a key it lacks (the arm fields on x86, s2s.model.native asks
-    for both) costs no pass over every core's block, which the kernel writes afresh each time."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if not line.strip():  # the end of the first CPU's block
-                    break
-                if line.startswith(key):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags of /proc/cpuinfo (empty where there is none)."""
-    return frozenset(cpuinfo_field("flags").split())
 
 
 def native_bf16_cpu(flags: Optional[set[str] | frozenset[str]] = None) -> list[str]:

@@ -23,12 +23,41 @@ import sentencepiece as spm
 
 from s2s.config import DataConfig, ExperimentConfig, TokenizerConfig, config_from_dict, to_dict
 from s2s.errors import S2SError
-from s2s.langs import Languages, target_tag
+from s2s.langs import LanguageIds, Languages, target_tag
 from s2s.textio import atomic_write, read_lines, resolve_corpus
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 SETTINGS = "tokenizer.json"
 log = logging.getLogger("s2s")
+
+
+def truncate(ids: list[int], n: int) -> list[int]:
+    """The first n-1 tokens and the final </s>: an over-long input cut to n tokens."""
+    return ids if len(ids) <= n else ids[:n - 1] + ids[-1:]
+
+
+def encode_source_lines(tok: "Tokenizer", lang: LanguageIds, lines: Sequence[str], line_nos: Sequence[int],
+                        trained_src_tokens: int, max_input: int) -> list[Optional[list[int]]]:
+    """Source ids per line (None for an empty line) as a translator feeds them to its model: cut
+    to ``trained_src_tokens`` (data.max_src_tokens; 0: not) silently and to ``max_input`` with a
+    warning naming the line (``line_nos``: each line's number), wrapped in the language tokens
+    of ``lang`` (s2s.langs), whose rules each line is checked against first."""
+    stripped = [line.strip() for line in lines]
+    nonempty = [i for i, s in enumerate(stripped) if s]
+    for i in nonempty:  # a multilingual model must be told its target language
+        lang.check_line(stripped[i], f"line {line_nos[i]}")
+    encoded = tok.encode_src([stripped[i] for i in nonempty])
+    out: list[Optional[list[int]]] = [None] * len(lines)
+    for i, ids in zip(nonempty, encoded):
+        if trained_src_tokens:
+            ids = truncate(ids, trained_src_tokens)
+        limit = max_input - lang.extra  # room for the language tokens (s2s.langs)
+        if len(ids) > limit:
+            log.warning("line %d: %d tokens, truncated to the model's limit of %d",
+                        line_nos[i], len(ids) + lang.extra, max_input)
+            ids = truncate(ids, limit)
+        out[i] = lang.wrap(ids, stripped[i])
+    return out
 
 
 def sentinel(i: int) -> str:

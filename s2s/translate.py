@@ -20,7 +20,7 @@ import torch
 
 from s2s.config import DecodeConfig, ExperimentConfig, check_arch_supports
 from s2s.constraints import pad_constraints, room_for_constraints, unmet_constraints
-from s2s.data import pad_sequences, teacher_forcing_input, tokenizer_fingerprint, truncate
+from s2s.data import pad_sequences, teacher_forcing_input, tokenizer_fingerprint
 from s2s.errors import S2SError
 from s2s.glossary import Glossary, load_glossary
 from s2s.langs import language_ids, with_forced
@@ -29,7 +29,7 @@ from s2s.model import S2SModel, Seq2SeqTransformer
 from s2s.model.gemm import use_packed_bf16
 from s2s.model.native import available as available_native_attention
 from s2s.model.native import use_native_attention
-from s2s.modeldir import input_cap, model_decode_settings, position_table
+from s2s.modeldir import input_cap, model_decode_settings, output_cap, warn_past_output_cap
 from s2s.output import OutputFormat, confidence, format_translation
 from s2s.precision import auto_arithmetic, auto_precision, beam_slot_dtype, greedy_kv_dtype, resolve_precision  # noqa: F401 (auto_precision: importable from here too)
 from s2s.search import (
@@ -43,7 +43,7 @@ from s2s.search import (
 )
 from s2s.shortlist import Shortlist, load_shortlist, subset_positions, subset_search_ids
 from s2s.textio import line_numbers
-from s2s.tokenizer import BOS_ID, Tokenizer
+from s2s.tokenizer import BOS_ID, Tokenizer, encode_source_lines
 from s2s.workers import (
     PRECISIONS,
     TranslateProgress,  # noqa: F401 (TranslateProgress: re-exported)
@@ -178,8 +178,6 @@ class Translator:
         self.model = model.eval()
         self.tok = tokenizer
         self.device = torch.device(device)
-        table = position_table(model.cfg)
-        self.position_cap = None if table is None else table - 1
         self.decode = decode
         self.max_input = input_cap(model.cfg, decode)
         self.trained_src_tokens = trained_src_tokens
@@ -209,12 +207,7 @@ class Translator:
         V = self.model.cfg.vocab_size or self.tok.tgt_vocab_size
         if decode.beam > V:
             raise S2SError(f"decode.beam: {decode.beam} is more than the {V} tokens of the target vocabulary")
-        cap = self.output_cap(decode)
-        if decode.max_len_b > cap:
-            log.warning("decode.max_len_b: %d is more than the %d output tokens %s allows; outputs stop there",
-                        decode.max_len_b, cap, "the model's learned position table"
-                        if self.position_cap is not None and self.position_cap < decode.max_output_tokens
-                        else "decode.max_output_tokens")
+        warn_past_output_cap(self.model.cfg, decode)
         if decode.split_sentences:
             from s2s.documents import require_splitter
 
@@ -223,8 +216,8 @@ class Translator:
         self._decode = decode
 
     def output_cap(self, decode: DecodeConfig) -> int:
-        """The longest output: decode.max_output_tokens, and the learned position table's rows."""
-        return min(decode.max_output_tokens, self.position_cap or decode.max_output_tokens)
+        """The longest output (s2s.modeldir.output_cap)."""
+        return output_cap(self.model.cfg, decode)
 
     @classmethod
     def from_dir(cls, directory: str | Path, device: str = "cpu", **decode_overrides) -> "Translator":
@@ -485,23 +478,8 @@ class Translator:
     def encode_lines(self, lines: Sequence[str], first_line_no: int | Sequence[int]) -> list[Optional[list[int]]]:
         """Source ids per line (None for an empty line), truncating over-long lines with a warning
         naming the line (``first_line_no``: the first line's number, or each line's)."""
-        line_nos = line_numbers(first_line_no, len(lines))
-        stripped = [line.strip() for line in lines]
-        nonempty = [i for i, s in enumerate(stripped) if s]
-        for i in nonempty:  # a multilingual model must be told its target language
-            self.lang.check_line(stripped[i], f"line {line_nos[i]}")
-        encoded = self.tok.encode_src([stripped[i] for i in nonempty])
-        out: list[Optional[list[int]]] = [None] * len(lines)
-        for i, ids in zip(nonempty, encoded):
-            if self.trained_src_tokens:
-                ids = truncate(ids, self.trained_src_tokens)
-            limit = self.max_input - self.lang.extra  # room for the language tokens (s2s.langs)
-            if len(ids) > limit:
-                log.warning("line %d: %d tokens, truncated to the model's limit of %d",
-                            line_nos[i], len(ids) + self.lang.extra, self.max_input)
-                ids = truncate(ids, limit)
-            out[i] = self.lang.wrap(ids, stripped[i])
-        return out
+        return encode_source_lines(self.tok, self.lang, lines, line_numbers(first_line_no, len(lines)),
+                                   self.trained_src_tokens, self.max_input)
 
     def translate_chunk(self, lines: Sequence[str], first_line_no: int | Sequence[int] = 1,
                         prefixes: Optional[Sequence[str]] = None,

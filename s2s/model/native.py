@@ -38,55 +38,27 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shlex
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from s2s import cbuild
+
 log = logging.getLogger("s2s")
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("native_attention.c", "native_linear.c"))
 OPERATOR_SOURCE = Path(__file__).with_name("native_op.cpp")
-CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-          "-fno-trapping-math", "-fPIC")
 CXXFLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-w")
 DISABLE = "S2S_NATIVE_ATTENTION"  # =0: torch's route only
-COMPILE_TIMEOUT_S = 300
 SCHEMAS = ("few_query_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, bool scale, Tensor? columns=None) "
            "-> Tensor",
            "bf16_pack(Tensor W) -> Tensor",
            "bf16_linear(Tensor x, Tensor W, Tensor P, Tensor? b, str activation='none', str algorithm='') -> Tensor")
-
-
-def cache_dir() -> Path:
-    """Where s2s keeps what it builds for this machine: $S2S_CACHE_DIR, else $XDG_CACHE_HOME/s2s,
-    else ~/.cache/s2s."""
-    if os.environ.get("S2S_CACHE_DIR"):
-        return Path(os.environ["S2S_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "s2s"
-
-
-def build_key(sources: bytes, compilers: str) -> str:
-    """What the compiled library depends on: both sources, the compilers and their flags, torch's
-    version and C++ ABI (its headers), and the CPU (-march=native), hashed."""
-    from s2s.precision import cpuinfo_field
-
-    h = hashlib.sha256(sources)
-    cpu = [cpuinfo_field(key) for key in ("model name", "flags", "Features", "CPU implementer", "CPU part")]  # x86, arm
-    for part in (compilers, " ".join(CFLAGS + CXXFLAGS), torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI),
-                 platform.machine(), platform.processor(), *cpu):
-        h.update(b"\0" + part.encode())
-    return h.hexdigest()[:16]
 
 
 def torch_build_flags() -> list[str]:
@@ -98,43 +70,11 @@ def torch_build_flags() -> list[str]:
 
 
 def compile_library() -> Path:
-    """The library compiled for this machine, built into :func:`cache_dir` first if it is not
-    there (written under a temporary name and renamed, so that processes building it at once
-    never load a partial file).  A compiler that failed leaves ``attention-KEY.failed`` (its
-    message) instead, and is not run again for the same sources, compilers and CPU.  Raises
-    OSError or subprocess.SubprocessError where it cannot."""
-    cc, cxx = os.environ.get("CC") or "cc", os.environ.get("CXX") or "c++"
-    sources = b"".join(path.read_bytes() for path in (*SOURCES, OPERATOR_SOURCE))
-    out = cache_dir() / "native" / f"attention-{build_key(sources, cc + chr(0) + cxx)}.so"
-    failed = out.with_suffix(".failed")
-    if out.exists():
-        return out
-    if failed.exists():
-        raise OSError(f"compiling failed before ({failed}): {failed.read_text(errors='replace').strip()}")
-    for compiler in (cc, cxx):  # both, before compiling anything (no marker: installing one later is enough)
-        if not shlex.split(compiler) or shutil.which(shlex.split(compiler)[0]) is None:
-            raise OSError(f"{compiler}: no such compiler")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    log.info("compiling s2s's CPU kernels for this machine, once (s2s.model.native)")
-    with tempfile.TemporaryDirectory(prefix=".attention-", dir=out.parent) as tmp:
-        objects = [os.path.join(tmp, f"{path.stem}.o") for path in SOURCES]
-        lib = os.path.join(tmp, "attention.so")
-        commands = [(cc, [*shlex.split(cc), *CFLAGS, "-c", str(path), "-o", obj])
-                    for path, obj in zip(SOURCES, objects)]
-        commands.append((cxx, [*shlex.split(cxx), *CXXFLAGS, str(OPERATOR_SOURCE), *objects, "-o", lib,
-                               *torch_build_flags(), "-lm"]))
-        for compiler, command in commands:
-            done = subprocess.run(command, capture_output=True, text=True, errors="replace",
-                                  timeout=COMPILE_TIMEOUT_S, check=False)
-            if done.returncode:
-                lines = (done.stderr or done.stdout).strip().splitlines()
-                why = lines[-1] if lines else f"exit status {done.returncode}"
-                failed.write_text(f"{compiler}: {why}\n")
-                raise OSError(f"{compiler} failed: {why}")
-        os.chmod(lib, 0o755)  # (others sharing $S2S_CACHE_DIR may load it too)
-        os.replace(lib, out)
-    log.debug("native attention compiled into %s", out)
-    return out
+    """The library compiled for this machine (s2s.cbuild.compile_library: once, into s2s's cache
+    directory, ``attention-KEY.so``), keyed also by torch's version and C++ ABI (its headers).
+    Raises OSError or subprocess.SubprocessError where it cannot."""
+    return cbuild.compile_library("attention", SOURCES, OPERATOR_SOURCE, CXXFLAGS, torch_build_flags(),
+                                  (torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI)))
 
 
 @functools.lru_cache(maxsize=None)
