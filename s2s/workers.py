@@ -246,7 +246,9 @@ def translate_stream(spec: TranslatorSpec, lines: Iterable[str], out: TextIO, wo
 
     ``workers`` 0 (auto): one single-thread worker per core on the CPU (see
     :func:`auto_workers`), but one process for an input of at most MIN_PARALLEL_LINES lines.
-    ``line_by_line`` (--unbuffered) always runs in this one process.
+    ``line_by_line`` (--unbuffered) always runs in this one process.  A plain greedy search on a
+    CPU with AMX runs in this process without torch (s2s.native_greedy), each of its threads
+    searching a batch on one core: as many threads as the workers' threads together.
     ``first_line_no``: the number of the first line (n-best rows, messages) when ``lines``
     continue an input; ``on_chunk(n_lines)`` is called after each chunk of ``chunk_lines``
     lines is written whole to ``out``, in input order (s2s.bulk saves its progress there).
@@ -260,6 +262,16 @@ def translate_stream(spec: TranslatorSpec, lines: Iterable[str], out: TextIO, wo
             log.info("--unbuffered: translating line by line in one process (--workers %d not used)", workers)
         n = 1
     items: Iterator[Any] = iter(lines) if prefixes is None else paired_lines(lines, prefixes, first_line_no)
+    from s2s.native_greedy import engine_for
+
+    engine = engine_for(spec, prefixes is not None)
+    if engine is not None:  # a plain greedy search on a CPU with AMX: no torch, threads of this process
+        workerserver.release_early()
+        threads = n * threads_per_worker(n, cores, spec.threads)  # the cores torch's route would take
+        engine.translate_stream(items, threads, 1 if line_by_line else chunk_lines, first_line_no,
+                                lambda text, n_lines, n_tokens: _write_chunk(out, text, n_lines, n_tokens, progress,
+                                                                             on_chunk))
+        return 1
     if n > 1 and not workers:  # auto: a short input is not worth starting processes for
         head = list(itertools.islice(items, MIN_PARALLEL_LINES + 1))
         if len(head) <= MIN_PARALLEL_LINES:
@@ -306,6 +318,13 @@ def sorted_batches(lengths: Sequence[int], batch_size: int, batch_tokens: int) -
         batches.append(order[start:end])
         start = end
     return batches
+
+
+def task_batches(lengths: Sequence[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
+    """A chunk's :func:`sorted_batches`, each of at most 1/TASKS_PER_CHUNK of its lines: the tasks
+    N workers (or threads, s2s.native_greedy) share out, none of them long at the chunk's end."""
+    cap = -(-len(lengths) // TASKS_PER_CHUNK)  # at least TASKS_PER_CHUNK tasks of a chunk
+    return sorted_batches(lengths, min(batch_size or cap, cap), batch_tokens)
 
 
 def _translate_here(spec: TranslatorSpec, items: Iterator[Any], out: TextIO, paired: bool,
@@ -546,10 +565,6 @@ def task_planner(spec: TranslatorSpec) -> Callable[[list[str]], list[list[int]]]
     from s2s.langs import language_ids
     from s2s.modeldir import input_cap, load_spec, model_decode_settings, run_dir_of
 
-    def cut(lengths: list[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
-        cap = -(-len(lengths) // TASKS_PER_CHUNK)  # at least TASKS_PER_CHUNK tasks of a chunk
-        return sorted_batches(lengths, min(batch_size or cap, cap), batch_tokens)
-
     try:
         run = run_dir_of(Path(spec.models[0]))
         cfg, tok = load_spec(run)
@@ -557,7 +572,7 @@ def task_planner(spec: TranslatorSpec) -> Callable[[list[str]], list[list[int]]]
         extra = language_ids(tok.languages, tok.token_id, decode.tgt_lang).extra  # a language token or two
     except (S2SError, OSError, RuntimeError, IndexError):
         default = DecodeConfig()
-        return lambda lines: cut([len(line) for line in lines], default.batch_size, default.batch_tokens)
+        return lambda lines: task_batches([len(line) for line in lines], default.batch_size, default.batch_tokens)
     trained, kept = cfg.data.max_src_tokens or math.inf, input_cap(cfg.model, decode) - extra
 
     def source_length(ids: list[int], line: str) -> int:
@@ -565,7 +580,7 @@ def task_planner(spec: TranslatorSpec) -> Callable[[list[str]], list[list[int]]]
         cap, the language tokens around it; an empty line is no source (0)."""
         return min(len(ids), trained, kept) + extra if line.strip() else 0
 
-    return lambda lines: cut([source_length(ids, line) for ids, line in zip(tok.encode_src(lines), lines)],
+    return lambda lines: task_batches([source_length(ids, line) for ids, line in zip(tok.encode_src(lines), lines)],
                              decode.batch_size, decode.batch_tokens)
 
 

@@ -1,0 +1,363 @@
+"""Greedy search without torch: ``s2s translate``'s route for a plain greedy search on a CPU with AMX.
+
+On a 2-core Intel Xeon with AMX, a greedy ``s2s translate`` of 1,000 lines spent 0.85 s
+importing torch (in the workers' server) before its first line, and 0.6 s decoding them
+(README).  This module decodes the same model without torch: ``native_greedy.c`` (with
+``native_attention.c`` and ``native_linear.c``, the kernels the torch route calls as operators)
+runs a whole batch's encoder and greedy search in one C call, its products on AMX with each W
+packed once, the residual stream and the softmax in fp32 (s2s/model/native_greedy.c).  The
+weights are read with safetensors (no numpy either) and checked against model.json's checksum, as
+s2s.modeldir loads them for torch; the sources are encoded and the outputs decoded by the
+same tokenizer, and batched as the workers batch them.  The C call releases the GIL, so that
+N threads of this one process decode N batches at once (``--workers N``: threads, not
+processes, here).
+
+:func:`engine_for` takes the route only where it computes what the torch route would
+(``--precision auto`` or bf16 on a CPU with amx_bf16, which picks bf16 there; greedy search
+with none of the search's options this file does not implement; a single encoder-decoder
+model of sinusoidal or learned positions) and where the library compiled; anything else,
+and ``S2S_NATIVE_GREEDY=0``, takes torch's route, with the reason at debug level.  The
+outputs are not bit for bit torch's: the residual stream stays in fp32 here, where torch's
+bf16 model rounds it after every sub-layer (tests/test_native_greedy.py).
+
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import math
+import os
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+from s2s import cbuild
+from s2s.errors import S2SError
+
+log = logging.getLogger("s2s")
+
+MODEL_DIR = Path(__file__).parent / "model"
+SOURCES = tuple(MODEL_DIR / name for name in ("native_attention.c", "native_linear.c", "native_greedy.c"))
+DISABLE = "S2S_NATIVE_GREEDY"  # =0: torch's route
+ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}  # native_greedy.c's ACT_*
+ERRORS = {-1: "out of memory", -2: "no AMX kernel in this process", -3: "a step's scores hold NaN"}
+
+
+class Linear(ctypes.Structure):
+    _fields_ = [("P", ctypes.c_void_p), ("b", ctypes.c_void_p), ("N", ctypes.c_long), ("K", ctypes.c_long)]
+
+
+class Norm(ctypes.Structure):
+    _fields_ = [("g", ctypes.c_void_p), ("b", ctypes.c_void_p)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = ([(name, Norm) for name in ("norm1", "norm2", "norm3")]
+                + [(name, Linear) for name in ("qkv", "self_out", "q", "kv", "cross_out", "w1", "w3", "w2")])
+
+
+class Model(ctypes.Structure):
+    _fields_ = ([(name, ctypes.c_long) for name in ("d", "heads", "d_head", "d_ff", "vocab", "enc_layers",
+                                                     "dec_layers")]
+                + [(name, ctypes.c_int) for name in ("pre_norm", "rms", "activation", "pad_id", "bos_id", "eos_id")]
+                + [(name, ctypes.c_float) for name in ("eps", "embed_scale", "output_scale", "attention_scale")]
+                + [(name, ctypes.c_void_p) for name in ("src_embed", "tgt_embed", "enc_positions", "dec_positions")]
+                + [(name, Norm) for name in ("enc_embed_norm", "dec_embed_norm", "enc_final_norm", "dec_final_norm")]
+                + [("output", Linear), ("enc", ctypes.POINTER(Layer)), ("dec", ctypes.POINTER(Layer))])
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> Optional[ctypes.CDLL]:
+    """The greedy search's library (s2s.cbuild: compiled once per machine with ``cc``), loaded;
+    None where it cannot be built or loaded, or this process may not use AMX (why: at debug level)."""
+    try:
+        lib = ctypes.CDLL(str(cbuild.compile_library("greedy", SOURCES)))
+        lib.s2s_greedy  # noqa: B018  (an older or foreign file: AttributeError)
+    except (OSError, subprocess.SubprocessError, AttributeError) as e:
+        log.debug("native greedy search unavailable (%s)", e)
+        return None
+    lib.s2s_greedy.restype = ctypes.c_int
+    lib.s2s_greedy.argtypes = [ctypes.POINTER(Model), ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
+                               ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+    lib.s2s_pack_f32.restype = ctypes.c_int
+    lib.s2s_pack_f32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+    lib.s2s_to_bf16.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+    lib.s2s_sinusoidal_table.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+    if not lib.s2s_bf16_linear_isa():
+        log.debug("native greedy search unavailable: no AMX kernel (this library or this process)")
+        return None
+    return lib
+
+
+# --------------------------------------------------------------------------- #
+# When the route is taken
+# --------------------------------------------------------------------------- #
+
+def model_why_not(model, decode, lang) -> Optional[str]:
+    """Why a model (ModelConfig) with these decode settings (DecodeConfig) and language ids
+    (s2s.langs.LanguageIds) is not searched here, or None where it is."""
+    if model.arch != "encoder_decoder":
+        return f"model.arch {model.arch}"
+    if model.positions not in ("sinusoidal", "learned"):
+        return f"model.positions {model.positions}"
+    if model.copy or model.coverage:
+        return "model.copy or model.coverage"
+    for name, size in (("d_model", model.d_model), ("heads x d_head", model.heads * model.d_head),
+                       ("d_ff", model.d_ff)):
+        if size % 32:
+            return f"{name} {size} is not whole AMX tiles of 32"
+    if decode.beam != 1 or decode.sampling or decode.nbest != 1 or decode.coverage_penalty:
+        return "not a plain greedy search"
+    for key in ("no_repeat_ngram", "shortlist", "compile", "glossary", "split_sentences", "markup"):
+        if getattr(decode, key):
+            return f"decode.{key}"
+    if lang.tgt_first:
+        return "a target-language token to force"
+    return None
+
+
+def spec_why_not(spec, prefixes: bool) -> Optional[str]:
+    """Why a TranslatorSpec (s2s.workers) is not decoded here, or None where it may be (the
+    model's own settings are :func:`model_why_not`'s)."""
+    from s2s.workerserver import gpu_driver_present
+
+    if os.environ.get(DISABLE, "1") == "0" or os.environ.get("S2S_NATIVE_ATTENTION", "1") == "0":
+        return f"${DISABLE} or $S2S_NATIVE_ATTENTION is 0"
+    if len(spec.models) != 1 or spec.weights is not None:
+        return "an ensemble"
+    if spec.device not in ("cpu", "auto") or (spec.device == "auto" and gpu_driver_present()):
+        return f"--device {spec.device}"
+    if spec.precision not in ("auto", "bf16") or spec.quantize:
+        return f"--precision {spec.precision}" + (" --quantize" if spec.quantize else "")
+    if spec.alignments or spec.nbest_rows or spec.scores or spec.output_format != "text" or prefixes:
+        return "an output with more than the text (alignments, scores, n-best rows, JSON) or a prefix"
+    if "amx_bf16" not in cbuild.cpu_flags():
+        return "no amx_bf16 (the route's products are AMX's)"
+    return None
+
+
+# --------------------------------------------------------------------------- #
+# The model
+# --------------------------------------------------------------------------- #
+
+class GreedyModel:
+    """A model directory's weights laid out for native_greedy.c: every W packed into AMX tiles
+    in bf16, biases in bf16, embeddings, position tables and norms in fp32.  ``weights``: name ->
+    (shape, fp32 bytes), as safetensors' ``deserialize`` gives them."""
+
+    def __init__(self, cfg, weights: dict[str, tuple[list[int], bytearray]], tok, position_rows: int):
+        lib = library()
+        m = cfg.model
+        self.lib, self.pad_id = lib, tok.pad_id
+        self._keep: list[Any] = []  # every buffer the struct points into
+
+        def buffer(ctype, n: int):
+            a = (ctype * n)()
+            self._keep.append(a)
+            return a
+
+        def f32(name: str) -> int:
+            data = weights[name][1]
+            self._keep.append(data)
+            return ctypes.addressof((ctypes.c_char * len(data)).from_buffer(data))
+
+        def pointer(name: str) -> Optional[int]:
+            return f32(name) if name in weights else None
+
+        def bf16(name: str, n: int) -> int:
+            b16 = buffer(ctypes.c_uint16, n)
+            lib.s2s_to_bf16(f32(name), n, b16)
+            return ctypes.addressof(b16)
+
+        def linear(weight: str, bias: Optional[str]) -> Linear:
+            if weight not in weights:
+                return Linear()
+            N, K = weights[weight][0]
+            P = buffer(ctypes.c_uint16, -(-N // 16) * (K // 32) * 512)
+            if lib.s2s_pack_f32(f32(weight), N, K, P):
+                raise MemoryError("packing the weights")
+            return Linear(ctypes.addressof(P), bf16(bias, N) if bias in weights else None, N, K)
+
+        def projection(prefix: str) -> Linear:
+            return linear(prefix + ".weight", prefix + ".bias")
+
+        def norm(prefix: str) -> Norm:
+            return Norm(pointer(prefix + ".weight"), pointer(prefix + ".bias"))
+
+        def layer(prefix: str) -> Layer:
+            return Layer(norm1=norm(prefix + "norm1"), norm2=norm(prefix + "norm2"), norm3=norm(prefix + "norm3"),
+                         qkv=projection(prefix + "self_attn.qkv_proj"),
+                         self_out=projection(prefix + "self_attn.out_proj"),
+                         q=projection(prefix + "cross_attn.q_proj"), kv=projection(prefix + "cross_attn.kv_proj"),
+                         cross_out=projection(prefix + "cross_attn.out_proj"), w1=projection(prefix + "ffn.w_1"),
+                         w3=projection(prefix + "ffn.w_3"), w2=projection(prefix + "ffn.w_2"))
+
+        if m.positions == "sinusoidal":  # one table for both stacks
+            table = buffer(ctypes.c_float, position_rows * m.d_model)
+            lib.s2s_sinusoidal_table(position_rows, m.d_model, table)
+
+        def positions(stack: str) -> int:
+            if m.positions == "learned":  # row p + offset of the stack's own table
+                return f32(f"{stack}_positions.table.weight") + 4 * m.position_offset * m.d_model
+            return ctypes.addressof(table)
+
+        tgt_embed = "tgt_embed.weight" if "tgt_embed.weight" in weights else "src_embed.weight"  # (tied: one entry)
+        self.vocab = weights[tgt_embed][0][0]
+        self.enc_layers = (Layer * m.enc_layers)(*(layer(f"encoder_layers.{i}.") for i in range(m.enc_layers)))
+        self.dec_layers = (Layer * m.dec_layers)(*(layer(f"decoder_layers.{i}.") for i in range(m.dec_layers)))
+        # W_U: the target embedding where tied; b_U
+        output = linear(tgt_embed if m.tie_output else "output_proj.weight", "output_bias")
+        self.model = Model(
+            d=m.d_model, heads=m.heads, d_head=m.d_head, d_ff=m.d_ff, vocab=self.vocab, enc_layers=m.enc_layers,
+            dec_layers=m.dec_layers, pre_norm=int(m.norm == "pre"), rms=int(m.norm_type == "rmsnorm"),
+            activation=ACTIVATIONS[m.activation], pad_id=tok.pad_id, bos_id=tok.bos_id, eos_id=tok.eos_id,
+            eps=m.norm_eps, embed_scale=math.sqrt(m.d_model) if m.scale_embeddings else 1.0,
+            output_scale=m.d_model ** -0.5 if m.scale_output else 1.0,
+            attention_scale=1 / math.sqrt(m.d_head) if m.attention_scale else 1.0,
+            src_embed=pointer("src_embed.weight"), tgt_embed=pointer(tgt_embed),
+            enc_positions=positions("enc"), dec_positions=positions("dec"),
+            enc_embed_norm=norm("enc_embed_norm"), dec_embed_norm=norm("dec_embed_norm"),
+            enc_final_norm=norm("enc_final_norm"), dec_final_norm=norm("dec_final_norm"), output=output,
+            enc=self.enc_layers, dec=self.dec_layers)
+
+    def search(self, sources: Sequence[Sequence[int]], max_len: Sequence[int], min_len: int) -> list[list[int]]:
+        """Greedy search of a batch of sources (each ending in </s>); ``max_len`` each output's
+        longest, </s> included -> each output's tokens, </s> not included."""
+        B = len(sources)
+        S, T = max(len(s) for s in sources), max(max_len)
+        padded = [self.pad_id] * (B * S)
+        for b, s in enumerate(sources):
+            padded[b * S:b * S + len(s)] = s
+        src = (ctypes.c_int32 * (B * S))(*padded)
+        src_len = (ctypes.c_long * B)(*(len(s) for s in sources))
+        longest = (ctypes.c_long * B)(*max_len)
+        out, out_len = (ctypes.c_int32 * (B * T))(), (ctypes.c_long * B)()
+        rc = self.lib.s2s_greedy(ctypes.byref(self.model), B, src, S, src_len, longest, min_len, out, T, out_len)
+        if rc:
+            raise S2SError(f"the native greedy search failed: {ERRORS.get(rc, f'error {rc}')}")
+        return [out[b * T:b * T + out_len[b]] for b in range(B)]
+
+
+def max_output_length(src_len: int, a: float, b: int, cap: int) -> int:
+    """max_len(x) = floor(a |x| + b), at least 1 and at most ``cap`` (s2s.translate.max_output_lengths)."""
+    return min(max(math.floor(a * src_len + b), 1), cap)
+
+
+# --------------------------------------------------------------------------- #
+# The engine
+# --------------------------------------------------------------------------- #
+
+@dataclass
+class NativeGreedy:
+    """A model directory's greedy search without torch, with what translating lines needs."""
+
+    model: GreedyModel
+    tok: Any  # s2s.tokenizer.Tokenizer
+    decode: Any  # DecodeConfig
+    lang: Any  # s2s.langs.LanguageIds
+    trained_src_tokens: int
+    max_input: int
+    cap: int  # the longest output (s2s.modeldir.output_cap)
+
+    def translate_lines(self, lines: Sequence[str], line_nos: Sequence[int],
+                        pool: Optional[ThreadPoolExecutor]) -> tuple[list[str], int]:
+        """Each line's translation (empty for an empty line) and the output tokens, </s> included:
+        the lines sorted by length into batches (s2s.workers.task_batches), searched by
+        ``pool``'s threads at once (or here)."""
+        from s2s.tokenizer import encode_source_lines
+        from s2s.workers import sorted_batches, task_batches
+
+        ids = encode_source_lines(self.tok, self.lang, lines, line_nos, self.trained_src_tokens, self.max_input)
+        todo = [i for i, x in enumerate(ids) if x is not None]
+        cut = task_batches if pool is not None else sorted_batches
+        batches = [[todo[j] for j in rows] for rows in cut([len(ids[i]) for i in todo], self.decode.batch_size,
+                                                           self.decode.batch_tokens)]
+        d = self.decode
+
+        def search(rows: list[int]) -> list[list[int]]:
+            sources = [ids[i] for i in rows]
+            return self.model.search(sources, [max_output_length(len(s) - 1, d.max_len_a, d.max_len_b, self.cap)
+                                               for s in sources], d.min_len)
+
+        texts, n_tokens = [""] * len(lines), 0
+        for rows, found in zip(batches, pool.map(search, batches) if pool is not None else map(search, batches)):
+            for i, tokens in zip(rows, found):
+                texts[i] = self.tok.decode_tgt(tokens)
+                n_tokens += len(tokens) + 1
+        return texts, n_tokens
+
+    def translate_stream(self, items: Iterator[str], threads: int, chunk_lines: int, first_line_no: int,
+                         write_chunk: Callable[[str, int, int], None]) -> None:
+        """``items`` translated chunk by chunk of ``chunk_lines`` lines, each chunk written whole
+        by ``write_chunk(text, lines, tokens)`` in input order, with ``threads`` threads."""
+        from s2s.workers import _chunks
+
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="s2s-greedy") if threads > 1 else None
+        try:
+            for line_no, lines, _ in _chunks(items, chunk_lines, False, first_line_no):
+                texts, n_tokens = self.translate_lines(lines, range(line_no, line_no + len(lines)), pool)
+                write_chunk("".join(text + "\n" for text in texts), len(lines), n_tokens)
+        finally:
+            if pool is not None:
+                pool.shutdown(cancel_futures=True)
+
+
+def engine_for(spec, prefixes: bool) -> Optional[NativeGreedy]:
+    """The native greedy search of ``spec`` (a TranslatorSpec), or None where torch's route
+    decodes it (why: at debug level; a model directory that cannot be read is left to torch's
+    route too, which names what is wrong)."""
+    why = spec_why_not(spec, prefixes)
+    if why is None:
+        try:
+            return _load(spec)
+        except _NotHere as e:
+            why = str(e)
+        except (S2SError, OSError, ValueError, KeyError) as e:
+            why = f"the model directory ({e})"
+    log.debug("greedy search through torch: %s", why)
+    return None
+
+
+class _NotHere(Exception):
+    """A reason the native route does not take a model."""
+
+
+def _load(spec) -> NativeGreedy:
+    from safetensors import deserialize
+
+    from s2s.langs import language_ids
+    from s2s.modeldir import (
+        WEIGHTS,
+        input_cap,
+        load_spec,
+        model_decode_settings,
+        output_cap,
+        verified_meta,
+        warn_past_output_cap,
+    )
+
+    d = Path(spec.models[0])
+    if not (d / WEIGHTS).is_file():
+        raise _NotHere("not a model directory with its weights (a checkpoint?)")
+    verified_meta(d)
+    cfg, tok = load_spec(d)
+    decode = model_decode_settings(d, cfg, spec.overrides, spec.defaults)
+    lang = language_ids(tok.languages, tok.token_id, decode.tgt_lang)
+    why = model_why_not(cfg.model, decode, lang)
+    if why is not None:
+        raise _NotHere(why)
+    if library() is None:
+        raise _NotHere("the library did not compile or load, or no AMX here")
+    warn_past_output_cap(cfg.model, decode)
+    tensors = deserialize((d / WEIGHTS).read_bytes())
+    if any(t["dtype"] != "F32" for _, t in tensors):
+        raise _NotHere("weights not stored in fp32")
+    weights = {name: (t["shape"], t["data"]) for name, t in tensors}
+    cap = output_cap(cfg.model, decode)
+    model = GreedyModel(cfg, weights, tok, max(input_cap(cfg.model, decode), cap) + 1)
+    return NativeGreedy(model, tok, decode, lang, cfg.data.max_src_tokens, input_cap(cfg.model, decode), cap)

@@ -1,0 +1,208 @@
+"""Greedy search without torch (s2s.native_greedy, s2s/model/native_greedy.c).
+
+Where the route is taken: the C search gives, line for line, what torch's own greedy search
+gives with the C search's arithmetic (weights and every product's input and output rounded to
+bf16, the residual stream, the norms and the attention in fp32), for every model option it
+takes; ``s2s translate`` decodes through it without importing torch, one line out per line in,
+empty lines kept, in threads, and a bad input line stops it with the lines before it written.
+Everywhere: which settings it takes and which it leaves to torch's route."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from s2s import native_greedy
+from s2s.cbuild import cpu_flags
+from s2s.config import DecodeConfig, ModelConfig
+from s2s.langs import LanguageIds
+from s2s.workers import TranslatorSpec
+
+AMX = "amx_bf16" in cpu_flags() and os.environ.get(native_greedy.DISABLE, "1") != "0"
+needs_amx = pytest.mark.skipif(not AMX or native_greedy.library() is None,
+                               reason="no AMX here, or the greedy library is not built")
+REPO = Path(__file__).resolve().parents[1]
+
+# model options the C search implements, each variant a few at once
+VARIANTS = {
+    "pre-norm": {},
+    "post-norm, rmsnorm, gelu, learned positions": dict(norm="post", norm_type="rmsnorm", activation="gelu",
+                                                        positions="learned", max_positions=256),
+    "gated silu, no biases, unscaled attention, own output matrix and bias": dict(
+        gated_ffn=True, activation="silu", bias=False, attention_scale=False, tie_output=False, output_bias=True),
+    "bart-like: embedding norm, offset positions, gelu_tanh, scaled output": dict(
+        embed_norm=True, positions="learned", max_positions=256, position_offset=2, activation="gelu_tanh",
+        scale_embeddings=False, scale_output=True),
+}
+
+
+def model_dir(prepared: Path, directory: Path, **model) -> Path:
+    """A model directory of the tiny config with ``model`` options, its weights drawn with seed 0
+    and every parameter moved a little (norms and biases not at their 1 and 0)."""
+    from s2s.config import load_config
+    from s2s.modeldir import build_model, save_model_dir
+    from s2s.tokenizer import Tokenizer
+
+    cfg = load_config(prepared)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model))
+    tok = Tokenizer.load(cfg.data.dir, cfg.tokenizer, cfg.data)
+    torch.manual_seed(0)
+    net = build_model(cfg, tok)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    save_model_dir(directory, net, cfg, Path(cfg.data.dir), {"step": 0})
+    return directory
+
+
+def bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.bfloat16().float()
+
+
+def emulated(directory: Path, lines: list[str]) -> list[str]:
+    """torch's greedy search (s2s.translate.Translator) of the model in ``directory`` with the C
+    search's arithmetic: each matrix and bias rounded to bf16, each product's input and output too
+    (hooks on every nn.Linear, and the output projection), the rest in fp32."""
+    from s2s.modeldir import load_model_dir, model_decode_settings
+    from s2s.translate import Translator
+
+    loaded = load_model_dir(directory)
+    model = loaded.model
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.copy_(bf16(m.weight))
+                if m.bias is not None:
+                    m.bias.copy_(bf16(m.bias))
+                m.register_forward_pre_hook(lambda _, args: (bf16(args[0]),))
+                m.register_forward_hook(lambda _, args, out: bf16(out))
+    W_U = model.tgt_embed.weight if model.output_proj is None else model.output_proj.weight
+    b_U = model.output_bias
+
+    def logits(h, subset=None):
+        z = bf16(h * model.output_scale) @ bf16(W_U).t()
+        return bf16(z + (0 if b_U is None else bf16(b_U)))
+
+    model.logits = logits
+    decode = model_decode_settings(directory, loaded.cfg, {"beam": 1}, {})
+    return Translator(model, loaded.tokenizer, decode).translate(lines)
+
+
+def native(directory: Path, lines: list[str], threads: int = 1) -> list[str]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = native_greedy.engine_for(TranslatorSpec(models=(str(directory),), overrides={"beam": 1},
+                                                     precision="bf16", device="cpu"), False)
+    assert engine is not None
+    pool = ThreadPoolExecutor(threads) if threads > 1 else None
+    return engine.translate_lines(lines, range(1, len(lines) + 1), pool)[0]
+
+
+def dev_lines(prepared: Path, n: int) -> list[str]:
+    return (prepared.parent / "dev.en").read_text(encoding="utf-8").splitlines()[:n]
+
+
+@needs_amx
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_the_c_search_is_torchs_with_its_arithmetic(prepared, tmp_path, variant):
+    d = model_dir(prepared, tmp_path / "m", **VARIANTS[variant])
+    lines = dev_lines(prepared, 20) + ["", "   ", "x"]
+    got = native(d, lines)
+    assert got == emulated(d, lines)
+    assert got[20] == got[21] == ""
+    assert native(d, lines, threads=2) == got  # threads share the batches out
+
+
+@needs_amx
+def test_translate_decodes_without_torch(prepared, tmp_path):
+    """`s2s translate --beam 1 --precision bf16 --workers 2`: the C search's lines, one per input
+    line, and torch never imported; with $S2S_NATIVE_GREEDY=0 (one worker), torch's route in this process."""
+    d = model_dir(prepared, tmp_path / "m")
+    lines = dev_lines(prepared, 20)
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(lines[:10] + [""] + lines[10:]) + "\n", encoding="utf-8")
+    probe = ("import atexit, sys; atexit.register(lambda: print('torch imported:', 'torch' in sys.modules, "
+             "file=sys.stderr)); sys.argv = ['s2s'] + sys.argv[1:]; from s2s.launch import main; main()")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    args = ["-m", str(d), "--beam", "1", "--precision", "bf16", "--workers", "2", "--input", str(src)]
+    done = subprocess.run([sys.executable, "-c", probe, "translate", *args], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "torch imported: False" in done.stderr
+    assert done.stdout.splitlines() == native(d, lines[:10] + [""] + lines[10:])
+    one = [a if a != "2" else "1" for a in args]  # (torch's workers would import it in their own processes)
+    done = subprocess.run([sys.executable, "-c", probe, "translate", *one], capture_output=True, text=True,
+                          env={**env, native_greedy.DISABLE: "0"})
+    assert done.returncode == 0, done.stderr
+    assert "torch imported: True" in done.stderr and len(done.stdout.splitlines()) == 21
+
+
+@needs_amx
+def test_a_bad_line_stops_the_threads_with_the_chunks_before_it_written(prepared, tmp_path):
+    """Invalid UTF-8 on line 1,205: the first chunk of 1,000 lines is written, then the error
+    naming the line, and a non-zero exit."""
+    d = model_dir(prepared, tmp_path / "m")
+    lines = (dev_lines(prepared, 20) * 61)[:1204]
+    src = tmp_path / "in.txt"
+    src.write_bytes(("\n".join(lines) + "\n").encode() + b"bad \xff line\nmore\n")
+    done = subprocess.run([sys.executable, "-m", "s2s", "translate", "-m", str(d), "--beam", "1", "--precision",
+                           "bf16", "--workers", "2", "--input", str(src)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode != 0
+    assert "1205" in done.stderr
+    assert done.stdout.splitlines() == native(d, lines[:1000])
+
+
+def spec(**kw) -> TranslatorSpec:
+    return TranslatorSpec(**{"models": ("m",), "precision": "auto", "device": "cpu", **kw})
+
+
+@pytest.mark.parametrize("kw,why", [
+    (dict(models=("a", "b")), "ensemble"), (dict(device="cuda"), "--device"),
+    (dict(precision="fp32"), "--precision"), (dict(quantize="int8"), "--quantize"),
+    (dict(alignments=True), "alignments"), (dict(scores=True), "scores"), (dict(nbest_rows=True), "n-best"),
+    (dict(output_format="jsonl"), "JSON")])
+def test_settings_left_to_torch(kw, why, monkeypatch):
+    monkeypatch.setattr(native_greedy.cbuild, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+    assert native_greedy.spec_why_not(spec(), False) is None
+    assert why in native_greedy.spec_why_not(spec(**kw), False)
+    assert "prefix" in native_greedy.spec_why_not(spec(), True)
+    monkeypatch.setenv(native_greedy.DISABLE, "0")
+    assert "0" in native_greedy.spec_why_not(spec(), False)
+
+
+def test_no_amx_is_torchs_route(monkeypatch):
+    monkeypatch.setattr(native_greedy.cbuild, "cpu_flags", lambda: frozenset({"avx512_bf16", "avx512f"}))
+    assert "amx_bf16" in native_greedy.spec_why_not(spec(), False)
+
+
+@pytest.mark.parametrize("model,decode,why", [
+    ({}, {}, None), (dict(arch="decoder_only"), {}, "arch"), (dict(positions="t5_bias"), {}, "positions"),
+    (dict(copy=True), {}, "copy"), (dict(d_model=48, heads=2), {}, "d_model"), (dict(d_ff=100), {}, "d_ff"),
+    ({}, dict(beam=5), "greedy"), ({}, dict(sampling=True), "greedy"), ({}, dict(coverage_penalty=0.2), "greedy"),
+    ({}, dict(no_repeat_ngram=3), "no_repeat_ngram"), ({}, dict(shortlist=True), "shortlist"),
+    ({}, dict(glossary="g.tsv"), "glossary"), ({}, dict(split_sentences=True), "split_sentences")])
+def test_models_and_searches_left_to_torch(model, decode, why):
+    m = ModelConfig(**{"d_model": 64, "heads": 2, "d_ff": 128, **model})
+    got = native_greedy.model_why_not(m, DecodeConfig(**{"beam": 1, **decode}), LanguageIds())
+    assert got is None if why is None else why in got
+
+
+def test_a_forced_target_language_is_torchs_route():
+    lang = LanguageIds(tgt_first=(7,))
+    assert "target-language" in native_greedy.model_why_not(ModelConfig(), DecodeConfig(beam=1), lang)
+
+
+@pytest.mark.parametrize("n,a,b,cap,want", [(10, 1.5, 10, 1024, 25), (0, 1.5, 10, 1024, 10), (3, 0.0, 1, 1024, 1),
+                                            (100, 2.0, 10, 64, 64), (7, 1.2, 5, 1024, 13)])
+def test_max_output_length_is_the_translators(n, a, b, cap, want):
+    from s2s.translate import max_output_lengths
+
+    assert native_greedy.max_output_length(n, a, b, cap) == want
+    assert int(max_output_lengths(torch.tensor([n]), a, b, cap)[0]) == want
