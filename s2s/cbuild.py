@@ -2,7 +2,7 @@
 
 Two libraries are built from the C files in s2s/model: the torch operators' (s2s.model.native:
 the C files linked with native_op.cpp against torch's headers) and the torch-free greedy
-search's (s2s.native_greedy: the C files alone, loaded through ctypes).  Each is keyed by its
+search's (s2s.native_search: the C files alone, loaded through ctypes).  Each is keyed by its
 sources, the compilers and their flags, what else it depends on (torch's version for the
 first) and the CPU (``-march=native``), so that a new source, compiler or CPU builds afresh.
 

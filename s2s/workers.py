@@ -247,7 +247,7 @@ def translate_stream(spec: TranslatorSpec, lines: Iterable[str], out: TextIO, wo
     ``workers`` 0 (auto): one single-thread worker per core on the CPU (see
     :func:`auto_workers`), but one process for an input of at most MIN_PARALLEL_LINES lines.
     ``line_by_line`` (--unbuffered) always runs in this one process.  A plain greedy search on a
-    CPU with AMX runs in this process without torch (s2s.native_greedy), each of its threads
+    CPU with AMX runs in this process without torch (s2s.native_search), each of its threads
     searching a batch on one core: as many threads as the workers' threads together.
     ``first_line_no``: the number of the first line (n-best rows, messages) when ``lines``
     continue an input; ``on_chunk(n_lines)`` is called after each chunk of ``chunk_lines``
@@ -262,7 +262,7 @@ def translate_stream(spec: TranslatorSpec, lines: Iterable[str], out: TextIO, wo
             log.info("--unbuffered: translating line by line in one process (--workers %d not used)", workers)
         n = 1
     items: Iterator[Any] = iter(lines) if prefixes is None else paired_lines(lines, prefixes, first_line_no)
-    from s2s.native_greedy import engine_for
+    from s2s.native_search import engine_for
 
     engine = engine_for(spec, prefixes is not None)
     if engine is not None:  # a plain greedy search on a CPU with AMX: no torch, threads of this process
@@ -322,7 +322,7 @@ def sorted_batches(lengths: Sequence[int], batch_size: int, batch_tokens: int) -
 
 def task_batches(lengths: Sequence[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
     """A chunk's :func:`sorted_batches`, each of at most 1/TASKS_PER_CHUNK of its lines: the tasks
-    N workers (or threads, s2s.native_greedy) share out, none of them long at the chunk's end."""
+    N workers (or threads, s2s.native_search) share out, none of them long at the chunk's end."""
     cap = -(-len(lengths) // TASKS_PER_CHUNK)  # at least TASKS_PER_CHUNK tasks of a chunk
     return sorted_batches(lengths, min(batch_size or cap, cap), batch_tokens)
 

@@ -18,7 +18,8 @@
  * Returns 0, -1 where the scores' scratch cannot be allocated, or -2 for a column outside 0 ..
  * capacity - 1.
  *
- * Also (at the end): a greedy step's argmax over bf16 scores, read as they are (s2s_argmax_rows).
+ * Also (at the end): a greedy step's argmax over bf16 scores, read as they are (s2s_argmax_rows), or
+ * over fp32 ones, and a beam step's log_softmax shift (s2s.native_search's).
  */
 #include <math.h>
 #include <stdint.h>
@@ -391,8 +392,8 @@ int s2s_few_query_attention(const float *q, long q_b, long q_h, long q_g,
 
 #define ARGMAX_BLOCK 512
 
-/* the largest of the bf16 scores z[b .. end) (widened) and whether any is NaN */
-INLINE float block_max(const uint16_t *restrict zn, long b, long end, int *nan)
+/* the largest of the scores z[b .. end) (bf16: widened) and whether any is NaN */
+INLINE float block_max(const int bf16, const void *restrict zn, long b, long end, int *nan)
 {
     float m = -INFINITY;
     long v = b;
@@ -400,7 +401,7 @@ INLINE float block_max(const uint16_t *restrict zn, long b, long end, int *nan)
     v16 mv = (v16){0} - INFINITY;
     i32x16 nv = {0};
     for (; v + 16 <= end; v += 16) {
-        const v16 x = kv16(1, zn, v);
+        const v16 x = kv16(bf16, zn, v);
         const i32x16 up = x > mv;
         mv = (v16)(((i32x16)x & up) | ((i32x16)mv & ~up));
         nv |= x != x;
@@ -411,7 +412,7 @@ INLINE float block_max(const uint16_t *restrict zn, long b, long end, int *nan)
     }
 #endif
     for (; v < end; v++) {
-        const float x = kv_float(1, zn, v);
+        const float x = kv_float(bf16, zn, v);
         m = x > m ? x : m;
         *nan |= x != x;
     }
@@ -419,19 +420,19 @@ INLINE float block_max(const uint16_t *restrict zn, long b, long end, int *nan)
 }
 
 /* best[n] = max_v z[n,v] and index[n] = the first v holding it (numpy's and torch's choice on
- * ties; every score -inf: 0), z bf16 (widened as it is read; rows z_row elements apart).  The
- * maxima of blocks of 512 scores run 16 lanes at a time; only the first block reaching the
+ * ties; every score -inf: 0), z bf16 (widened as it is read) or fp32, rows z_row elements apart.
+ * The maxima of blocks of 512 scores run 16 lanes at a time; only the first block reaching the
  * row's maximum is scanned for its position.  Returns 0, or 1 at a row holding NaN (the caller
- * takes torch's route). */
-int s2s_argmax_rows(const uint16_t *z, long z_row, long N, long V, float *best, int64_t *index)
+ * takes its own route). */
+INLINE int argmax_rows(const int bf16, const void *z, long z_row, long N, long V, float *best, int64_t *index)
 {
     for (long n = 0; n < N; n++) {
-        const uint16_t *zn = z + n * z_row;
+        const void *zn = kv_at(bf16, z, n * z_row);
         float top = -INFINITY;
         long top_block = 0;
         int nan = 0;
         for (long b = 0; b < V; b += ARGMAX_BLOCK) {
-            const float m = block_max(zn, b, b + ARGMAX_BLOCK < V ? b + ARGMAX_BLOCK : V, &nan);
+            const float m = block_max(bf16, zn, b, b + ARGMAX_BLOCK < V ? b + ARGMAX_BLOCK : V, &nan);
             if (m > top) {
                 top = m;
                 top_block = b;
@@ -440,10 +441,56 @@ int s2s_argmax_rows(const uint16_t *z, long z_row, long N, long V, float *best, 
         if (nan)
             return 1;
         long at = top_block;
-        while (at < V - 1 && kv_float(1, zn, at) != top)
+        while (at < V - 1 && kv_float(bf16, zn, at) != top)
             at++;
-        best[n] = kv_float(1, zn, at);
+        best[n] = kv_float(bf16, zn, at);
         index[n] = at;
     }
     return 0;
+}
+
+int s2s_argmax_rows(const uint16_t *z, long z_row, long N, long V, float *best, int64_t *index)
+{
+    return argmax_rows(1, z, z_row, N, V, best, index);
+}
+
+/* the same over fp32 scores (s2s.native_search's) */
+int s2s_argmax_rows_f32(const float *z, long z_row, long N, long V, float *best, int64_t *index)
+{
+    return argmax_rows(0, z, z_row, N, V, best, index);
+}
+
+/* ---- a beam step's log-probabilities: log_softmax(z) = z - shift ---- */
+
+#define SHIFT_BLOCK 64
+
+/* shift = max_v z[v] + log sum_v e^(z[v] - max) of a row of V fp32 scores z, so that
+ * log_softmax(z)[v] = z[v] - shift, and each block of 64 scores' maximum ((V + 63) /
+ * 64 of them) in tops, by which a beam step passes over the blocks that hold none of its best
+ * continuations.  A row of -inf gives -inf; NaN where z holds NaN. */
+float s2s_log_softmax_shift(const float *z, long V, float *tops)
+{
+    float top = -INFINITY;
+    int nan = 0;
+    for (long b = 0; b < V; b += SHIFT_BLOCK) {
+        const float m = block_max(0, z, b, b + SHIFT_BLOCK < V ? b + SHIFT_BLOCK : V, &nan);
+        tops[b / SHIFT_BLOCK] = m;
+        top = m > top ? m : top;
+    }
+    if (nan)
+        return NAN;
+    if (isinf(top))
+        return top;
+    float sum = 0.f;
+    long v = 0;
+#ifdef S2S_VECTORS
+    v16 acc = (v16){0};
+    for (; v + 16 <= V; v += 16)
+        acc += exp16(load16(z + v) - top);
+    for (int l = 0; l < 16; l++)
+        sum += acc[l];
+#endif
+    for (; v < V; v++)
+        sum += exp_poly(z[v] - top);
+    return top + logf(sum);
 }

@@ -82,9 +82,10 @@ static inline __m512 widen16(const uint16_t *p)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-/* y[r, n0 .. n0 + cols) = act(sums[r, :] + b) in bf16, for r < rows; sums rows 16 apart */
+/* y[r, n0 .. n0 + cols) = act(sums[r, :] + b) in bf16 (or in fp32 into y32 where it is not NULL),
+ * for r < rows; sums rows 16 apart */
 static inline void finish(const float *sums, long rows, long cols, const uint16_t *b, int act, uint16_t *y,
-                          long y_row, long n0)
+                          float *y32, long y_row, long n0)
 {
     const __mmask16 keep = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
     const __m512 bias = b ? _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -94,7 +95,10 @@ static inline void finish(const float *sums, long rows, long cols, const uint16_
         __m512 v = _mm512_add_ps(_mm512_loadu_ps(sums + 16 * r), bias);
         if (act == ACT_RELU)
             v = _mm512_max_ps(v, _mm512_setzero_ps());
-        _mm256_mask_storeu_epi16(y + r * y_row + n0, keep, round16(v));
+        if (y32)
+            _mm512_mask_storeu_ps(y32 + r * y_row + n0, keep, v);
+        else
+            _mm256_mask_storeu_epi16(y + r * y_row + n0, keep, round16(v));
     }
 }
 
@@ -120,9 +124,11 @@ static void configure(long rows0, long rows1)
 }
 
 static void linear_amx(const uint16_t *x, long x_row, long M, long N, long K, const uint16_t *P, const uint16_t *b,
-                       int act, uint16_t *y, long y_row)
+                       int act, uint16_t *y, float *y32, long y_row)
 {
     const long KB = K / 32, NB = (N + 15) / 16;
+#define Y(row) (y ? y + (row) * y_row : NULL) /* row's outputs in bf16, or in fp32 */
+#define Y32(row) (y32 ? y32 + (row) * y_row : NULL)
     float sums[4][16 * 16] __attribute__((aligned(64)));
     long configured0 = -1, configured1 = -1;
     /* W's columns in chunks of CHUNK_NB blocks (256 columns: 128 KiB of P at K = 256), each
@@ -159,22 +165,24 @@ static void linear_amx(const uint16_t *x, long x_row, long M, long N, long K, co
                 }
             }
             _tile_stored(0, sums[0], 64);
-            finish(sums[0], rows0, N - 16 * nb, b, act, y + m * y_row, y_row, 16 * nb);
+            finish(sums[0], rows0, N - 16 * nb, b, act, Y(m), Y32(m), y_row, 16 * nb);
             if (rows1 > 0) {
                 _tile_stored(1, sums[1], 64);
-                finish(sums[1], rows1, N - 16 * nb, b, act, y + (m + 16) * y_row, y_row, 16 * nb);
+                finish(sums[1], rows1, N - 16 * nb, b, act, Y(m + 16), Y32(m + 16), y_row, 16 * nb);
             }
             if (two) {
                 _tile_stored(2, sums[2], 64);
-                finish(sums[2], rows0, N - 16 * (nb + 1), b, act, y + m * y_row, y_row, 16 * (nb + 1));
+                finish(sums[2], rows0, N - 16 * (nb + 1), b, act, Y(m), Y32(m), y_row, 16 * (nb + 1));
                 if (rows1 > 0) {
                     _tile_stored(3, sums[3], 64);
-                    finish(sums[3], rows1, N - 16 * (nb + 1), b, act, y + (m + 16) * y_row, y_row, 16 * (nb + 1));
+                    finish(sums[3], rows1, N - 16 * (nb + 1), b, act, Y(m + 16), Y32(m + 16), y_row, 16 * (nb + 1));
                 }
             }
         }
     }
     _tile_release();
+#undef Y
+#undef Y32
 }
 #endif
 
@@ -189,10 +197,26 @@ int s2s_bf16_linear(const uint16_t *x, long x_row, long M, long N, long K, const
         return -2;
 #ifdef S2S_AMX
     if (amx_granted()) {
-        linear_amx(x, x_row, M, N, K, P, b, act, y, y_row);
+        linear_amx(x, x_row, M, N, K, P, b, act, y, NULL, y_row);
         return 0;
     }
 #endif
     (void)x, (void)x_row, (void)M, (void)N, (void)P, (void)b, (void)act, (void)y, (void)y_row;
+    return -1;
+}
+
+/* s2s_bf16_linear with y (M, N) in fp32, the sums not rounded (a search's scores, s2s.native_search) */
+int s2s_bf16_linear_f32(const uint16_t *x, long x_row, long M, long N, long K, const uint16_t *P, const uint16_t *b,
+                        float *y, long y_row)
+{
+    if (K % 32)
+        return -2;
+#ifdef S2S_AMX
+    if (amx_granted()) {
+        linear_amx(x, x_row, M, N, K, P, b, 0, NULL, y, y_row);
+        return 0;
+    }
+#endif
+    (void)x, (void)x_row, (void)M, (void)N, (void)P, (void)b, (void)y, (void)y_row;
     return -1;
 }

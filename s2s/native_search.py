@@ -1,11 +1,11 @@
-"""Greedy search without torch: ``s2s translate``'s route for a plain greedy search on a CPU with AMX.
+"""Greedy and beam search without torch: ``s2s translate``'s route for a plain search on a CPU with AMX.
 
 On a 2-core Intel Xeon with AMX, a greedy ``s2s translate`` of 1,000 lines spent 0.85 s
 importing torch (in the workers' server) before its first line, and 0.6 s decoding them
-(README).  This module decodes the same model without torch: ``native_greedy.c`` (with
+(README).  This module decodes the same model without torch: ``native_search.c`` (with
 ``native_attention.c`` and ``native_linear.c``, the kernels the torch route calls as operators)
-runs a whole batch's encoder and greedy search in one C call, its products on AMX with each W
-packed once, the residual stream and the softmax in fp32 (s2s/model/native_greedy.c).  The
+runs a whole batch's encoder and greedy or beam search in one C call, its products on AMX with
+each W packed once, the residual stream and the softmax in fp32 (s2s/model/native_search.c).  The
 weights are read with safetensors (no numpy either) and checked against model.json's checksum, as
 s2s.modeldir loads them for torch; the sources are encoded and the outputs decoded by the
 same tokenizer, and batched as the workers batch them.  The C call releases the GIL, so that
@@ -13,12 +13,12 @@ N threads of this one process decode N batches at once (``--workers N``: threads
 processes, here).
 
 :func:`engine_for` takes the route only where it computes what the torch route would
-(``--precision auto`` or bf16 on a CPU with amx_bf16, which picks bf16 there; greedy search
-with none of the search's options this file does not implement; a single encoder-decoder
-model of sinusoidal or learned positions) and where the library compiled; anything else,
-and ``S2S_NATIVE_GREEDY=0``, takes torch's route, with the reason at debug level.  The
+(``--precision auto`` or bf16 on a CPU with amx_bf16, which picks bf16 there; greedy or beam
+search with none of the search's options this file does not implement; a single
+encoder-decoder model of sinusoidal or learned positions) and where the library compiled;
+anything else, and ``S2S_NATIVE_SEARCH=0``, takes torch's route, with the reason at debug level.  The
 outputs are not bit for bit torch's: the residual stream stays in fp32 here, where torch's
-bf16 model rounds it after every sub-layer (tests/test_native_greedy.py).
+bf16 model rounds it after every sub-layer (tests/test_native_search.py).
 
 This module imports no torch.
 """
@@ -42,9 +42,10 @@ from s2s.errors import S2SError
 log = logging.getLogger("s2s")
 
 MODEL_DIR = Path(__file__).parent / "model"
-SOURCES = tuple(MODEL_DIR / name for name in ("native_attention.c", "native_linear.c", "native_greedy.c"))
-DISABLE = "S2S_NATIVE_GREEDY"  # =0: torch's route
-ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}  # native_greedy.c's ACT_*
+SOURCES = tuple(MODEL_DIR / name for name in ("native_attention.c", "native_linear.c", "native_search.c"))
+DISABLE = "S2S_NATIVE_SEARCH"  # =0: torch's route
+ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}  # native_search.c's ACT_*
+LENGTH_PENALTIES = {"gnmt": 0, "power": 1, "none": 2}  # its LP_*
 ERRORS = {-1: "out of memory", -2: "no AMX kernel in this process", -3: "a step's scores hold NaN"}
 
 
@@ -73,23 +74,28 @@ class Model(ctypes.Structure):
 
 @functools.lru_cache(maxsize=None)
 def library() -> Optional[ctypes.CDLL]:
-    """The greedy search's library (s2s.cbuild: compiled once per machine with ``cc``), loaded;
+    """The search's library (s2s.cbuild: compiled once per machine with ``cc``), loaded;
     None where it cannot be built or loaded, or this process may not use AMX (why: at debug level)."""
     try:
-        lib = ctypes.CDLL(str(cbuild.compile_library("greedy", SOURCES)))
-        lib.s2s_greedy  # noqa: B018  (an older or foreign file: AttributeError)
+        lib = ctypes.CDLL(str(cbuild.compile_library("search", SOURCES)))
+        lib.s2s_beam  # noqa: B018  (an older or foreign file: AttributeError)
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
-        log.debug("native greedy search unavailable (%s)", e)
+        log.debug("native search unavailable (%s)", e)
         return None
     lib.s2s_greedy.restype = ctypes.c_int
     lib.s2s_greedy.argtypes = [ctypes.POINTER(Model), ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
                                ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+    lib.s2s_beam.restype = ctypes.c_int
+    lib.s2s_beam.argtypes = [ctypes.POINTER(Model), ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
+                             ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_double,
+                             ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
+                             ctypes.c_void_p, ctypes.c_void_p]
     lib.s2s_pack_f32.restype = ctypes.c_int
     lib.s2s_pack_f32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
     lib.s2s_to_bf16.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
     lib.s2s_sinusoidal_table.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
     if not lib.s2s_bf16_linear_isa():
-        log.debug("native greedy search unavailable: no AMX kernel (this library or this process)")
+        log.debug("native search unavailable: no AMX kernel (this library or this process)")
         return None
     return lib
 
@@ -111,8 +117,10 @@ def model_why_not(model, decode, lang) -> Optional[str]:
                        ("d_ff", model.d_ff)):
         if size % 32:
             return f"{name} {size} is not whole AMX tiles of 32"
-    if decode.beam != 1 or decode.sampling or decode.nbest != 1 or decode.coverage_penalty:
-        return "not a plain greedy search"
+    if decode.sampling or decode.nbest != 1 or decode.coverage_penalty:
+        return "sampling, n-best or a coverage penalty"
+    if decode.length_penalty not in LENGTH_PENALTIES or decode.stop not in ("exact", "early"):
+        return f"decode.length_penalty {decode.length_penalty} or decode.stop {decode.stop}"
     for key in ("no_repeat_ngram", "shortlist", "compile", "glossary", "split_sentences", "markup"):
         if getattr(decode, key):
             return f"decode.{key}"
@@ -145,8 +153,8 @@ def spec_why_not(spec, prefixes: bool) -> Optional[str]:
 # The model
 # --------------------------------------------------------------------------- #
 
-class GreedyModel:
-    """A model directory's weights laid out for native_greedy.c: every W packed into AMX tiles
+class SearchModel:
+    """A model directory's weights laid out for native_search.c: every W packed into AMX tiles
     in bf16, biases in bf16, embeddings, position tables and norms in fp32.  ``weights``: name ->
     (shape, fp32 bytes), as safetensors' ``deserialize`` gives them."""
 
@@ -225,9 +233,12 @@ class GreedyModel:
             enc_final_norm=norm("enc_final_norm"), dec_final_norm=norm("dec_final_norm"), output=output,
             enc=self.enc_layers, dec=self.dec_layers)
 
-    def search(self, sources: Sequence[Sequence[int]], max_len: Sequence[int], min_len: int) -> list[list[int]]:
-        """Greedy search of a batch of sources (each ending in </s>); ``max_len`` each output's
-        longest, </s> included -> each output's tokens, </s> not included."""
+    def search(self, sources: Sequence[Sequence[int]], max_len: Sequence[int], decode) -> list[tuple[list[int], float]]:
+        """The best output of each of a batch of sources (each ending in </s>) by greedy search
+        (``decode.beam`` 1) or beam search (DecodeConfig); ``max_len`` each output's longest,
+        </s> included -> each output's tokens (</s> not included) and its score, log p / lp(m)
+        (NaN for a greedy search, which scores nothing).  A sentence's output does not depend
+        on the others in its batch: every row's arithmetic is its own."""
         B = len(sources)
         S, T = max(len(s) for s in sources), max(max_len)
         padded = [self.pad_id] * (B * S)
@@ -237,10 +248,17 @@ class GreedyModel:
         src_len = (ctypes.c_long * B)(*(len(s) for s in sources))
         longest = (ctypes.c_long * B)(*max_len)
         out, out_len = (ctypes.c_int32 * (B * T))(), (ctypes.c_long * B)()
-        rc = self.lib.s2s_greedy(ctypes.byref(self.model), B, src, S, src_len, longest, min_len, out, T, out_len)
+        model = ctypes.byref(self.model)
+        score, logp = (ctypes.c_float * B)(*[math.nan] * B), (ctypes.c_float * B)()
+        if decode.beam == 1:
+            rc = self.lib.s2s_greedy(model, B, src, S, src_len, longest, decode.min_len, out, T, out_len)
+        else:
+            rc = self.lib.s2s_beam(model, B, src, S, src_len, longest, decode.min_len, decode.beam, 1, decode.alpha,
+                                   LENGTH_PENALTIES[decode.length_penalty], decode.stop == "exact", out, T, out_len,
+                                   score, logp)
         if rc:
-            raise S2SError(f"the native greedy search failed: {ERRORS.get(rc, f'error {rc}')}")
-        return [out[b * T:b * T + out_len[b]] for b in range(B)]
+            raise S2SError(f"the native search failed: {ERRORS.get(rc, f'error {rc}')}")
+        return [(out[b * T:b * T + max(out_len[b], 0)], score[b]) for b in range(B)]
 
 
 def max_output_length(src_len: int, a: float, b: int, cap: int) -> int:
@@ -253,10 +271,10 @@ def max_output_length(src_len: int, a: float, b: int, cap: int) -> int:
 # --------------------------------------------------------------------------- #
 
 @dataclass
-class NativeGreedy:
-    """A model directory's greedy search without torch, with what translating lines needs."""
+class NativeSearch:
+    """A model directory's search without torch, with what translating lines needs."""
 
-    model: GreedyModel
+    model: SearchModel
     tok: Any  # s2s.tokenizer.Tokenizer
     decode: Any  # DecodeConfig
     lang: Any  # s2s.langs.LanguageIds
@@ -279,14 +297,14 @@ class NativeGreedy:
                                                            self.decode.batch_tokens)]
         d = self.decode
 
-        def search(rows: list[int]) -> list[list[int]]:
+        def search(rows: list[int]) -> list[tuple[list[int], float]]:
             sources = [ids[i] for i in rows]
             return self.model.search(sources, [max_output_length(len(s) - 1, d.max_len_a, d.max_len_b, self.cap)
-                                               for s in sources], d.min_len)
+                                               for s in sources], d)
 
         texts, n_tokens = [""] * len(lines), 0
         for rows, found in zip(batches, pool.map(search, batches) if pool is not None else map(search, batches)):
-            for i, tokens in zip(rows, found):
+            for i, (tokens, _) in zip(rows, found):
                 texts[i] = self.tok.decode_tgt(tokens)
                 n_tokens += len(tokens) + 1
         return texts, n_tokens
@@ -297,7 +315,7 @@ class NativeGreedy:
         by ``write_chunk(text, lines, tokens)`` in input order, with ``threads`` threads."""
         from s2s.workers import _chunks
 
-        pool = ThreadPoolExecutor(threads, thread_name_prefix="s2s-greedy") if threads > 1 else None
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="s2s-search") if threads > 1 else None
         try:
             for line_no, lines, _ in _chunks(items, chunk_lines, False, first_line_no):
                 texts, n_tokens = self.translate_lines(lines, range(line_no, line_no + len(lines)), pool)
@@ -307,8 +325,8 @@ class NativeGreedy:
                 pool.shutdown(cancel_futures=True)
 
 
-def engine_for(spec, prefixes: bool) -> Optional[NativeGreedy]:
-    """The native greedy search of ``spec`` (a TranslatorSpec), or None where torch's route
+def engine_for(spec, prefixes: bool) -> Optional[NativeSearch]:
+    """The native search of ``spec`` (a TranslatorSpec), or None where torch's route
     decodes it (why: at debug level; a model directory that cannot be read is left to torch's
     route too, which names what is wrong)."""
     why = spec_why_not(spec, prefixes)
@@ -319,7 +337,7 @@ def engine_for(spec, prefixes: bool) -> Optional[NativeGreedy]:
             why = str(e)
         except (S2SError, OSError, ValueError, KeyError) as e:
             why = f"the model directory ({e})"
-    log.debug("greedy search through torch: %s", why)
+    log.debug("search through torch: %s", why)
     return None
 
 
@@ -327,7 +345,7 @@ class _NotHere(Exception):
     """A reason the native route does not take a model."""
 
 
-def _load(spec) -> NativeGreedy:
+def _load(spec) -> NativeSearch:
     from safetensors import deserialize
 
     from s2s.langs import language_ids
@@ -359,5 +377,5 @@ def _load(spec) -> NativeGreedy:
         raise _NotHere("weights not stored in fp32")
     weights = {name: (t["shape"], t["data"]) for name, t in tensors}
     cap = output_cap(cfg.model, decode)
-    model = GreedyModel(cfg, weights, tok, max(input_cap(cfg.model, decode), cap) + 1)
-    return NativeGreedy(model, tok, decode, lang, cfg.data.max_src_tokens, input_cap(cfg.model, decode), cap)
+    model = SearchModel(cfg, weights, tok, max(input_cap(cfg.model, decode), cap) + 1)
+    return NativeSearch(model, tok, decode, lang, cfg.data.max_src_tokens, input_cap(cfg.model, decode), cap)

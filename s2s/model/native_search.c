@@ -1,0 +1,678 @@
+/* Greedy and beam search of an encoder-decoder transformer in C, without torch: s2s.native_search
+ * compiles this file with native_attention.c and native_linear.c (cc -O3 -march=native) into a
+ * library of its own, loaded through ctypes, and ``s2s translate`` decodes plain searches with
+ * it on a CPU with AMX, where importing torch took longer than a greedy search.
+ *
+ * The same model as s2s.model.transformer (docs/model.md (1)-(21)), for one batch of sources:
+ *
+ *   Enc:  x_j = Norm_E(E[src_j] s_E + PE(j)),  then each block (pre-norm)
+ *             x <- x + W_O MHA(Norm1(x)),  x <- x + FFN(Norm2(x)),  H_enc = Norm_enc(x)
+ *   Dec:  x_t = Norm_E(E[y_t] s_E + PE(t)),  then each block
+ *             x <- x + W_O SelfAttn(Norm1(x), K/V of y_<=t),
+ *             x <- x + W_O CrossAttn(Norm2(x), K/V = H_enc W_KV),  x <- x + FFN(Norm3(x))
+ *         z_t = (s_U Norm_dec(x)) W_U + b_U   (in fp32: the sums not rounded)
+ *
+ * (post-norm: x <- Norm(x + Sublayer(x)) and no final norms), searched greedily (y_t+1 = argmax_v
+ * z_t[v]) or by beam search over log p = log_softmax(z_t) (s2s.search.beam_search), with the
+ * search's rules (s2s.search.constrain): pad and <s> never chosen, </s> blocked while t < min_len
+ * and the only choice at t = max_len - 1.  Every product is s2s_bf16_linear's (W packed once into
+ * AMX tiles, x rounded to bf16, sums in fp32, y rounded to bf16); the residual stream, the norms
+ * and the attention's softmax and sums run in fp32; the attention is s2s_few_query_attention's
+ * over bf16 K/V, one sentence (or beam) at a time over its own positions (no padding, no mask).
+ * A sentence's rows leave the step's products once its search has ended.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int s2s_bf16_linear_isa(void);
+int s2s_bf16_linear(const uint16_t *x, long x_row, long M, long N, long K, const uint16_t *P, const uint16_t *b,
+                    int act, uint16_t *y, long y_row);
+void s2s_bf16_pack(const uint16_t *W, long w_row, long N, long K, uint16_t *P);
+int s2s_few_query_attention(const float *q, long q_b, long q_h, long q_g, const void *k, long k_b, long k_h,
+                            long k_s, const void *v, long v_b, long v_h, long v_s, const float *mask, long m_b,
+                            long m_h, long m_g, const int64_t *columns, long group, long capacity, float *out, long B,
+                            long H, long G, long S, long D, float c, int kv_bf16);
+int s2s_bf16_linear_f32(const uint16_t *x, long x_row, long M, long N, long K, const uint16_t *P, const uint16_t *b,
+                        float *y, long y_row);
+int s2s_argmax_rows_f32(const float *z, long z_row, long N, long V, float *best, int64_t *index);
+float s2s_log_softmax_shift(const float *z, long V, float *tops);
+
+#define SHIFT_BLOCK 64 /* native_attention.c's blocks of scores, each with its maximum */
+
+enum { ACT_RELU = 0, ACT_GELU = 1, ACT_GELU_TANH = 2, ACT_SILU = 3 };
+
+/* y = x W^T + b: W (N, K) packed by s2s_bf16_pack (P), b bf16 or NULL */
+typedef struct {
+    const uint16_t *P, *b;
+    long N, K;
+} s2s_linear;
+
+/* LayerNorm(x) = (x - mean) / sqrt(var + eps) g + b,  RMSNorm(x) = x / sqrt(mean(x^2) + eps) g (b NULL);
+ * g NULL: no norm there */
+typedef struct {
+    const float *g, *b;
+} s2s_norm;
+
+typedef struct {
+    s2s_norm norm1, norm2, norm3;        /* norm3: the decoder's */
+    s2s_linear qkv, self_out;            /* self-attention: [W_Q; W_K; W_V], W_O */
+    s2s_linear q, kv, cross_out;         /* the decoder's cross-attention: W_Q, [W_K; W_V], W_O */
+    s2s_linear w1, w3, w2;               /* FFN; w3.P NULL unless gated: W_2 (act(W_1 x) * W_3 x) */
+} s2s_layer;
+
+typedef struct {
+    long d, heads, d_head, d_ff, vocab, enc_layers, dec_layers;
+    int pre_norm, rms, activation, pad_id, bos_id, eos_id;
+    float eps, embed_scale, output_scale, attention_scale;
+    const float *src_embed, *tgt_embed; /* E (vocab, d) fp32 */
+    const float *enc_positions, *dec_positions; /* PE (rows, d) fp32: the sinusoidal table, or each stack's learned one */
+    s2s_norm enc_embed_norm, dec_embed_norm, enc_final_norm, dec_final_norm;
+    s2s_linear output;                  /* W_U (vocab, d) packed, b_U */
+    const s2s_layer *enc, *dec;
+} s2s_model;
+
+/* ---- element-wise pieces ---- */
+
+static inline uint16_t bf16_round(float f) /* to nearest, ties to even; NaN stays NaN */
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float bf16_widen(uint16_t h)
+{
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* P (s2s_bf16_pack's layout) from fp32 W (N, K), each element rounded to bf16 once */
+int s2s_pack_f32(const float *W, long N, long K, uint16_t *P)
+{
+    uint16_t *w = malloc(sizeof(uint16_t) * (size_t)(N * K + 1));
+    if (!w)
+        return -1;
+    for (long i = 0; i < N * K; i++)
+        w[i] = bf16_round(W[i]);
+    s2s_bf16_pack(w, K, N, K, P);
+    free(w);
+    return 0;
+}
+
+/* PE(pos)[i] = sin(pos w_i), PE(pos)[d/2 + i] = cos(pos w_i), w_i = 10000^(-2i/d) (an odd d: a last 0),
+ * for pos < rows: s2s.model.positions.sinusoidal_table, in fp32 as it computes it */
+void s2s_sinusoidal_table(long rows, long d, float *table)
+{
+    const long half = d / 2;
+    for (long p = 0; p < rows; p++) {
+        float *row = table + p * d;
+        for (long i = 0; i < half; i++) {
+            const float w = expf(-logf(10000.0f) * (float)(2 * i) / (float)d);
+            const float angle = (float)p * w;
+            row[i] = sinf(angle);
+            row[half + i] = cosf(angle);
+        }
+        if (d % 2)
+            row[d - 1] = 0.0f;
+    }
+}
+
+/* y[r] = Norm(x[r]) for r < rows (n.g NULL: y = x), in fp32 */
+static void norm_rows(const float *x, long rows, long d, s2s_norm n, int rms, float eps, float *y)
+{
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + r * d;
+        float *yr = y + r * d;
+        if (!n.g) {
+            memmove(yr, xr, sizeof(float) * (size_t)d);
+            continue;
+        }
+        float mean = 0.0f, var = 0.0f;
+        if (!rms) {
+            for (long i = 0; i < d; i++)
+                mean += xr[i];
+            mean /= (float)d;
+        }
+        for (long i = 0; i < d; i++)
+            var += (xr[i] - mean) * (xr[i] - mean);
+        const float inv = 1.0f / sqrtf(var / (float)d + eps);
+        for (long i = 0; i < d; i++)
+            yr[i] = (xr[i] - mean) * inv * n.g[i] + (n.b ? n.b[i] : 0.0f);
+    }
+}
+
+/* y = bf16(x), n elements (to nearest, ties to even) */
+void s2s_to_bf16(const float *x, long n, uint16_t *y)
+{
+    for (long i = 0; i < n; i++)
+        y[i] = bf16_round(x[i]);
+}
+
+/* x = Norm(x + widen(o)) (post-norm) or x += widen(o) (pre-norm: n.g NULL) */
+static void residual(float *x, const uint16_t *o, long rows, long d, s2s_norm n, int rms, float eps)
+{
+    for (long i = 0; i < rows * d; i++)
+        x[i] += bf16_widen(o[i]);
+    if (n.g)
+        norm_rows(x, rows, d, n, rms, eps, x);
+}
+
+static inline float activate(float x, int activation)
+{
+    switch (activation) {
+    case ACT_GELU: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+    case ACT_GELU_TANH: return 0.5f * x * (1.0f + tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x)));
+    case ACT_SILU: return x / (1.0f + expf(-x));
+    default: return x > 0.0f ? x : 0.0f;
+    }
+}
+
+/* ---- the blocks ---- */
+
+typedef struct {
+    float *x, *q;             /* the residual stream (rows, d); queries widened (rows, heads d_head) */
+    uint16_t *a, *big, *gate; /* a sublayer's input (rows, max(d, heads d_head)); qkv or FFN hidden; gated FFN */
+    float *att;               /* one sentence's attention output (heads, queries, d_head) */
+} workspace;
+
+static int mul(const s2s_linear *L, const uint16_t *x, long rows, int relu, uint16_t *y)
+{
+    return s2s_bf16_linear(x, L->K, rows, L->N, L->K, L->P, L->b, relu, y, L->N);
+}
+
+/* a (rows, d) bf16 = Norm(x) (pre-norm), or x itself (post-norm) */
+static void sublayer_input(const s2s_model *m, const float *x, long rows, s2s_norm n, workspace *w)
+{
+    if (m->pre_norm) {
+        norm_rows(x, rows, m->d, n, m->rms, m->eps, w->q); /* (q: scratch of rows x d floats, d <= its width) */
+        s2s_to_bf16(w->q, rows * m->d, w->a);
+    } else {
+        s2s_to_bf16(x, rows * m->d, w->a);
+    }
+}
+
+/* x <- x + FFN(Norm(x)), or Norm(x + FFN(x)) */
+static int feed_forward(const s2s_model *m, const s2s_layer *l, float *x, long rows, s2s_norm n, workspace *w)
+{
+    const long f = m->d_ff;
+    int rc = 0;
+    sublayer_input(m, x, rows, n, w);
+    const int relu_inside = m->activation == ACT_RELU && !l->w3.P;
+    rc |= mul(&l->w1, w->a, rows, relu_inside, w->big);
+    if (l->w3.P)
+        rc |= mul(&l->w3, w->a, rows, 0, w->gate);
+    if (!relu_inside)
+        for (long i = 0; i < rows * f; i++) {
+            float h = activate(bf16_widen(w->big[i]), m->activation);
+            if (l->w3.P)
+                h *= bf16_widen(w->gate[i]);
+            w->big[i] = bf16_round(h);
+        }
+    rc |= mul(&l->w2, w->big, rows, 0, w->a);
+    residual(x, w->a, rows, m->d, m->pre_norm ? (s2s_norm){0} : n, m->rms, m->eps);
+    return rc;
+}
+
+/* (heads, G, d_head) fp32 -> row j of ctx (G, heads d_head) bf16: the heads merged */
+static void merge_heads(const float *att, long heads, long G, long D, uint16_t *ctx)
+{
+    for (long h = 0; h < heads; h++)
+        for (long j = 0; j < G; j++)
+            for (long e = 0; e < D; e++)
+                ctx[j * heads * D + h * D + e] = bf16_round(att[(h * G + j) * D + e]);
+}
+
+/* x (n_tok, d) fp32 = E[tok] s_E + PE(pos), then the embeddings' norm */
+static void embed(const s2s_model *m, const float *E, const float *PE, const int32_t *tok, const long *pos,
+                  long n_tok, s2s_norm n, float *x)
+{
+    const long d = m->d;
+    for (long r = 0; r < n_tok; r++) {
+        const float *e = E + (long)tok[r] * d, *p = PE + pos[r] * d;
+        for (long i = 0; i < d; i++)
+            x[r * d + i] = e[i] * m->embed_scale + p[i];
+    }
+    if (n.g)
+        norm_rows(x, n_tok, d, n, m->rms, m->eps, x);
+}
+
+/* ---- the search ---- */
+
+/* What a search of one batch holds: the encoder's output as each decoder layer's cross-attention
+ * K/V, each row's self-attention K/V, and the scratch of a step. */
+typedef struct {
+    workspace w;
+    long B, n_tok, blocks, cap; /* sentences, their source positions, self-attention caches, a cache's K/V rows */
+    long *offset, *pos;     /* sentence b's first source position; a row's position */
+    int32_t *tok;           /* a step's input tokens (the encoder's: the sources') */
+    uint16_t *cross_kv;     /* (dec_layers, n_tok, 2 HD): k then v of each source position */
+    uint16_t *self_k, *self_v; /* (dec_layers, blocks, cap, HD) */
+    float *z;               /* a step's scores (rows, vocab) */
+} batch;
+
+static void free_batch(batch *s)
+{
+    free(s->w.x), free(s->w.q), free(s->w.a), free(s->w.big), free(s->w.gate), free(s->w.att);
+    free(s->offset), free(s->pos), free(s->tok), free(s->cross_kv), free(s->self_k), free(s->self_v), free(s->z);
+}
+
+/* the batch's memory for B sentences of src_len source positions, ``rows`` decoder rows at most, and
+ * ``blocks`` self-attention caches of ``cap`` K/V rows; 0, or -1 where it cannot be allocated */
+static int alloc_batch(const s2s_model *m, batch *s, long B, const long *src_len, long rows, long blocks, long cap)
+{
+    const long d = m->d, HD = m->heads * m->d_head, f = m->d_ff;
+    long n_tok = 0, S_max = 0;
+    for (long b = 0; b < B; b++) {
+        n_tok += src_len[b];
+        S_max = src_len[b] > S_max ? src_len[b] : S_max;
+    }
+    memset(s, 0, sizeof *s);
+    s->B = B, s->n_tok = n_tok, s->blocks = blocks, s->cap = cap;
+    const long rows_max = n_tok > rows ? n_tok : rows, width = d > HD ? d : HD;
+    const long big = 3 * HD > f ? 3 * HD : f;
+    s->w.x = malloc(sizeof(float) * (size_t)(rows_max * d));
+    s->w.q = malloc(sizeof(float) * (size_t)(rows_max * width));
+    s->w.a = malloc(sizeof(uint16_t) * (size_t)(rows_max * width));
+    s->w.big = malloc(sizeof(uint16_t) * (size_t)(rows_max * big));
+    s->w.gate = malloc(sizeof(uint16_t) * (size_t)(rows_max * f));
+    s->w.att = malloc(sizeof(float) * (size_t)(S_max * HD));
+    s->offset = malloc(sizeof(long) * (size_t)(B + 1));
+    s->pos = malloc(sizeof(long) * (size_t)rows_max);
+    s->tok = malloc(sizeof(int32_t) * (size_t)rows_max);
+    s->cross_kv = malloc(sizeof(uint16_t) * (size_t)(m->dec_layers * n_tok * 2 * HD));
+    s->self_k = malloc(sizeof(uint16_t) * (size_t)(m->dec_layers * blocks * cap * HD));
+    s->self_v = malloc(sizeof(uint16_t) * (size_t)(m->dec_layers * blocks * cap * HD));
+    s->z = malloc(sizeof(float) * (size_t)(rows * m->vocab));
+    if (!s->w.x || !s->w.q || !s->w.a || !s->w.big || !s->w.gate || !s->w.att || !s->offset || !s->pos || !s->tok ||
+        !s->cross_kv || !s->self_k || !s->self_v || !s->z) {
+        free_batch(s);
+        return -1;
+    }
+    return 0;
+}
+
+/* The encoder over every real position of the batch (sentence b's at offset[b]), then each decoder
+ * layer's cross-attention K/V from H_enc.  Nonzero where a product failed. */
+static int encode(const s2s_model *m, batch *s, const int32_t *src, long src_stride, const long *src_len)
+{
+    const long d = m->d, H = m->heads, D = m->d_head, HD = H * D, n_tok = s->n_tok;
+    workspace *w = &s->w;
+    float *x = w->x;
+    int rc = 0;
+    s->offset[0] = 0;
+    for (long b = 0; b < s->B; b++) {
+        s->offset[b + 1] = s->offset[b] + src_len[b];
+        for (long j = 0; j < src_len[b]; j++) {
+            s->tok[s->offset[b] + j] = src[b * src_stride + j];
+            s->pos[s->offset[b] + j] = j;
+        }
+    }
+    embed(m, m->src_embed, m->enc_positions, s->tok, s->pos, n_tok, m->enc_embed_norm, x);
+    for (long i = 0; i < m->enc_layers; i++) {
+        const s2s_layer *l = m->enc + i;
+        sublayer_input(m, x, n_tok, l->norm1, w);
+        rc |= mul(&l->qkv, w->a, n_tok, 0, w->big); /* (n_tok, 3 HD): q, k, v of each position */
+        for (long r = 0; r < n_tok; r++)
+            for (long e = 0; e < HD; e++)
+                w->q[r * HD + e] = bf16_widen(w->big[r * 3 * HD + e]);
+        for (long b = 0; b < s->B; b++) { /* each sentence's positions attend to its own */
+            const long L = src_len[b], o = s->offset[b];
+            const uint16_t *k = w->big + o * 3 * HD + HD, *v = k + HD;
+            rc |= s2s_few_query_attention(w->q + o * HD, 0, D, HD, k, 0, D, 3 * HD, v, 0, D, 3 * HD, NULL, 0, 0, 0,
+                                          NULL, 1, 0, w->att, 1, H, L, L, D, m->attention_scale, 1);
+            merge_heads(w->att, H, L, D, w->a + o * HD);
+        }
+        rc |= mul(&l->self_out, w->a, n_tok, 0, w->big);
+        residual(x, w->big, n_tok, d, m->pre_norm ? (s2s_norm){0} : l->norm1, m->rms, m->eps);
+        rc |= feed_forward(m, l, x, n_tok, l->norm2, w);
+    }
+    norm_rows(x, n_tok, d, m->pre_norm ? m->enc_final_norm : (s2s_norm){0}, m->rms, m->eps, w->q); /* H_enc */
+    s2s_to_bf16(w->q, n_tok * d, w->a);
+    for (long i = 0; i < m->dec_layers; i++)
+        rc |= mul(&m->dec[i].kv, w->a, n_tok, 0, s->cross_kv + i * n_tok * 2 * HD);
+    return rc;
+}
+
+/* One decoder step of N rows at position t: row i reads token s->tok[i], is sentence sent[i] (its
+ * cross-attention), writes its self-attention K/V at row slot[i] of cache block block[i] and
+ * attends to the t + 1 rows cols[i] (i (t + 1) apart; NULL: rows 0 .. t) of that block.  Leaves
+ * z = (s_U Norm(x)) W_U + b_U (N, vocab) in s->z.  Nonzero where a product or an attention failed. */
+static int decoder_step(const s2s_model *m, batch *s, long N, long t, const long *sent, const long *block,
+                        const long *slot, const int64_t *cols)
+{
+    const long d = m->d, H = m->heads, D = m->d_head, HD = H * D, cap = s->cap;
+    workspace *w = &s->w;
+    float *x = w->x;
+    int rc = 0;
+    for (long i = 0; i < N; i++)
+        s->pos[i] = t;
+    embed(m, m->tgt_embed, m->dec_positions, s->tok, s->pos, N, m->dec_embed_norm, x);
+    for (long li = 0; li < m->dec_layers; li++) {
+        const s2s_layer *l = m->dec + li;
+        uint16_t *Kc = s->self_k + li * s->blocks * cap * HD, *Vc = s->self_v + li * s->blocks * cap * HD;
+        /* 1. self-attention over y_<=t: this step's K/V written at the row's slot */
+        sublayer_input(m, x, N, l->norm1, w);
+        rc |= mul(&l->qkv, w->a, N, 0, w->big);
+        for (long i = 0; i < N; i++) {
+            const uint16_t *row = w->big + i * 3 * HD;
+            const long at = (block[i] * cap + slot[i]) * HD;
+            memcpy(Kc + at, row + HD, sizeof(uint16_t) * (size_t)HD);
+            memcpy(Vc + at, row + 2 * HD, sizeof(uint16_t) * (size_t)HD);
+            for (long e = 0; e < HD; e++)
+                w->q[i * HD + e] = bf16_widen(row[e]);
+        }
+        for (long i = 0; i < N; i++) {
+            const long at = block[i] * cap * HD;
+            rc |= s2s_few_query_attention(w->q + i * HD, 0, D, HD, Kc + at, 0, D, HD, Vc + at, 0, D, HD, NULL, 0, 0, 0,
+                                          cols ? cols + i * (t + 1) : NULL, 1, cap, w->att, 1, H, 1, t + 1, D,
+                                          m->attention_scale, 1);
+            s2s_to_bf16(w->att, HD, w->a + i * HD);
+        }
+        rc |= mul(&l->self_out, w->a, N, 0, w->big);
+        residual(x, w->big, N, d, m->pre_norm ? (s2s_norm){0} : l->norm1, m->rms, m->eps);
+        /* 2. cross-attention over the sentence's H_enc */
+        sublayer_input(m, x, N, l->norm2, w);
+        rc |= mul(&l->q, w->a, N, 0, w->big);
+        for (long e = 0; e < N * HD; e++)
+            w->q[e] = bf16_widen(w->big[e]);
+        const uint16_t *kv = s->cross_kv + li * s->n_tok * 2 * HD;
+        for (long i = 0; i < N; i++) {
+            const long b = sent[i], S = s->offset[b + 1] - s->offset[b];
+            const uint16_t *k = kv + s->offset[b] * 2 * HD, *v = k + HD;
+            rc |= s2s_few_query_attention(w->q + i * HD, 0, D, HD, k, 0, D, 2 * HD, v, 0, D, 2 * HD, NULL, 0, 0, 0,
+                                          NULL, 1, 0, w->att, 1, H, 1, S, D, m->attention_scale, 1);
+            s2s_to_bf16(w->att, HD, w->a + i * HD);
+        }
+        rc |= mul(&l->cross_out, w->a, N, 0, w->big);
+        residual(x, w->big, N, d, m->pre_norm ? (s2s_norm){0} : l->norm2, m->rms, m->eps);
+        /* 3. feed-forward */
+        rc |= feed_forward(m, l, x, N, l->norm3, w);
+    }
+    norm_rows(x, N, d, m->pre_norm ? m->dec_final_norm : (s2s_norm){0}, m->rms, m->eps, w->q);
+    for (long e = 0; e < N * d; e++)
+        w->a[e] = bf16_round(w->q[e] * m->output_scale);
+    rc |= s2s_bf16_linear_f32(w->a, d, N, m->output.N, d, m->output.P, m->output.b, s->z, m->output.N);
+    return rc;
+}
+
+/* the search's rules on row z (s2s.search.constrain): pad and <s> never (unless <s> is </s>),
+ * </s> not while t < min_len */
+static void block_specials(const s2s_model *m, float *z, long t, long min_len)
+{
+    z[m->pad_id] = -INFINITY;
+    if (m->bos_id != m->eos_id)
+        z[m->bos_id] = -INFINITY;
+    if (t < min_len)
+        z[m->eos_id] = -INFINITY;
+}
+
+/* Greedy search of B sources: src (B, src_stride) token ids, sentence b's src_len[b] of them (its
+ * </s> included, at least 1); max_len[b] >= 1 its longest output (</s> included).  out (B,
+ * out_stride >= max_len[b]) gets each output's tokens, out_len[b] of them (</s> not included).
+ * Returns 0; -1 where memory cannot be allocated, -2 where there is no AMX kernel (this library
+ * or this process), -3 where a step's scores hold NaN. */
+int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, const long *src_len,
+               const long *max_len, long min_len, int32_t *out, long out_stride, long *out_len)
+{
+    if (!s2s_bf16_linear_isa())
+        return -2;
+    long T_max = 0;
+    for (long b = 0; b < B; b++)
+        T_max = max_len[b] > T_max ? max_len[b] : T_max;
+    batch s;
+    if (alloc_batch(m, &s, B, src_len, B, B, T_max))
+        return -1;
+    long *live = malloc(sizeof(long) * (size_t)B), *slot = malloc(sizeof(long) * (size_t)B);
+    float *best = malloc(sizeof(float) * (size_t)B);
+    int64_t *choice = malloc(sizeof(int64_t) * (size_t)B);
+    int rc = -1;
+    if (!live || !slot || !best || !choice)
+        goto done;
+    rc = encode(m, &s, src, src_stride, src_len) ? -2 : 0;
+    long N = B; /* live[i]: the sentence of the step's row i, and its cache block */
+    for (long b = 0; b < B; b++) {
+        live[b] = b;
+        s.tok[b] = m->bos_id;
+        out_len[b] = 0;
+    }
+    for (long t = 0; !rc && N > 0 && t < T_max; t++) {
+        for (long i = 0; i < N; i++)
+            slot[i] = t;
+        if (decoder_step(m, &s, N, t, live, live, slot, NULL)) {
+            rc = -2;
+            break;
+        }
+        for (long i = 0; i < N; i++)
+            block_specials(m, s.z + i * m->vocab, t, min_len);
+        if (s2s_argmax_rows_f32(s.z, m->vocab, N, m->vocab, best, choice)) {
+            rc = -3;
+            break;
+        }
+        long kept = 0; /* a sentence's row leaves once it has chosen </s> */
+        for (long i = 0; i < N; i++) {
+            const long b = live[i];
+            const int32_t y = max_len[b] <= t + 1 ? m->eos_id : (int32_t)choice[i];
+            if (y == m->eos_id) {
+                out_len[b] = t;
+                continue;
+            }
+            out[b * out_stride + t] = y;
+            live[kept] = b;
+            s.tok[kept++] = y;
+        }
+        N = kept;
+    }
+done:
+    free_batch(&s);
+    free(live), free(slot), free(best), free(choice);
+    return rc;
+}
+
+enum { LP_GNMT = 0, LP_POWER = 1, LP_NONE = 2 };
+
+/* lp(m) = ((5 + m) / 6)^alpha (gnmt), m^alpha (power) or 1 (s2s.search.length_penalty) */
+static double length_penalty(double len, double alpha, int kind)
+{
+    return kind == LP_GNMT ? pow((5.0 + len) / 6.0, alpha) : kind == LP_POWER ? pow(len, alpha) : 1.0;
+}
+
+typedef struct {
+    float score;
+    long index; /* beam k V + token v */
+} candidate;
+
+/* c (n, the best first; ties: the lower index first) gains x where it is among the n best */
+static void keep_best(candidate *c, long n, long *have, float score, long index)
+{
+    if (*have == n && !(score > c[n - 1].score))
+        return;
+    long i = *have < n ? (*have)++ : n - 1;
+    while (i > 0 && score > c[i - 1].score) {
+        c[i] = c[i - 1];
+        i--;
+    }
+    c[i] = (candidate){score, index};
+}
+
+/* Beam search of width K of B sources (src, src_len and max_len as s2s_greedy's), as
+ * s2s.search.beam_search: each step the 2K best continuations of a sentence's K beams
+ * (cumulative log p), </s> among the K best joining its finished hypotheses (scored log p /
+ * lp(m), the K best kept), the K best others going on; a sentence stops once its nbest-th
+ * finished hypothesis scores at least what a live beam may still reach (``exact``: the better
+ * of the best live log p over lp(m + 1) and over lp(max_len); else over lp(m + 1) alone), or
+ * at max_len.  Beams keep their self-attention K/V in slots, K per position, each beam reading
+ * its own ancestors' (no copies when beams are reordered).  Sentence b's n-th best hypothesis
+ * (n < nbest) goes to out[(b nbest + n) out_stride ...], out_len[b nbest + n] tokens (-1: none),
+ * its score and log p to score[b nbest + n], logp[...].  Returns as s2s_greedy. */
+int s2s_beam(const s2s_model *m, long B, const int32_t *src, long src_stride, const long *src_len,
+             const long *max_len, long min_len, long K, long nbest, double alpha, int lp_kind, int exact,
+             int32_t *out, long out_stride, long *out_len, float *out_score, float *out_logp)
+{
+    if (!s2s_bf16_linear_isa())
+        return -2;
+    const long V = m->vocab;
+    long T_max = 0;
+    for (long b = 0; b < B; b++)
+        T_max = max_len[b] > T_max ? max_len[b] : T_max;
+    batch s;
+    if (alloc_batch(m, &s, B, src_len, B * K, B, T_max * K))
+        return -1;
+    const long R = B * K; /* row b K + k: beam k of sentence b */
+    long *sent = malloc(sizeof(long) * (size_t)R), *slot = malloc(sizeof(long) * (size_t)R);
+    long *row_of = malloc(sizeof(long) * (size_t)R); /* the step's row i is beam row row_of[i] */
+    int64_t *cols = malloc(sizeof(int64_t) * (size_t)(R * T_max)), *step_cols = malloc(sizeof(int64_t) * (size_t)(R * T_max));
+    int64_t *cols_next = malloc(sizeof(int64_t) * (size_t)(R * T_max));
+    int32_t *hist = malloc(sizeof(int32_t) * (size_t)(R * T_max)), *hist_next = malloc(sizeof(int32_t) * (size_t)(R * T_max));
+    int32_t *fin_tok = malloc(sizeof(int32_t) * (size_t)(R * T_max));
+    float *score = malloc(sizeof(float) * (size_t)R), *score_next = malloc(sizeof(float) * (size_t)R);
+    float *fin_score = malloc(sizeof(float) * (size_t)R), *fin_logp = malloc(sizeof(float) * (size_t)R);
+    long *fin_len = malloc(sizeof(long) * (size_t)R);
+    unsigned char *ended = calloc((size_t)B, 1);
+    float *block_top = malloc(sizeof(float) * (size_t)(V / SHIFT_BLOCK + 1));
+    candidate *cand = malloc(sizeof(candidate) * (size_t)(2 * K));
+    int rc = -1;
+    if (!sent || !slot || !row_of || !cols || !step_cols || !cols_next || !hist || !hist_next || !fin_tok || !score ||
+        !score_next || !fin_score || !fin_logp || !fin_len || !ended || !block_top || !cand)
+        goto done;
+    rc = encode(m, &s, src, src_stride, src_len) ? -2 : 0;
+    for (long r = 0; r < R; r++) {
+        score[r] = r % K ? -INFINITY : 0.0f; /* all K beams start alike: beam 0 alone is live */
+        fin_score[r] = -INFINITY, fin_logp[r] = 0.0f, fin_len[r] = 0;
+        s.tok[r] = m->bos_id;
+    }
+    long live_sentences = B;
+    for (long t = 0; !rc && live_sentences > 0 && t < T_max; t++) {
+        /* the step's rows: every beam of each sentence still searching (at t = 0 beam 0 alone) */
+        long N = 0;
+        for (long b = 0; b < B; b++)
+            for (long k = 0; k < (t ? K : 1) && !ended[b]; k++) {
+                const long r = b * K + k;
+                row_of[N] = r, sent[N] = b, slot[N] = t * K + k;
+                s.tok[N] = t ? hist[r * T_max + t - 1] : m->bos_id;
+                for (long j = 0; j < t; j++) /* its ancestors' slots, then its own */
+                    step_cols[N * (t + 1) + j] = cols[r * T_max + j];
+                step_cols[N * (t + 1) + t] = t * K + k;
+                N++;
+            }
+        if (decoder_step(m, &s, N, t, sent, sent, slot, step_cols)) {
+            rc = -2;
+            break;
+        }
+        const long m_len = t + 1; /* a hypothesis ending at this step, </s> included */
+        const double lp = length_penalty((double)m_len, alpha, lp_kind);
+        for (long i0 = 0; i0 < N;) { /* one sentence's rows i0 .. i1 - 1 */
+            const long b = sent[i0];
+            long i1 = i0;
+            while (i1 < N && sent[i1] == b)
+                i1++;
+            long have = 0;
+            for (long i = i0; i < i1; i++) {
+                const long r = row_of[i], k = r - b * K;
+                const float *zi = s.z + i * V;
+                /* log p = log_softmax(z), then the rules (s2s.search.constrain): pad and <s> never, </s>
+                 * not while t < min_len, and at max_len </s> alone, at its log p (0 where blocked) */
+                const float shift = s2s_log_softmax_shift(zi, V, block_top);
+                if (shift != shift) {
+                    rc = -3;
+                    goto done;
+                }
+                const float base = score[r];
+                if (max_len[b] <= m_len) {
+                    float eos = zi[m->eos_id] - shift;
+                    if (t < min_len || isinf(eos))
+                        eos = 0.0f;
+                    keep_best(cand, 2 * K, &have, base + eos, k * V + m->eos_id);
+                    continue;
+                }
+                for (long v0 = 0; v0 < V; v0 += SHIFT_BLOCK) {
+                    if (have == 2 * K && !((block_top[v0 / SHIFT_BLOCK] - shift) + base > cand[2 * K - 1].score))
+                        continue; /* no score of this block is among the best */
+                    const long v1 = v0 + SHIFT_BLOCK < V ? v0 + SHIFT_BLOCK : V;
+                    for (long v = v0; v < v1; v++) {
+                        if (v == m->pad_id || (v == m->bos_id && m->bos_id != m->eos_id) ||
+                            (v == m->eos_id && t < min_len))
+                            continue;
+                        keep_best(cand, 2 * K, &have, (zi[v] - shift) + base, k * V + v);
+                    }
+                }
+            }
+            for (long c = have; c < 2 * K; c++)
+                cand[c] = (candidate){-INFINITY, 0};
+            /* 1. finish: </s> among the K best joins the finished hypotheses, the K best of them kept */
+            float *fs = fin_score + b * K, *fl = fin_logp + b * K;
+            long *fn = fin_len + b * K;
+            int32_t *ft = fin_tok + b * K * T_max;
+            for (long c = 0; c < K; c++) {
+                const long k = cand[c].index / V, v = cand[c].index % V;
+                if (v != m->eos_id || isinf(cand[c].score))
+                    continue;
+                const float norm = (float)(cand[c].score / lp);
+                if (!(norm > fs[K - 1]))
+                    continue;
+                long at = K - 1;
+                while (at > 0 && norm > fs[at - 1]) {
+                    fs[at] = fs[at - 1], fl[at] = fl[at - 1], fn[at] = fn[at - 1];
+                    memcpy(ft + at * T_max, ft + (at - 1) * T_max, sizeof(int32_t) * (size_t)T_max);
+                    at--;
+                }
+                fs[at] = norm, fl[at] = cand[c].score, fn[at] = m_len;
+                memcpy(ft + at * T_max, hist + (b * K + k) * T_max, sizeof(int32_t) * (size_t)t);
+            }
+            /* 2. continue: the K best candidates that did not end (then ended ones, dead: -inf) */
+            long kept = 0;
+            for (int pass = 0; pass < 2; pass++)
+                for (long c = 0; c < 2 * K && kept < K; c++) {
+                    const long k = cand[c].index / V, v = cand[c].index % V;
+                    if ((v == m->eos_id) != pass)
+                        continue;
+                    const long r = b * K + kept, parent = b * K + k;
+                    score_next[r] = pass ? -INFINITY : cand[c].score;
+                    memcpy(hist_next + r * T_max, hist + parent * T_max, sizeof(int32_t) * (size_t)t);
+                    hist_next[r * T_max + t] = (int32_t)v;
+                    memcpy(cols_next + r * T_max, cols + parent * T_max, sizeof(int64_t) * (size_t)t);
+                    cols_next[r * T_max + t] = t * K + k; /* the slot the parent wrote at t */
+                    kept++;
+                }
+            for (long r = b * K; r < b * K + K; r++) {
+                score[r] = score_next[r];
+                memcpy(hist + r * T_max, hist_next + r * T_max, sizeof(int32_t) * (size_t)(t + 1));
+                memcpy(cols + r * T_max, cols_next + r * T_max, sizeof(int64_t) * (size_t)(t + 1));
+            }
+            /* 3. stop when no live beam can beat the nbest-th finished one, or at max_len */
+            const float best_live = score[b * K];
+            float bound = -INFINITY;
+            if (!isinf(best_live)) {
+                bound = (float)(best_live / length_penalty((double)(m_len + 1), alpha, lp_kind));
+                if (exact) {
+                    const float last = (float)(best_live / length_penalty((double)max_len[b], alpha, lp_kind));
+                    bound = last > bound ? last : bound;
+                }
+            }
+            if (fs[nbest - 1] >= bound || max_len[b] <= m_len) {
+                ended[b] = 1;
+                live_sentences--;
+                for (long n = 0; n < nbest; n++) {
+                    const long o = b * nbest + n;
+                    out_len[o] = isinf(fs[n]) ? -1 : fn[n] - 1;
+                    out_score[o] = fs[n], out_logp[o] = fl[n];
+                    if (out_len[o] > 0)
+                        memcpy(out + o * out_stride, ft + n * T_max, sizeof(int32_t) * (size_t)out_len[o]);
+                }
+            }
+            i0 = i1;
+        }
+    }
+done:
+    free_batch(&s);
+    free(sent), free(slot), free(row_of), free(cols), free(step_cols), free(cols_next), free(hist), free(hist_next);
+    free(fin_tok), free(score), free(score_next), free(fin_score), free(fin_logp), free(fin_len), free(ended);
+    free(block_top), free(cand);
+    return rc;
+}
