@@ -376,6 +376,8 @@ def _load(spec) -> NativeSearch:
     if any(t["dtype"] != "F32" for _, t in tensors):
         raise _NotHere("weights not stored in fp32")
     weights = {name: (t["shape"], t["data"]) for name, t in tensors}
+    if decode.beam > weights.get("tgt_embed.weight", weights["src_embed.weight"])[0][0]:  # (torch's says so)
+        raise _NotHere("a beam wider than the vocabulary")
     cap = output_cap(cfg.model, decode)
     model = SearchModel(cfg, weights, tok, max(input_cap(cfg.model, decode), cap) + 1)
     return NativeSearch(model, tok, decode, lang, cfg.data.max_src_tokens, input_cap(cfg.model, decode), cap)

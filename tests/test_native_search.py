@@ -254,3 +254,11 @@ def test_max_output_length_is_the_translators(n, a, b, cap, want):
 
     assert native_search.max_output_length(n, a, b, cap) == want
     assert int(max_output_lengths(torch.tensor([n]), a, b, cap)[0]) == want
+
+
+@needs_amx
+def test_a_beam_wider_than_the_vocabulary_is_left_to_torchs_error(prepared, tmp_path):
+    d = model_dir(prepared, tmp_path / "m")
+    spec = TranslatorSpec(models=(str(d),), overrides={"beam": 301}, precision="bf16", device="cpu")
+    assert native_search.engine_for(spec, False) is None
+    assert native_search.engine_for(dataclasses.replace(spec, overrides={"beam": 300}), False) is not None
