@@ -46,7 +46,8 @@ SOURCES = tuple(MODEL_DIR / name for name in ("native_attention.c", "native_line
 DISABLE = "S2S_NATIVE_SEARCH"  # =0: torch's route
 ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}  # native_search.c's ACT_*
 LENGTH_PENALTIES = {"gnmt": 0, "power": 1, "none": 2}  # its LP_*
-ERRORS = {-1: "out of memory", -2: "no AMX kernel in this process", -3: "a step's scores hold NaN"}
+ERRORS = {-1: "out of memory", -2: "no AMX kernel in this process", -3: "a step's scores hold NaN",
+          -4: "a kernel ran out of memory"}
 
 
 class Linear(ctypes.Structure):
@@ -169,9 +170,10 @@ class SearchModel:
             self._keep.append(a)
             return a
 
-        def f32(name: str) -> int:
+        def f32(name: str, keep: bool = True) -> int:
             data = weights[name][1]
-            self._keep.append(data)
+            if keep:  # (a matrix only read to be packed is not: its fp32 bytes go with ``weights``)
+                self._keep.append(data)
             return ctypes.addressof((ctypes.c_char * len(data)).from_buffer(data))
 
         def pointer(name: str) -> Optional[int]:
@@ -179,7 +181,7 @@ class SearchModel:
 
         def bf16(name: str, n: int) -> int:
             b16 = buffer(ctypes.c_uint16, n)
-            lib.s2s_to_bf16(f32(name), n, b16)
+            lib.s2s_to_bf16(f32(name, keep=False), n, b16)
             return ctypes.addressof(b16)
 
         def linear(weight: str, bias: Optional[str]) -> Linear:
@@ -187,7 +189,7 @@ class SearchModel:
                 return Linear()
             N, K = weights[weight][0]
             P = buffer(ctypes.c_uint16, -(-N // 16) * (K // 32) * 512)
-            if lib.s2s_pack_f32(f32(weight), N, K, P):
+            if lib.s2s_pack_f32(f32(weight, keep=False), N, K, P):
                 raise MemoryError("packing the weights")
             return Linear(ctypes.addressof(P), bf16(bias, N) if bias in weights else None, N, K)
 
@@ -262,8 +264,12 @@ class SearchModel:
 
 
 def max_output_length(src_len: int, a: float, b: int, cap: int) -> int:
-    """max_len(x) = floor(a |x| + b), at least 1 and at most ``cap`` (s2s.translate.max_output_lengths)."""
-    return min(max(math.floor(a * src_len + b), 1), cap)
+    """max_len(x) = floor(a |x| + b), at least 1 and at most ``cap``, each step rounded to fp32 as
+    s2s.translate.max_output_lengths computes it (a = 2.1, |x| = 30: 63, where doubles give 64)."""
+    def fp32(x: float) -> float:
+        return ctypes.c_float(x).value
+
+    return min(max(math.floor(fp32(fp32(fp32(a) * src_len) + b)), 1), cap)
 
 
 # --------------------------------------------------------------------------- #
@@ -329,13 +335,15 @@ def engine_for(spec, prefixes: bool) -> Optional[NativeSearch]:
     """The native search of ``spec`` (a TranslatorSpec), or None where torch's route
     decodes it (why: at debug level; a model directory that cannot be read is left to torch's
     route too, which names what is wrong)."""
+    from safetensors import SafetensorError
+
     why = spec_why_not(spec, prefixes)
     if why is None:
         try:
             return _load(spec)
         except _NotHere as e:
             why = str(e)
-        except (S2SError, OSError, ValueError, KeyError) as e:
+        except (S2SError, OSError, ValueError, KeyError, SafetensorError) as e:
             why = f"the model directory ({e})"
     log.debug("search through torch: %s", why)
     return None

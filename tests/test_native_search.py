@@ -248,7 +248,8 @@ def test_a_forced_target_language_is_torchs_route():
 
 
 @pytest.mark.parametrize("n,a,b,cap,want", [(10, 1.5, 10, 1024, 25), (0, 1.5, 10, 1024, 10), (3, 0.0, 1, 1024, 1),
-                                            (100, 2.0, 10, 64, 64), (7, 1.2, 5, 1024, 13)])
+                                            (100, 2.0, 10, 64, 64), (7, 1.2, 5, 1024, 13), (30, 2.1, 1, 1024, 63),
+                                            (90, 0.7, 0, 1024, 63)])
 def test_max_output_length_is_the_translators(n, a, b, cap, want):
     from s2s.translate import max_output_lengths
 

@@ -417,7 +417,8 @@ static void block_specials(const s2s_model *m, float *z, long t, long min_len)
  * </s> included, at least 1); max_len[b] >= 1 its longest output (</s> included).  out (B,
  * out_stride >= max_len[b]) gets each output's tokens, out_len[b] of them (</s> not included).
  * Returns 0; -1 where memory cannot be allocated, -2 where there is no AMX kernel (this library
- * or this process), -3 where a step's scores hold NaN. */
+ * or this process), -3 where a step's scores hold NaN, -4 where a kernel failed (its scratch
+ * could not be allocated). */
 int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, const long *src_len,
                const long *max_len, long min_len, int32_t *out, long out_stride, long *out_len)
 {
@@ -435,7 +436,7 @@ int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, 
     int rc = -1;
     if (!live || !slot || !best || !choice)
         goto done;
-    rc = encode(m, &s, src, src_stride, src_len) ? -2 : 0;
+    rc = encode(m, &s, src, src_stride, src_len) ? -4 : 0;
     long N = B; /* live[i]: the sentence of the step's row i, and its cache block */
     for (long b = 0; b < B; b++) {
         live[b] = b;
@@ -446,7 +447,7 @@ int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, 
         for (long i = 0; i < N; i++)
             slot[i] = t;
         if (decoder_step(m, &s, N, t, live, live, slot, NULL)) {
-            rc = -2;
+            rc = -4;
             break;
         }
         for (long i = 0; i < N; i++)
@@ -541,7 +542,7 @@ int s2s_beam(const s2s_model *m, long B, const int32_t *src, long src_stride, co
     if (!sent || !slot || !row_of || !cols || !step_cols || !cols_next || !hist || !hist_next || !fin_tok || !score ||
         !score_next || !fin_score || !fin_logp || !fin_len || !ended || !block_top || !cand)
         goto done;
-    rc = encode(m, &s, src, src_stride, src_len) ? -2 : 0;
+    rc = encode(m, &s, src, src_stride, src_len) ? -4 : 0;
     for (long r = 0; r < R; r++) {
         score[r] = r % K ? -INFINITY : 0.0f; /* all K beams start alike: beam 0 alone is live */
         fin_score[r] = -INFINITY, fin_logp[r] = 0.0f, fin_len[r] = 0;
@@ -562,7 +563,7 @@ int s2s_beam(const s2s_model *m, long B, const int32_t *src, long src_stride, co
                 N++;
             }
         if (decoder_step(m, &s, N, t, sent, sent, slot, step_cols)) {
-            rc = -2;
+            rc = -4;
             break;
         }
         const long m_len = t + 1; /* a hypothesis ending at this step, </s> included */
