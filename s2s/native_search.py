@@ -78,7 +78,7 @@ def library() -> Optional[ctypes.CDLL]:
     """The search's library (s2s.cbuild: compiled once per machine with ``cc``), loaded;
     None where it cannot be built or loaded, or this process may not use AMX (why: at debug level)."""
     try:
-        lib = ctypes.CDLL(str(cbuild.compile_library("search", SOURCES)))
+        lib = ctypes.CDLL(str(cbuild.compile_library("search", SOURCES, link_flags=("-pthread",))))
         lib.s2s_beam  # noqa: B018  (an older or foreign file: AttributeError)
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         log.debug("native search unavailable (%s)", e)
