@@ -5,7 +5,8 @@ importing torch (in the workers' server) before its first line, and 0.6 s decodi
 (README).  This module decodes the same model without torch: ``native_search.c`` (with
 ``native_attention.c`` and ``native_linear.c``, the kernels the torch route calls as operators)
 runs a whole batch's encoder and greedy or beam search in one C call, its products on AMX with
-each W packed once, the residual stream and the softmax in fp32 (s2s/model/native_search.c).  The
+each W packed once, the residual stream, the softmax and the scores in fp32, each thread's
+buffers kept from batch to batch (s2s/model/native_search.c).  The
 weights are read with safetensors (no numpy either) and checked against model.json's checksum, as
 s2s.modeldir loads them for torch; the sources are encoded and the outputs decoded by the
 same tokenizer, and batched as the workers batch them.  The C call releases the GIL, so that
@@ -17,8 +18,8 @@ processes, here).
 search with none of the search's options this file does not implement; a single
 encoder-decoder model of sinusoidal or learned positions) and where the library compiled;
 anything else, and ``S2S_NATIVE_SEARCH=0``, takes torch's route, with the reason at debug level.  The
-outputs are not bit for bit torch's: the residual stream stays in fp32 here, where torch's
-bf16 model rounds it after every sub-layer (tests/test_native_search.py).
+outputs are not bit for bit torch's: the residual stream and the scores stay in fp32 here,
+where torch's bf16 model rounds them to bf16 (tests/test_native_search.py).
 
 This module imports no torch.
 """
