@@ -371,7 +371,6 @@ def _load(spec) -> NativeSearch:
     d = Path(spec.models[0])
     if not (d / WEIGHTS).is_file():
         raise _NotHere("not a model directory with its weights (a checkpoint?)")
-    verified_meta(d)
     cfg, tok = load_spec(d)
     decode = model_decode_settings(d, cfg, spec.overrides, spec.defaults)
     lang = language_ids(tok.languages, tok.token_id, decode.tgt_lang)
@@ -380,6 +379,7 @@ def _load(spec) -> NativeSearch:
         raise _NotHere(why)
     if library() is None:
         raise _NotHere("the library did not compile or load, or no AMX here")
+    verified_meta(d)  # (after the checks above: torch's route, where they send it, hashes the weights itself)
     warn_past_output_cap(cfg.model, decode)
     tensors = deserialize((d / WEIGHTS).read_bytes())
     if any(t["dtype"] != "F32" for _, t in tensors):
@@ -387,6 +387,6 @@ def _load(spec) -> NativeSearch:
     weights = {name: (t["shape"], t["data"]) for name, t in tensors}
     if decode.beam > weights.get("tgt_embed.weight", weights["src_embed.weight"])[0][0]:  # (torch's says so)
         raise _NotHere("a beam wider than the vocabulary")
-    cap = output_cap(cfg.model, decode)
-    model = SearchModel(cfg, weights, tok, max(input_cap(cfg.model, decode), cap) + 1)
-    return NativeSearch(model, tok, decode, lang, cfg.data.max_src_tokens, input_cap(cfg.model, decode), cap)
+    cap, max_input = output_cap(cfg.model, decode), input_cap(cfg.model, decode)
+    model = SearchModel(cfg, weights, tok, max(max_input, cap) + 1)
+    return NativeSearch(model, tok, decode, lang, cfg.data.max_src_tokens, max_input, cap)
