@@ -1,20 +1,21 @@
-"""Greedy and beam search without torch: ``s2s translate``'s route for a plain search on a CPU with AMX.
+"""Greedy and beam search without torch: ``s2s translate``'s route for a plain search on a CPU with
+bf16 products (AMX, or AVX512-BF16 without it).
 
 On a 2-core Intel Xeon with AMX, a greedy ``s2s translate`` of 1,000 lines spent 0.85 s
 importing torch (in the workers' server) before its first line, and 0.6 s decoding them
-(README).  This module decodes the same model without torch: ``native_search.c`` (with
+(README). This module decodes the same model without torch: ``native_search.c`` (with
 ``native_attention.c`` and ``native_linear.c``, the kernels the torch route calls as operators)
-runs a whole batch's encoder and greedy or beam search in one C call, its products on AMX with
-each W packed once, the residual stream, the softmax and the scores in fp32, each thread's
-buffers kept from batch to batch (s2s/model/native_search.c).  The
-weights are read with safetensors (no numpy either) and checked against model.json's checksum, as
-s2s.modeldir loads them for torch; the sources are encoded and the outputs decoded by the
-same tokenizer, and batched as the workers batch them.  The C call releases the GIL, so that
-N threads of this one process decode N batches at once (``--workers N``: threads, not
-processes, here).
+runs a whole batch's encoder and greedy or beam search in one C call, its products on AMX (or
+AVX512-BF16's vdpbf16ps on a CPU without AMX, as AMD's Zen 4 and 5) with each W packed once,
+the residual stream, the softmax and the scores in fp32, each thread's buffers kept from batch
+to batch (s2s/model/native_search.c). The weights are read with safetensors (no numpy either)
+and checked against model.json's checksum, as s2s.modeldir loads them for torch; the sources
+are encoded and the outputs decoded by the same tokenizer, and batched as the workers batch
+them. The C call releases the GIL, so that N threads of this one process decode N batches at
+once (``--workers N``: threads, not processes, here).
 
 :func:`engine_for` takes the route only where it computes what the torch route would
-(``--precision auto`` or bf16 on a CPU with amx_bf16, which picks bf16 there; greedy or beam
+(``--precision auto`` or bf16 on a CPU with amx_bf16 or avx512_bf16; greedy or beam
 search with none of the search's options this file does not implement; a single
 encoder-decoder model of sinusoidal or learned positions) and where the library compiled;
 anything else, and ``S2S_NATIVE_SEARCH=0``, takes torch's route, with the reason at debug level.  The
@@ -47,7 +48,7 @@ SOURCES = tuple(MODEL_DIR / name for name in ("native_attention.c", "native_line
 DISABLE = "S2S_NATIVE_SEARCH"  # =0: torch's route
 ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}  # native_search.c's ACT_*
 LENGTH_PENALTIES = {"gnmt": 0, "power": 1, "none": 2}  # its LP_*
-ERRORS = {-1: "out of memory", -2: "no AMX kernel in this process", -3: "a step's scores hold NaN",
+ERRORS = {-1: "out of memory", -2: "no product kernel in this process", -3: "a step's scores hold NaN",
           -4: "a kernel ran out of memory"}
 
 
@@ -77,7 +78,8 @@ class Model(ctypes.Structure):
 @functools.lru_cache(maxsize=None)
 def library() -> Optional[ctypes.CDLL]:
     """The search's library (s2s.cbuild: compiled once per machine with ``cc``), loaded;
-    None where it cannot be built or loaded, or this process may not use AMX (why: at debug level)."""
+    None where it cannot be built or loaded, or this process has neither bf16 kernel (AMX, or
+    AVX512-BF16; why: at debug level)."""
     try:
         lib = ctypes.CDLL(str(cbuild.compile_library("search", SOURCES, link_flags=("-pthread",))))
         lib.s2s_beam  # noqa: B018  (an older or foreign file: AttributeError)
@@ -96,8 +98,9 @@ def library() -> Optional[ctypes.CDLL]:
     lib.s2s_pack_f32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
     lib.s2s_to_bf16.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
     lib.s2s_sinusoidal_table.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+    lib.s2s_bf16_linear_use.argtypes = [ctypes.c_int]
     if not lib.s2s_bf16_linear_isa():
-        log.debug("native search unavailable: no AMX kernel (this library or this process)")
+        log.debug("native search unavailable: no bf16 kernel (this library or this process)")
         return None
     return lib
 
@@ -118,7 +121,7 @@ def model_why_not(model, decode, lang) -> Optional[str]:
     for name, size in (("d_model", model.d_model), ("heads x d_head", model.heads * model.d_head),
                        ("d_ff", model.d_ff)):
         if size % 32:
-            return f"{name} {size} is not whole AMX tiles of 32"
+            return f"{name} {size} is not whole tiles of 32"
     if decode.sampling or decode.nbest != 1 or decode.coverage_penalty:
         return "sampling, n-best or a coverage penalty"
     if decode.length_penalty not in LENGTH_PENALTIES or decode.stop not in ("exact", "early"):
@@ -146,8 +149,8 @@ def spec_why_not(spec, prefixes: bool) -> Optional[str]:
         return f"--precision {spec.precision}" + (" --quantize" if spec.quantize else "")
     if spec.alignments or spec.nbest_rows or spec.scores or spec.output_format != "text" or prefixes:
         return "an output with more than the text (alignments, scores, n-best rows, JSON) or a prefix"
-    if "amx_bf16" not in cbuild.cpu_flags():
-        return "no amx_bf16 (the route's products are AMX's)"
+    if not cbuild.cpu_flags() & {"amx_bf16", "avx512_bf16"}:
+        return "no amx_bf16 or avx512_bf16 (the route's products are bf16's)"
     return None
 
 
@@ -156,7 +159,7 @@ def spec_why_not(spec, prefixes: bool) -> Optional[str]:
 # --------------------------------------------------------------------------- #
 
 class SearchModel:
-    """A model directory's weights laid out for native_search.c: every W packed into AMX tiles
+    """A model directory's weights laid out for native_search.c: every W packed into AMX's tiles
     in bf16, biases in bf16, embeddings, position tables and norms in fp32.  ``weights``: name ->
     (shape, fp32 bytes), as safetensors' ``deserialize`` gives them."""
 
@@ -378,7 +381,7 @@ def _load(spec) -> NativeSearch:
     if why is not None:
         raise _NotHere(why)
     if library() is None:
-        raise _NotHere("the library did not compile or load, or no AMX here")
+        raise _NotHere("the library did not compile or load, or no bf16 kernel here")
     verified_meta(d)  # (after the checks above: torch's route, where they send it, hashes the weights itself)
     warn_past_output_cap(cfg.model, decode)
     tensors = deserialize((d / WEIGHTS).read_bytes())

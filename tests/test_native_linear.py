@@ -1,9 +1,10 @@
-"""bf16 products on AMX (s2s.model.native_linear.c, torch.ops.s2s.bf16_linear): each output is
-the exact sum of products rounded once to bf16 (within one bf16 step: the sums run in fp32), for
-the shapes a decoding step gives them (any rows and columns, depths in tiles of 32, strided
-rows, a bias, each activation); W's packed layout; what the operator refuses; and a bf16 model
-packed for it decodes as the one packed for oneDNN does, scripted and in Python alike, where
-``s2s translate`` picks it on one thread."""
+"""bf16 products on AMX, AVX512-BF16 or any CPU (s2s.model.native_linear.c,
+torch.ops.s2s.bf16_linear), each kernel this CPU has: each output is the exact sum of products
+rounded once to bf16 (within one bf16 step: the sums run in fp32), for the shapes a decoding
+step gives them (any rows and columns, depths in tiles of 32, strided rows, a bias, each
+activation); W's packed layout; what the operator refuses; and a bf16 model packed for it
+decodes as the one packed for oneDNN does, scripted and in Python alike, where ``s2s
+translate`` picks it on one thread."""
 
 from __future__ import annotations
 
@@ -16,6 +17,20 @@ from s2s.model.gemm import PackedLinear, pack_bf16, packed_linear, packs_bf16, u
 
 AMX = native.linear_isa() == "amx_bf16"
 needs_linear = pytest.mark.skipif(not AMX, reason="no AMX here, or the kernels are not built")
+KERNELS = {"amx_bf16": 1, "avx512_bf16": 2, "vector": 3}  # native_linear.c's ISA_*
+
+
+@pytest.fixture(params=sorted(KERNELS))
+def kernel(request):
+    """Each of native_linear.c's kernels in turn (s2s_bf16_linear_use), skipped where this CPU or
+    library has not got it; the best one again after."""
+    lib = native.library() if native.available() else None
+    if lib is None or lib.s2s_bf16_linear_use(KERNELS[request.param]) != KERNELS[request.param]:
+        if lib is not None:
+            lib.s2s_bf16_linear_use(0)
+        pytest.skip(f"no {request.param} kernel here")
+    yield request.param
+    lib.s2s_bf16_linear_use(0)
 
 
 def exact(x, W, b, activation: str = "none"):
@@ -31,10 +46,9 @@ def within_a_step(got, want):
     assert ((got.double() - want.double()).abs() <= step).all()
 
 
-@needs_linear
 @pytest.mark.parametrize("M,K,N", [(1, 32, 16), (5, 192, 192), (17, 64, 20), (37, 256, 1030), (64, 192, 576),
-                                   (70, 1024, 33), (33, 96, 4100)])
-def test_each_output_is_the_exact_sum_rounded_to_bf16(M, K, N):
+                                   (70, 1024, 33), (33, 96, 4100), (6, 64, 64), (13, 128, 100)])
+def test_each_output_is_the_exact_sum_rounded_to_bf16(M, K, N, kernel):
     """Rows in blocks of 32 with a partial last (1, 5, 17, 33, 37, 70), columns past a chunk of 256
     and not a multiple of 16."""
     g = torch.Generator().manual_seed(M * 1000 + K + N)
@@ -45,8 +59,7 @@ def test_each_output_is_the_exact_sum_rounded_to_bf16(M, K, N):
             within_a_step(torch.ops.s2s.bf16_linear(x, W, P, bias, activation), exact(x, W, bias, activation))
 
 
-@needs_linear
-def test_rows_of_any_stride_and_shape_and_the_activations_after_the_product():
+def test_rows_of_any_stride_and_shape_and_the_activations_after_the_product(kernel):
     """x (B, L, K), or every other row of one (a view); gelu and swish apply to the rounded product
     as torch's do; no rows: no output rows."""
     g = torch.Generator().manual_seed(7)
@@ -65,8 +78,7 @@ def test_rows_of_any_stride_and_shape_and_the_activations_after_the_product():
     assert torch.ops.s2s.bf16_linear(x[:, :0], W, P, b).shape == (3, 0, 48)
 
 
-@needs_linear
-def test_the_packed_layout_is_pairs_of_w_in_tiles():
+def test_the_packed_layout_is_pairs_of_w_in_tiles(kernel):
     """P[nb, kb, (p, n, j)] = W[16 nb + n, 32 kb + 2 p + j], zeros past W's rows and columns."""
     W = torch.arange(1, 20 * 40 + 1, dtype=torch.float32).reshape(20, 40).bfloat16()
     P = torch.ops.s2s.bf16_pack(W)
@@ -78,8 +90,7 @@ def test_the_packed_layout_is_pairs_of_w_in_tiles():
     assert torch.equal(torch.ops.s2s.bf16_pack(W.t().contiguous().t()), P)  # any strides of W
 
 
-@needs_linear
-def test_the_operator_refuses_what_it_cannot_multiply():
+def test_the_operator_refuses_what_it_cannot_multiply(kernel):
     W = torch.randn(32, 64).bfloat16()
     P = torch.ops.s2s.bf16_pack(W)
     x = torch.randn(4, 64).bfloat16()

@@ -28,9 +28,9 @@ from s2s.config import DecodeConfig, ModelConfig
 from s2s.langs import LanguageIds
 from s2s.workers import TranslatorSpec
 
-AMX = "amx_bf16" in cpu_flags() and os.environ.get(native_search.DISABLE, "1") != "0"
-needs_amx = pytest.mark.skipif(not AMX or native_search.library() is None,
-                               reason="no AMX here, or the greedy library is not built")
+BF16 = bool(cpu_flags() & {"amx_bf16", "avx512_bf16"}) and os.environ.get(native_search.DISABLE, "1") != "0"
+needs_bf16 = pytest.mark.skipif(not BF16 or native_search.library() is None,
+                                reason="no AMX or AVX512-BF16 here, or the search's library is not built")
 REPO = Path(__file__).resolve().parents[1]
 
 # model options the C search implements, each variant a few at once
@@ -138,7 +138,7 @@ def native_scores(directory: Path, lines: list[str], decode: dict) -> list[float
     return [math.nan if x is None else next(found)[1] for x in ids]
 
 
-@needs_amx
+@needs_bf16
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("search", list(SEARCHES))
 def test_the_c_search_is_torchs_with_its_arithmetic(prepared, tmp_path, variant, search):
@@ -149,9 +149,13 @@ def test_the_c_search_is_torchs_with_its_arithmetic(prepared, tmp_path, variant,
     1e-4 of its size over a sentence, enough to reorder two beams that all but tie (a random
     model's long repetitive outputs: 4 lines of 276 in the searches below when this was written,
     at 6e-6, 0.4%, 0.4% and 0.5% of their scores, the C search's better in two)."""
-    d = model_dir(prepared, tmp_path / "m", **VARIANTS[variant])
-    lines = dev_lines(prepared, 20) + ["", "   ", "x"]
-    decode = SEARCHES[search]
+    assert_searches_as_torch(model_dir(prepared, tmp_path / "m", **VARIANTS[variant]), dev_lines(prepared, 20),
+                             SEARCHES[search])
+
+
+def assert_searches_as_torch(d: Path, dev: list[str], decode: dict) -> None:
+    """test_the_c_search_is_torchs_with_its_arithmetic's check of model ``d`` on lines ``dev``."""
+    lines = dev + ["", "   ", "x"]
     got, want = native(d, lines, decode=decode), emulated(d, lines, decode)
     assert got[20] == got[21] == ""
     assert native(d, lines, threads=2, decode=decode) == got  # threads share the batches out
@@ -167,7 +171,24 @@ def test_the_c_search_is_torchs_with_its_arithmetic(prepared, tmp_path, variant,
                 f"line {i + 1}: {got[i]!r} against {want[i][0]!r}")
 
 
-@needs_amx
+@needs_bf16
+@pytest.mark.parametrize("kernel", [1, 2, 3], ids=["amx_bf16", "avx512_bf16", "vector"])
+@pytest.mark.parametrize("search", ["greedy", "beam 4"])
+def test_each_kernel_of_the_products_searches_alike(prepared, tmp_path, kernel, search):
+    """The products on each of native_linear.c's kernels this CPU has (s2s_bf16_linear_use): AMX's
+    tiles, AVX512-BF16's vdpbf16ps, or bf16 widened to fp32 on any CPU; the same check."""
+    lib = native_search.library()
+    try:
+        if lib.s2s_bf16_linear_use(kernel) != kernel:
+            pytest.skip("this CPU has not got that kernel")
+        assert_searches_as_torch(model_dir(prepared, tmp_path / "m", **VARIANTS["post-norm, rmsnorm, gelu, learned "
+                                                                                "positions"]),
+                                 dev_lines(prepared, 20), SEARCHES[search])
+    finally:
+        lib.s2s_bf16_linear_use(0)
+
+
+@needs_bf16
 def test_translate_decodes_without_torch(prepared, tmp_path):
     """`s2s translate --beam 1 --precision bf16 --workers 2`: the C search's lines, one per input
     line, and torch never imported; with $S2S_NATIVE_SEARCH=0 (one worker), torch's route in this process."""
@@ -190,7 +211,7 @@ def test_translate_decodes_without_torch(prepared, tmp_path):
     assert "torch imported: True" in done.stderr and len(done.stdout.splitlines()) == 21
 
 
-@needs_amx
+@needs_bf16
 def test_a_bad_line_stops_the_threads_with_the_chunks_before_it_written(prepared, tmp_path):
     """Invalid UTF-8 on line 1,205: the first chunk of 1,000 lines is written, then the error
     naming the line, and a non-zero exit."""
@@ -224,9 +245,13 @@ def test_settings_left_to_torch(kw, why, monkeypatch):
     assert "0" in native_search.spec_why_not(spec(), False)
 
 
-def test_no_amx_is_torchs_route(monkeypatch):
-    monkeypatch.setattr(native_search.cbuild, "cpu_flags", lambda: frozenset({"avx512_bf16", "avx512f"}))
-    assert "amx_bf16" in native_search.spec_why_not(spec(), False)
+def test_a_cpu_without_bf16_products_is_torchs_route(monkeypatch):
+    """AMX or AVX512-BF16 (AMD's Zen 4 and 5) takes the route; AVX-512 or AVX2 alone does not."""
+    for flags, why in (({"avx512f", "avx512_vnni", "avx2"}, "amx_bf16 or avx512_bf16"), ({"avx512_bf16"}, None),
+                       ({"amx_bf16", "avx512_bf16"}, None)):
+        monkeypatch.setattr(native_search.cbuild, "cpu_flags", lambda f=flags: frozenset(f))
+        got = native_search.spec_why_not(spec(), False)
+        assert got is None if why is None else why in got
 
 
 @pytest.mark.parametrize("model,decode,why", [
@@ -257,7 +282,7 @@ def test_max_output_length_is_the_translators(n, a, b, cap, want):
     assert int(max_output_lengths(torch.tensor([n]), a, b, cap)[0]) == want
 
 
-@needs_amx
+@needs_bf16
 def test_a_beam_wider_than_the_vocabulary_is_left_to_torchs_error(prepared, tmp_path):
     d = model_dir(prepared, tmp_path / "m")
     spec = TranslatorSpec(models=(str(d),), overrides={"beam": 301}, precision="bf16", device="cpu")

@@ -301,7 +301,7 @@ def pack_bf16(W: Tensor, native: bool = False) -> Optional[Tensor]:
     where neither can take it (another dtype or device, or a torch without oneDNN's operator)."""
     if W.dtype != torch.bfloat16 or W.device.type != "cpu":
         return None
-    if native and W.size(1) > 0 and W.size(1) % 32 == 0 and linear_isa() is not None:
+    if native and W.size(1) > 0 and W.size(1) % 32 == 0 and linear_isa() == "amx_bf16":
         return torch.ops.s2s.bf16_pack(W.detach())
     if not packs_bf16():
         return None
@@ -352,7 +352,8 @@ def use_packed_bf16(model: nn.Module, native: bool = False) -> int:
     oneDNN or, with ``native``, for s2s's kernel where it takes them (``model.gemm = "native"``;
     one thread, on a CPU with AMX: s2s.model.native.linear_isa).  Returns how many layers; 0 (and
     nothing changed) where the weights cannot be packed."""
-    native = native and linear_isa() is not None  # (no AMX kernel here: oneDNN's packing)
+    native = native and linear_isa() == "amx_bf16"  # (no AMX here: oneDNN's packing; its vdpbf16ps kernel
+    # lost to oneDNN at beam 5 on the Xeon, native_linear.c: the torch-free search is where it runs)
     if pack_bf16(next(model.parameters()), native) is None:
         return 0
     swapped = _swap_linears(model, PackedLinear, "native" if native else "packed")
