@@ -47,10 +47,10 @@ def within_a_step(got, want):
 
 
 @pytest.mark.parametrize("M,K,N", [(1, 32, 16), (5, 192, 192), (17, 64, 20), (37, 256, 1030), (64, 192, 576),
-                                   (70, 1024, 33), (33, 96, 4100), (6, 64, 64), (13, 128, 100)])
+                                   (70, 1024, 33), (33, 96, 4100), (6, 64, 64), (13, 128, 100), (20, 1024, 300)])
 def test_each_output_is_the_exact_sum_rounded_to_bf16(M, K, N, kernel):
-    """Rows in blocks of 32 with a partial last (1, 5, 17, 33, 37, 70), columns past a chunk of 256
-    and not a multiple of 16."""
+    """Rows in blocks of 32 (AMX) or 6 (vdpbf16ps) or 4 (vectors) with a partial last, columns past
+    a chunk (256 at a depth of 256; 64 at 1,024 with vdpbf16ps) and not a multiple of 16."""
     g = torch.Generator().manual_seed(M * 1000 + K + N)
     x, W, b = (torch.randn(*shape, generator=g).bfloat16() for shape in ((M, K), (N, K), (N,)))
     P = torch.ops.s2s.bf16_pack(W)

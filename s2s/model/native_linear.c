@@ -191,17 +191,23 @@ static inline __attribute__((always_inline)) void dp_block(const int R, const in
         break;
 #define DP_ROW_CASES(R) DP_CASE(R, 1) DP_CASE(R, 2) DP_CASE(R, 3) DP_CASE(R, 4)
 
-/* linear_amx's product with vdpbf16ps: W's columns in chunks of CHUNK_NB blocks, as there, each
- * multiplied by every block of DP_ROWS rows while it is in the core's second cache */
+/* linear_amx's product with vdpbf16ps: W's columns in chunks, each multiplied by every block of
+ * DP_ROWS rows while it is in the core's second cache; a chunk is DP_CHUNK_BYTES of P (K x 16
+ * columns x 2 bytes a block), so that it and the rows fit there together */
+#ifndef DP_CHUNK_BYTES
+#define DP_CHUNK_BYTES (128 * 1024)
+#endif
 static void linear_dp(const uint16_t *x, long x_row, long M, long N, long K, const uint16_t *P, const uint16_t *b,
                       int act, uint16_t *y, float *y32, long y_row)
 {
     const long KB = K / 32, NB = (N + 15) / 16;
-    for (long n0 = 0; n0 < NB; n0 += CHUNK_NB)
+    long chunk = DP_CHUNK_BYTES / (32 * K) / DP_COLS * DP_COLS;
+    chunk = chunk < DP_COLS ? DP_COLS : chunk;
+    for (long n0 = 0; n0 < NB; n0 += chunk)
         for (long m = 0; m < M; m += DP_ROWS)
-            for (long nb = n0; nb < NB && nb < n0 + CHUNK_NB; nb += DP_COLS) {
+            for (long nb = n0; nb < NB && nb < n0 + chunk; nb += DP_COLS) {
                 const long R = M - m < DP_ROWS ? M - m : DP_ROWS;
-                const long end = NB < n0 + CHUNK_NB ? NB : n0 + CHUNK_NB;
+                const long end = NB < n0 + chunk ? NB : n0 + chunk;
                 const long C = end - nb < DP_COLS ? end - nb : DP_COLS;
                 switch (R * 8 + C) {
                     DP_ROW_CASES(1) DP_ROW_CASES(2) DP_ROW_CASES(3) DP_ROW_CASES(4) DP_ROW_CASES(5) DP_ROW_CASES(6)
