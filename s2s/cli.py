@@ -358,7 +358,8 @@ def _decode_command(name: str, defaults: dict):
                  "auto: what was measured fastest on this kind of CPU: bf16 with amx_bf16, fp32 with "
                  "int8 matrices with avx512_bf16+avx512_vnni and no AMX or with avx2 and no AVX-512, "
                  "else bf16 where native, else fp32; with fp32 where bf16 is native, a beam search's "
-                 "self-attention K/V in bf16.")] = "fp32",
+                 "self-attention K/V in bf16. A plain search in auto or bf16 on a CPU with amx_bf16 or "
+                 "avx512_bf16 runs without torch, in bf16 (s2s.native_search).")] = "fp32",
         compile: Annotated[bool, typer.Option(
             "--compile", help="torch.compile the decoder step (cached on disk; decode.compile).")] = False,
         shortlist: Annotated[bool, typer.Option(

@@ -48,6 +48,7 @@ SOURCES = tuple(MODEL_DIR / name for name in ("native_attention.c", "native_line
 DISABLE = "S2S_NATIVE_SEARCH"  # =0: torch's route
 ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}  # native_search.c's ACT_*
 LENGTH_PENALTIES = {"gnmt": 0, "power": 1, "none": 2}  # its LP_*
+KERNELS = {1: "AMX", 2: "AVX512-BF16 (vdpbf16ps)", 3: "vectors of fp32"}  # native_linear.c's ISA_*
 ERRORS = {-1: "out of memory", -2: "no product kernel in this process", -3: "a step's scores hold NaN",
           -4: "a kernel ran out of memory"}
 
@@ -392,4 +393,5 @@ def _load(spec) -> NativeSearch:
         raise _NotHere("a beam wider than the vocabulary")
     cap, max_input = output_cap(cfg.model, decode), input_cap(cfg.model, decode)
     model = SearchModel(cfg, weights, tok, max(max_input, cap) + 1)
+    log.debug("search without torch: bf16 products on %s", KERNELS.get(library().s2s_bf16_linear_isa(), "?"))
     return NativeSearch(model, tok, decode, lang, cfg.data.max_src_tokens, max_input, cap)

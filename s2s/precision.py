@@ -80,7 +80,9 @@ def auto_arithmetic(device: torch.device, flags: Optional[set[str] | frozenset[s
         avx2 without avx512f                  fp32 + int8 (AMD EPYC Zen 2)
         avx512f without bf16                  fp32 (int8 unmeasured there)
 
-    Anything else, and other devices, take :func:`auto_precision`'s choice."""
+    Anything else, and other devices, take :func:`auto_precision`'s choice.  (This is torch's
+    route: a plain search with ``--precision auto`` on a CPU with amx_bf16 or avx512_bf16 runs
+    in s2s.native_search without torch, in bf16, which beat int8 through torch on the Zen 4 too.)"""
     precision, why = auto_precision(device, flags)
     if device.type != "cpu":
         return precision, False, why
