@@ -1,21 +1,17 @@
-"""The torch-free search's product kernels side by side, and CTranslate2 on the same instructions.
+"""The torch-free search's product kernels side by side, and CTranslate2 in the same rounds.
 
-``s2s translate``'s torch-free route (s2s.native_search) multiplies with one of three kernels of
-s2s/model/native_linear.c: AMX's tiles (amx_bf16), AVX512-BF16's vdpbf16ps (avx512_bf16), or bf16
-widened to fp32 on vectors of 8 floats (vector: any other CPU, AVX2's registers on x86).  This
-script times each kernel this CPU has on the same model and sentences, steady state (the model
-loaded, translation alone), one thread, greedy and beam 5, and CTranslate2 int8 and fp32 in the
-same rounds, on all the instructions it picks and capped to AVX2 (``CT2_FORCE_CPU_ISA=AVX2``: what
-it runs on a CPU with AVX2 only), so that a kernel a CPU would fall back to can be set against
-the engine it would meet there.  The configurations take turns round by round (``--rounds``, >= 3),
-and the median with min and max is kept.  Not a timed test: only ratios within one run mean
-something.  Prints a table and, last, one JSON line.
+``s2s translate``'s torch-free route (s2s.native_search) multiplies with one of the kernels of
+s2s/model/native_linear.c: AMX's tiles (amx_bf16) or AVX512-BF16's vdpbf16ps (avx512_bf16).  This
+script times each kernel this CPU has (an Intel Xeon with AMX has both) on the same model and
+sentences, steady state (the model loaded, translation alone), one thread, greedy and beam 5, and
+CTranslate2 int8 and fp32 in the same rounds, on the instructions it picks and, with
+``--ct2-isa best,AVX2``, capped to others (``CT2_FORCE_CPU_ISA``: what it runs on a CPU that has
+only those).  The configurations take turns round by round (``--rounds``, >= 3), and the median
+with min and max is kept.  Not a timed test: only ratios within one run mean something.  Prints a
+table and, last, one JSON line.
 
     python benchmarks/native_kernels.py --model exp/ref
-    python benchmarks/native_kernels.py --model exp/qs --lines 500 --rounds 5
-
-(The vector kernel here runs in a library compiled for this CPU, whose attention and norms may use
-wider instructions than an AVX2 machine's would; its products are the AVX2 kernel's.)
+    python benchmarks/native_kernels.py --model exp/qs --lines 500 --rounds 5 --ct2-isa best,AVX2
 """
 
 from __future__ import annotations
@@ -32,7 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "ddtp-en-de"
-KERNELS = {"amx_bf16": 1, "avx512_bf16": 2, "vector": 3}  # native_linear.c's ISA_*
+KERNELS = {"amx_bf16": 1, "avx512_bf16": 2}  # native_linear.c's ISA_*
 
 S2S_SCRIPT = """
 import json, sys, time
@@ -83,6 +79,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--no-ct2", action="store_true", help="the s2s kernels alone")
+    ap.add_argument("--ct2-isa", default="best", help="CTranslate2's instructions, comma-separated: best "
+                                                      "(its own pick), AVX512, AVX2, AVX, NEON ...")
     args = ap.parse_args()
 
     import sacrebleu
@@ -106,7 +104,8 @@ def main() -> None:
             ct2 = work / "ct2"
             subprocess.run([sys.executable, "-m", "s2s", "-q", "export", "ct2", "-m", str(args.model), "-o", str(ct2)],
                            check=True, env={**env, "PYTHONPATH": str(REPO)})
-            configs += [("ct2", f"{compute} {isa}") for compute in ("int8", "float32") for isa in ("best", "AVX2")]
+            configs += [("ct2", f"{compute} {isa}") for compute in ("int8", "float32")
+                        for isa in args.ct2_isa.split(",")]
         rows: dict = {}
         for search, beam in (("greedy", 1), ("beam5", 5)):
             for rnd in range(args.rounds):

@@ -48,9 +48,9 @@ SOURCES = tuple(MODEL_DIR / name for name in ("native_attention.c", "native_line
 DISABLE = "S2S_NATIVE_SEARCH"  # =0: torch's route
 ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}  # native_search.c's ACT_*
 LENGTH_PENALTIES = {"gnmt": 0, "power": 1, "none": 2}  # its LP_*
-KERNELS = {1: "AMX", 2: "AVX512-BF16 (vdpbf16ps)", 3: "vectors of fp32"}  # native_linear.c's ISA_*
-ERRORS = {-1: "out of memory", -2: "no product kernel in this process", -3: "a step's scores hold NaN",
-          -4: "a kernel ran out of memory"}
+KERNELS = {1: "AMX", 2: "AVX512-BF16 (vdpbf16ps)"}  # native_linear.c's ISA_*
+ERRORS = {-1: "out of memory", -2: "no bf16 kernel (AMX or AVX512-BF16) in this process",
+          -3: "a step's scores hold NaN", -4: "a kernel ran out of memory"}
 
 
 class Linear(ctypes.Structure):

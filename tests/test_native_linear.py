@@ -1,10 +1,9 @@
-"""bf16 products on AMX, AVX512-BF16 or any CPU (s2s.model.native_linear.c,
-torch.ops.s2s.bf16_linear), each kernel this CPU has: each output is the exact sum of products
-rounded once to bf16 (within one bf16 step: the sums run in fp32), for the shapes a decoding
-step gives them (any rows and columns, depths in tiles of 32, strided rows, a bias, each
-activation); W's packed layout; what the operator refuses; and a bf16 model packed for it
-decodes as the one packed for oneDNN does, scripted and in Python alike, where ``s2s
-translate`` picks it on one thread."""
+"""bf16 products on AMX or AVX512-BF16 (s2s.model.native_linear.c, torch.ops.s2s.bf16_linear),
+each kernel this CPU has: each output is the exact sum of products rounded once to bf16 (within
+one bf16 step: the sums run in fp32), for the shapes a decoding step gives them (any rows and
+columns, depths in tiles of 32, strided rows, a bias, each activation); W's packed layout; what
+the operator refuses; and a bf16 model packed for it decodes as the one packed for oneDNN does,
+scripted and in Python alike, where ``s2s translate`` picks it on one thread."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from s2s.model.gemm import PackedLinear, pack_bf16, packed_linear, packs_bf16, u
 
 AMX = native.linear_isa() == "amx_bf16"
 needs_linear = pytest.mark.skipif(not AMX, reason="no AMX here, or the kernels are not built")
-KERNELS = {"amx_bf16": 1, "avx512_bf16": 2, "vector": 3}  # native_linear.c's ISA_*
+KERNELS = {"amx_bf16": 1, "avx512_bf16": 2}  # native_linear.c's ISA_*
 
 
 @pytest.fixture(params=sorted(KERNELS))
@@ -49,7 +48,7 @@ def within_a_step(got, want):
 @pytest.mark.parametrize("M,K,N", [(1, 32, 16), (5, 192, 192), (17, 64, 20), (37, 256, 1030), (64, 192, 576),
                                    (70, 1024, 33), (33, 96, 4100), (6, 64, 64), (13, 128, 100), (20, 1024, 300)])
 def test_each_output_is_the_exact_sum_rounded_to_bf16(M, K, N, kernel):
-    """Rows in blocks of 32 (AMX) or 6 (vdpbf16ps) or 4 (vectors) with a partial last, columns past
+    """Rows in blocks of 32 (AMX) or 6 (vdpbf16ps) with a partial last, columns past
     a chunk (256 at a depth of 256; 64 at 1,024 with vdpbf16ps) and not a multiple of 16."""
     g = torch.Generator().manual_seed(M * 1000 + K + N)
     x, W, b = (torch.randn(*shape, generator=g).bfloat16() for shape in ((M, K), (N, K), (N,)))

@@ -102,11 +102,11 @@ def available() -> bool:
 
 def linear_isa() -> Optional[str]:
     """Which of the CPU's bf16 instructions ``torch.ops.s2s.bf16_linear`` multiplies with here
-    (native_linear.c): amx_bf16, avx512_bf16 (vdpbf16ps, a CPU without AMX), vector (any other
-    CPU: bf16 widened to fp32), or None (no kernel compiled, or ``$S2S_NATIVE_ATTENTION=0``)."""
+    (native_linear.c): amx_bf16, avx512_bf16 (vdpbf16ps, a CPU without AMX), or None (neither,
+    no kernel compiled, or ``$S2S_NATIVE_ATTENTION=0``)."""
     if not available():
         return None
-    return {1: "amx_bf16", 2: "avx512_bf16", 3: "vector"}.get(library().s2s_bf16_linear_isa())
+    return {1: "amx_bf16", 2: "avx512_bf16"}.get(library().s2s_bf16_linear_isa())
 
 
 def use_native_attention(model: torch.nn.Module, on: Optional[bool] = None) -> bool:

@@ -20,9 +20,11 @@
  * vdpbf16ps: one row p of a tile is 64 bytes, the pairs (W[n][2p], W[n][2p + 1]) of 16 columns,
  * which one instruction multiplies by a row's pair (x[2p], x[2p + 1]) broadcast, adding each
  * column's two products to its fp32 sum in the order AMX adds them.  A block of 6 rows x 64
- * columns keeps its 24 sums in registers for the whole depth.  Any other CPU (AVX2, NEON) widens
- * the same pairs to fp32 by shifting them and adds each column's two products as that
- * instruction does.  s2s_bf16_linear_isa() says which kernel this library and this process run.  (On the AMX Xeon the torch route's products
+ * columns keeps its 24 sums in registers for the whole depth.  s2s_bf16_linear_isa() says which
+ * kernel this library and this process run.  (A third kernel, for any other CPU, widened each
+ * bf16 pair to two fp32 on vectors of 8 floats: 30 GMAC/s on AVX2's registers of a Zen 4, and the
+ * torch-free search on it ran at 0.45-0.50x CTranslate2 int8 on the same instructions, so it was
+ * not kept: those CPUs take torch's route.  README.)  (On the AMX Xeon the torch route's products
  * measured this kernel as fast as oneDNN's greedy and 4% slower at beam 5: that route keeps
  * oneDNN without AMX, s2s.model.gemm.)
  */
@@ -55,14 +57,13 @@ static int amx_granted(void)
 }
 #endif
 
-enum { ISA_NONE = 0, ISA_AMX = 1, ISA_AVX512BF16 = 2, ISA_VECTOR = 3 };
+enum { ISA_NONE = 0, ISA_AMX = 1, ISA_AVX512BF16 = 2 };
 
 /* the kernels this library has and this process may run: 1 << ISA_AMX where it has the AMX
- * kernel and Linux lent the process the tiles, 1 << ISA_AVX512BF16 where it has vdpbf16ps's,
- * and 1 << ISA_VECTOR (plain C on vectors of 8 floats) always */
+ * kernel and Linux lent the process the tiles, 1 << ISA_AVX512BF16 where it has vdpbf16ps's */
 static int isa_available(void)
 {
-    int have = 1 << ISA_VECTOR;
+    int have = 0;
 #ifdef S2S_AVX512BF16
     have |= 1 << ISA_AVX512BF16;
 #endif
@@ -75,12 +76,13 @@ static int isa_available(void)
 
 static int isa_chosen = -1; /* the kernel every product runs: the best available, or s2s_bf16_linear_use's */
 
-/* Which kernel the products run: 1 AMX, 2 AVX512-BF16 (vdpbf16ps), 3 vectors (any other CPU). */
+/* Which kernel the products run: 1 AMX, 2 AVX512-BF16 (vdpbf16ps), 0 none (this library was built
+ * without either, or the CPU has neither). */
 int s2s_bf16_linear_isa(void)
 {
     if (isa_chosen < 0) {
         const int have = isa_available();
-        isa_chosen = have & (1 << ISA_AMX) ? ISA_AMX : have & (1 << ISA_AVX512BF16) ? ISA_AVX512BF16 : ISA_VECTOR;
+        isa_chosen = have & (1 << ISA_AMX) ? ISA_AMX : have & (1 << ISA_AVX512BF16) ? ISA_AVX512BF16 : ISA_NONE;
     }
     return isa_chosen;
 }
@@ -304,89 +306,7 @@ static void linear_amx(const uint16_t *x, long x_row, long M, long N, long K, co
 #endif
 
 
-/* ---- the same product on any CPU: GCC's vectors of 8 floats (AVX2's registers, two of NEON's) ---- */
-
-typedef float v8f __attribute__((vector_size(32)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-#define VEC_ROWS 4 /* a block of rows x 16 columns (one tile column block): 8 sums of 8 in registers */
-
-/* y[r, col .. col + 16) for r < R (a constant where inlined), P at column block col / 16: a pair
- * of row p of a tile is the 32 bits (W[n][2p + 1] << 16) | W[n][2p], so shifting it left by 16
- * gives W[n][2p] as an fp32 and masking the low half off gives W[n][2p + 1]: each column's two
- * products are exact in fp32 and added to its sum as vdpbf16ps adds them */
-static inline __attribute__((always_inline)) void vec_block(const int R, const uint16_t *x, long x_row, long K,
-                                                            const uint16_t *P, const uint16_t *b, int act,
-                                                            uint16_t *y, float *y32, long y_row, long col, long N)
-{
-    v8f acc[VEC_ROWS][2];
-    for (int r = 0; r < R; r++)
-        acc[r][0] = acc[r][1] = (v8f){0};
-    for (long k2 = 0; k2 < K / 2; k2++) {
-        v8u w0, w1;
-        memcpy(&w0, P + k2 * 32, sizeof w0);
-        memcpy(&w1, P + k2 * 32 + 16, sizeof w1);
-        const v8f even0 = (v8f)(w0 << 16), odd0 = (v8f)(w0 & 0xffff0000u);
-        const v8f even1 = (v8f)(w1 << 16), odd1 = (v8f)(w1 & 0xffff0000u);
-        for (int r = 0; r < R; r++) {
-            uint32_t pair, lo, hi;
-            memcpy(&pair, x + r * x_row + 2 * k2, sizeof pair);
-            lo = pair << 16, hi = pair & 0xffff0000u;
-            float x_even, x_odd;
-            memcpy(&x_even, &lo, sizeof x_even);
-            memcpy(&x_odd, &hi, sizeof x_odd);
-            acc[r][0] += x_odd * odd0;
-            acc[r][0] += x_even * even0;
-            acc[r][1] += x_odd * odd1;
-            acc[r][1] += x_even * even1;
-        }
-    }
-    const long cols = N - col < 16 ? N - col : 16;
-    for (int r = 0; r < R; r++) {
-        float v[16];
-        memcpy(v, acc[r], sizeof v);
-        for (long c = 0; c < cols; c++) {
-            float f = v[c];
-            if (b) {
-                const uint32_t bits = (uint32_t)b[col + c] << 16;
-                float bias;
-                memcpy(&bias, &bits, sizeof bias);
-                f += bias;
-            }
-            if (act == ACT_RELU)
-                f = f > 0.f ? f : 0.f;
-            if (y32) {
-                y32[r * y_row + col + c] = f;
-            } else { /* bf16: to nearest, ties to even; NaN stays NaN */
-                uint32_t u;
-                memcpy(&u, &f, sizeof u);
-                y[r * y_row + col + c] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40)
-                                                                        : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-            }
-        }
-    }
-}
-
-/* linear_amx's product on any CPU, blocks of VEC_ROWS rows x 16 columns, W's columns in chunks as there */
-static void linear_vec(const uint16_t *x, long x_row, long M, long N, long K, const uint16_t *P, const uint16_t *b,
-                       int act, uint16_t *y, float *y32, long y_row)
-{
-    const long KB = K / 32, NB = (N + 15) / 16;
-    for (long n0 = 0; n0 < NB; n0 += CHUNK_NB)
-        for (long m = 0; m < M; m += VEC_ROWS)
-            for (long nb = n0; nb < NB && nb < n0 + CHUNK_NB; nb++) {
-                const uint16_t *xm = x + m * x_row, *Pn = P + nb * KB * 512;
-                uint16_t *ym = y ? y + m * y_row : NULL;
-                float *ym32 = y32 ? y32 + m * y_row : NULL;
-                switch (M - m < VEC_ROWS ? M - m : VEC_ROWS) {
-                case 1: vec_block(1, xm, x_row, K, Pn, b, act, ym, ym32, y_row, 16 * nb, N); break;
-                case 2: vec_block(2, xm, x_row, K, Pn, b, act, ym, ym32, y_row, 16 * nb, N); break;
-                case 3: vec_block(3, xm, x_row, K, Pn, b, act, ym, ym32, y_row, 16 * nb, N); break;
-                default: vec_block(4, xm, x_row, K, Pn, b, act, ym, ym32, y_row, 16 * nb, N); break;
-                }
-            }
-}
-
-/* the product on the kernel s2s_bf16_linear_isa picks: 0 */
+/* the product on the kernel s2s_bf16_linear_isa picks: 0, or -1 where there is none */
 static int linear(const uint16_t *x, long x_row, long M, long N, long K, const uint16_t *P, const uint16_t *b, int act,
                   uint16_t *y, float *y32, long y_row)
 {
@@ -401,16 +321,15 @@ static int linear(const uint16_t *x, long x_row, long M, long N, long K, const u
         linear_dp(x, x_row, M, N, K, P, b, act, y, y32, y_row);
         return 0;
 #endif
-    case ISA_VECTOR:
-        linear_vec(x, x_row, M, N, K, P, b, act, y, y32, y_row);
-        return 0;
     default:
+        (void)x, (void)x_row, (void)M, (void)N, (void)K, (void)P, (void)b, (void)act, (void)y, (void)y32, (void)y_row;
         return -1;
     }
 }
 
 /* y (M, N) = act(x W^T + b), x (M, K) bf16 rows x_row apart, P packed from W (N, K), b NULL or
- * (N) bf16, y rows y_row apart.  Returns 0, or -2 where K is not a multiple of 32. */
+ * (N) bf16, y rows y_row apart.  Returns 0; -1 where this library or process has neither kernel
+ * (s2s_bf16_linear_isa), -2 where K is not a multiple of 32. */
 int s2s_bf16_linear(const uint16_t *x, long x_row, long M, long N, long K, const uint16_t *P, const uint16_t *b,
                     int act, uint16_t *y, long y_row)
 {
