@@ -39,6 +39,7 @@ FORMAT_VERSION = 1
 log = logging.getLogger("s2s")
 
 WEIGHTS = "model.safetensors"
+SHORTLIST = "shortlist.safetensors"  # s2s.shortlist's table (s2s shortlist), beside the weights
 META = "model.json"
 CONFIG = "config.yaml"
 CHECKPOINTS = "checkpoints"  # a run directory's checkpoints/step-N (s2s.checkpoint)

@@ -8,7 +8,9 @@ importing torch (in the workers' server) before its first line, and 0.6 s decodi
 runs a whole batch's encoder and greedy or beam search in one C call, its products on AMX (or
 AVX512-BF16's vdpbf16ps on a CPU without AMX, as AMD's Zen 4 and 5) with each W packed once,
 the residual stream, the softmax and the scores in fp32, each thread's buffers kept from batch
-to batch (s2s/model/native_search.c). The weights are read with safetensors (no numpy either)
+to batch (s2s/model/native_search.c); with ``decode.shortlist`` each batch's output projection
+over its shortlist alone (s2s.shortlist: the table read here without torch, the subset computed
+in C, W_U's rows for it packed per batch). The weights are read with safetensors (no numpy either)
 and checked against model.json's checksum, as s2s.modeldir loads them for torch; the sources
 are encoded and the outputs decoded by the same tokenizer, and batched as the workers batch
 them. The C call releases the GIL, so that N threads of this one process decode N batches at
@@ -73,7 +75,8 @@ class Model(ctypes.Structure):
                 + [(name, ctypes.c_float) for name in ("eps", "embed_scale", "output_scale", "attention_scale")]
                 + [(name, ctypes.c_void_p) for name in ("src_embed", "tgt_embed", "enc_positions", "dec_positions")]
                 + [(name, Norm) for name in ("enc_embed_norm", "dec_embed_norm", "enc_final_norm", "dec_final_norm")]
-                + [("output", Linear), ("enc", ctypes.POINTER(Layer)), ("dec", ctypes.POINTER(Layer))])
+                + [("output", Linear), ("enc", ctypes.POINTER(Layer)), ("dec", ctypes.POINTER(Layer)),
+                   ("tgt_ids", ctypes.c_void_p)])
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,6 +103,15 @@ def library() -> Optional[ctypes.CDLL]:
     lib.s2s_to_bf16.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
     lib.s2s_sinusoidal_table.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
     lib.s2s_bf16_linear_use.argtypes = [ctypes.c_int]
+    lib.s2s_shortlist_subset.restype = ctypes.c_long
+    lib.s2s_shortlist_subset.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
+                                         ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
+                                         ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    lib.s2s_ids_outside.restype = ctypes.c_long
+    lib.s2s_ids_outside.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]
+    lib.s2s_pack_rows.restype = ctypes.c_int
+    lib.s2s_pack_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
+                                  ctypes.c_void_p, ctypes.c_void_p]
     if not lib.s2s_bf16_linear_isa():
         log.debug("native search unavailable: no bf16 kernel (this library or this process)")
         return None
@@ -127,7 +139,7 @@ def model_why_not(model, decode, lang) -> Optional[str]:
         return "sampling, n-best or a coverage penalty"
     if decode.length_penalty not in LENGTH_PENALTIES or decode.stop not in ("exact", "early"):
         return f"decode.length_penalty {decode.length_penalty} or decode.stop {decode.stop}"
-    for key in ("no_repeat_ngram", "shortlist", "compile", "glossary", "split_sentences", "markup"):
+    for key in ("no_repeat_ngram", "compile", "glossary", "split_sentences", "markup"):
         if getattr(decode, key):
             return f"decode.{key}"
     if lang.tgt_first:
@@ -164,7 +176,8 @@ class SearchModel:
     in bf16, biases in bf16, embeddings, position tables and norms in fp32.  ``weights``: name ->
     (shape, fp32 bytes), as safetensors' ``deserialize`` gives them."""
 
-    def __init__(self, cfg, weights: dict[str, tuple[list[int], bytearray]], tok, position_rows: int):
+    def __init__(self, cfg, weights: dict[str, tuple[list[int], bytearray]], tok, position_rows: int,
+                 shortlist: Optional[tuple[Any, int, Any, int]] = None):
         lib = library()
         m = cfg.model
         self.lib, self.pad_id = lib, tok.pad_id
@@ -225,8 +238,17 @@ class SearchModel:
         self.vocab = weights[tgt_embed][0][0]
         self.enc_layers = (Layer * m.enc_layers)(*(layer(f"encoder_layers.{i}.") for i in range(m.enc_layers)))
         self.dec_layers = (Layer * m.dec_layers)(*(layer(f"decoder_layers.{i}.") for i in range(m.dec_layers)))
-        # W_U: the target embedding where tied; b_U
-        output = linear(tgt_embed if m.tie_output else "output_proj.weight", "output_bias")
+        # W_U: the target embedding where tied; b_U.  With a shortlist, W_U's rows in bf16, each
+        # batch's packed for it (search), and b_U
+        w_u = tgt_embed if m.tie_output else "output_proj.weight"
+        self.shortlist = shortlist  # (top, k, frequent, F) as ctypes arrays and sizes
+        if shortlist is None:
+            output = linear(w_u, "output_bias")
+        else:
+            output = Linear(None, None, 0, m.d_model)
+            self.w_u16 = bf16(w_u, self.vocab * m.d_model)
+            self.b_u16 = bf16("output_bias", self.vocab) if "output_bias" in weights else None
+            self.always = (ctypes.c_int32 * 4)(tok.pad_id, tok.unk_id, tok.bos_id, tok.eos_id)
         self.model = Model(
             d=m.d_model, heads=m.heads, d_head=m.d_head, d_ff=m.d_ff, vocab=self.vocab, enc_layers=m.enc_layers,
             dec_layers=m.dec_layers, pre_norm=int(m.norm == "pre"), rms=int(m.norm_type == "rmsnorm"),
@@ -255,7 +277,7 @@ class SearchModel:
         src_len = (ctypes.c_long * B)(*(len(s) for s in sources))
         longest = (ctypes.c_long * B)(*max_len)
         out, out_len = (ctypes.c_int32 * (B * T))(), (ctypes.c_long * B)()
-        model = ctypes.byref(self.model)
+        model, ids = (ctypes.byref(self.model), None) if self.shortlist is None else self._shortlisted(src)
         score, logp = (ctypes.c_float * B)(*[math.nan] * B), (ctypes.c_float * B)()
         if decode.beam == 1:
             rc = self.lib.s2s_greedy(model, B, src, S, src_len, longest, decode.min_len, out, T, out_len)
@@ -265,7 +287,32 @@ class SearchModel:
                                    score, logp)
         if rc:
             raise S2SError(f"the native search failed: {ERRORS.get(rc, f'error {rc}')}")
-        return [(out[b * T:b * T + max(out_len[b], 0)], score[b]) for b in range(B)]
+        found = [out[b * T:b * T + max(out_len[b], 0)] for b in range(B)]
+        if ids is not None:  # shortlist positions -> target ids
+            found = [[ids[v] for v in tokens] for tokens in found]
+        return [(tokens, score[b]) for b, tokens in enumerate(found)]
+
+    def _shortlisted(self, src) -> tuple[Any, Any]:
+        """The model of a batch of source ids ``src`` (padding included: the pad's list is the
+        frequent pieces', as in torch's route) whose outputs are its shortlist's ids (s2s.shortlist:
+        the union of its source pieces' lists, the frequent pieces and the special ids), W_U's
+        rows for them packed: (a reference to that model, the ids ascending)."""
+        top, k, frequent, F = self.shortlist
+        V, d, lib = self.vocab, self.model.d, self.lib
+        mark, ids = (ctypes.c_ubyte * V)(), (ctypes.c_int32 * V)()
+        n = lib.s2s_shortlist_subset(top, k, src, len(src), frequent, F, self.always, len(self.always), V, mark, ids)
+        P = (ctypes.c_uint16 * (-(-n // 16) * (d // 32) * 512))()
+        b = (ctypes.c_uint16 * n)() if self.b_u16 is not None else None
+        if lib.s2s_pack_rows(self.w_u16, d, ids, n, self.b_u16, P, b):
+            raise MemoryError("packing the shortlist's rows")
+        model = Model.from_buffer_copy(self.model)
+        position = {v: i for i, v in enumerate(ids[:n])}
+        model.vocab, model.tgt_ids = n, ctypes.addressof(ids)
+        model.pad_id, model.bos_id, model.eos_id = (position[x] for x in (self.always[0], self.always[2],
+                                                                          self.always[3]))
+        model.output = Linear(ctypes.addressof(P), None if b is None else ctypes.addressof(b), n, d)
+        model._keep = (P, b, ids)  # (what the struct points into, for as long as it lives)
+        return ctypes.byref(model), ids
 
 
 def max_output_length(src_len: int, a: float, b: int, cap: int) -> int:
@@ -358,6 +405,33 @@ class _NotHere(Exception):
     """A reason the native route does not take a model."""
 
 
+def _shortlist(d: Path, weights: dict) -> tuple[Any, int, Any, int]:
+    """``d/shortlist.safetensors`` (s2s.shortlist.save_shortlist) read without torch, as
+    SearchModel takes it: (top, k, frequent, F).  One that is missing or does not fit the model
+    is left to torch's route, whose error names it."""
+    from safetensors import deserialize
+
+    from s2s.modeldir import SHORTLIST
+
+    path = d / SHORTLIST
+    if not path.is_file():
+        raise _NotHere(f"no {path}")
+    tensors = {name: t for name, t in deserialize(path.read_bytes())}
+    top, frequent = tensors.get("top"), tensors.get("frequent")
+    V_src = weights["src_embed.weight"][0][0]
+    V_tgt = weights.get("tgt_embed.weight", weights["src_embed.weight"])[0][0]
+    if (top is None or frequent is None or top["dtype"] != "I32" or frequent["dtype"] != "I32"
+            or len(top["shape"]) != 2 or top["shape"][0] != V_src or len(frequent["shape"]) != 1):
+        raise _NotHere(f"{path} does not fit the model")
+    k, F = top["shape"][1], frequent["shape"][0]
+    top_ids = (ctypes.c_int32 * (V_src * k)).from_buffer(top["data"])
+    frequent_ids = (ctypes.c_int32 * F).from_buffer(frequent["data"])
+    lib = library()
+    if lib.s2s_ids_outside(top_ids, V_src * k, -1, V_tgt) or lib.s2s_ids_outside(frequent_ids, F, 0, V_tgt):
+        raise _NotHere(f"{path} does not fit the model")
+    return top_ids, k, frequent_ids, F
+
+
 def _load(spec) -> NativeSearch:
     from safetensors import deserialize
 
@@ -392,6 +466,7 @@ def _load(spec) -> NativeSearch:
     if decode.beam > weights.get("tgt_embed.weight", weights["src_embed.weight"])[0][0]:  # (torch's says so)
         raise _NotHere("a beam wider than the vocabulary")
     cap, max_input = output_cap(cfg.model, decode), input_cap(cfg.model, decode)
-    model = SearchModel(cfg, weights, tok, max(max_input, cap) + 1)
+    shortlist = _shortlist(d, weights) if decode.shortlist else None
+    model = SearchModel(cfg, weights, tok, max(max_input, cap) + 1, shortlist)
     log.debug("search without torch: bf16 products on %s", KERNELS.get(library().s2s_bf16_linear_isa(), "?"))
     return NativeSearch(model, tok, decode, lang, cfg.data.max_src_tokens, max_input, cap)

@@ -33,8 +33,9 @@ import torch
 from torch import Tensor
 
 from s2s.errors import S2SError
+from s2s.modeldir import SHORTLIST
 
-FILE = "shortlist.safetensors"
+FILE = SHORTLIST  # MODEL/shortlist.safetensors
 SCORES = ("dice", "prob")
 
 

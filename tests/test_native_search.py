@@ -90,13 +90,15 @@ def emulated(directory: Path, lines: list[str], decode: dict) -> list[tuple[str,
     b_U = model.output_bias
 
     def logits(h, subset=None):  # (in fp32: the C search's scores are its sums, not rounded)
-        z = bf16(h * model.output_scale) @ bf16(W_U).t()
-        return z + (0 if b_U is None else bf16(b_U))
+        ids = slice(None) if subset is None else subset.ids  # (a shortlist: its rows of W_U and b_U)
+        z = bf16(h * model.output_scale) @ bf16(W_U[ids]).t()
+        return z + (0 if b_U is None else bf16(b_U[ids]))
 
     model.logits = logits
     settings = model_decode_settings(directory, loaded.cfg, decode, {})
-    return [(t.text, t.hypotheses[0].score if t.hypotheses else math.nan)
-            for t in Translator(model, loaded.tokenizer, settings).translate_lines(lines)]
+    translator = Translator(model, loaded.tokenizer, settings)
+    translator.directory = directory  # (its shortlist, where decode asks for one)
+    return [(t.text, t.hypotheses[0].score if t.hypotheses else math.nan) for t in translator.translate_lines(lines)]
 
 
 def native(directory: Path, lines: list[str], threads: int = 1, decode: Optional[dict] = None) -> list[str]:
@@ -188,6 +190,78 @@ def test_each_kernel_of_the_products_searches_alike(prepared, tmp_path, kernel, 
         lib.s2s_bf16_linear_use(0)
 
 
+def random_shortlist(V_src: int, V_tgt: int, k: int = 3, frequent: int = 5, seed: int = 0, same: bool = False):
+    """A shortlist table: k random target ids per source id (-1 in places; ``same``: one list for
+    every source id, so that every batch's subset is the same) and ``frequent`` random frequent ones."""
+    from s2s.shortlist import Shortlist
+
+    g = torch.Generator().manual_seed(seed)
+    top = torch.randint(0, V_tgt, (1 if same else V_src, k), generator=g, dtype=torch.int32).expand(V_src, k).clone()
+    top[::7, -1] = -1
+    return Shortlist(top, torch.randint(0, V_tgt, (frequent,), generator=g, dtype=torch.int32),
+                     {"k": k, "frequent": frequent, "score": "dice", "sentences": 0})
+
+
+def save_random_shortlist(d: Path, **kw) -> None:
+    """random_shortlist for the model in ``d``, saved there (s2s.shortlist's file)."""
+    from s2s.modeldir import load_model_dir
+    from s2s.shortlist import save_shortlist
+
+    model = load_model_dir(d).model
+    save_shortlist(random_shortlist(model.src_embed.num_embeddings, model.tgt_embed.num_embeddings, **kw), d)
+
+
+def test_a_batchs_shortlist_is_torchs():
+    """s2s_shortlist_subset: the union of the batch's source ids' lists, the frequent ids and the
+    special ids, ascending, as s2s.shortlist.Shortlist.subset computes it."""
+    import ctypes
+
+    lib = native_search.library()
+    if lib is None:
+        pytest.skip("the search's library is not built")
+    V_src, V_tgt = 50, 300
+    for seed in range(4):
+        table = random_shortlist(V_src, V_tgt, k=4 + seed, frequent=3 * seed, seed=seed)
+        src = torch.randint(0, V_src, (2 + 5 * seed,), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+        always = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+        mark, ids = (ctypes.c_ubyte * V_tgt)(), (ctypes.c_int32 * V_tgt)()
+        top, frequent = table.top.contiguous(), table.frequent.contiguous()
+        n = lib.s2s_shortlist_subset(top.data_ptr(), top.size(1), src.data_ptr(), len(src), frequent.data_ptr(),
+                                     len(frequent), always.data_ptr(), 4, V_tgt, mark, ids)
+        assert ids[:n] == table.subset(src.long().view(1, -1), always.tolist()).tolist()
+
+
+@needs_bf16
+@pytest.mark.parametrize("search", ["greedy", "beam 4"])
+def test_a_shortlist_searches_its_ids_alone_as_torch_does(prepared, tmp_path, search):
+    """decode.shortlist: each batch's outputs are its shortlist's ids (its sources' lists, the
+    frequent ids, the special ids), W_U's rows for them packed per batch; the same check as
+    above against torch's route with the same shortlist."""
+    d = model_dir(prepared, tmp_path / "m")
+    save_random_shortlist(d, k=40, same=True)  # (every batch's subset the same: torch's batches are not these)
+    decode = {**SEARCHES[search], "shortlist": True}
+    assert native_search.engine_for(TranslatorSpec(models=(str(d),), overrides=decode, precision="bf16",
+                                                   device="cpu"), False) is not None
+    assert_searches_as_torch(d, dev_lines(prepared, 20), decode)
+    full = native(d, dev_lines(prepared, 20), decode=SEARCHES[search])
+    assert native(d, dev_lines(prepared, 20), decode=decode) != full  # (a random list: other outputs)
+
+
+@needs_bf16
+def test_a_shortlist_that_does_not_fit_is_left_to_torchs_error(prepared, tmp_path):
+    d = model_dir(prepared, tmp_path / "m")
+    spec = TranslatorSpec(models=(str(d),), overrides={"beam": 1, "shortlist": True}, precision="bf16", device="cpu")
+    assert native_search.engine_for(spec, False) is None  # (none there)
+    (d / "shortlist.safetensors").write_bytes(b"not a table")
+    assert native_search.engine_for(spec, False) is None
+    save_random_shortlist(d)
+    assert native_search.engine_for(spec, False) is not None
+    from s2s.shortlist import Shortlist, save_shortlist
+
+    save_shortlist(Shortlist(torch.full((3, 2), 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), {}), d)
+    assert native_search.engine_for(spec, False) is None  # (3 source rows: not this model's)
+
+
 @needs_bf16
 def test_translate_decodes_without_torch(prepared, tmp_path):
     """`s2s translate --beam 1 --precision bf16 --workers 2`: the C search's lines, one per input
@@ -259,7 +333,7 @@ def test_a_cpu_without_bf16_products_is_torchs_route(monkeypatch):
     (dict(copy=True), {}, "copy"), (dict(d_model=48, heads=2), {}, "d_model"), (dict(d_ff=100), {}, "d_ff"),
     ({}, dict(beam=5), None), ({}, dict(sampling=True), "sampling"), ({}, dict(coverage_penalty=0.2), "coverage"),
     ({}, dict(beam=5, nbest=2), "n-best"),
-    ({}, dict(no_repeat_ngram=3), "no_repeat_ngram"), ({}, dict(shortlist=True), "shortlist"),
+    ({}, dict(no_repeat_ngram=3), "no_repeat_ngram"), ({}, dict(shortlist=True), None),
     ({}, dict(glossary="g.tsv"), "glossary"), ({}, dict(split_sentences=True), "split_sentences")])
 def test_models_and_searches_left_to_torch(model, decode, why):
     m = ModelConfig(**{"d_model": 64, "heads": 2, "d_ff": 128, **model})

@@ -74,6 +74,7 @@ typedef struct {
     s2s_norm enc_embed_norm, dec_embed_norm, enc_final_norm, dec_final_norm;
     s2s_linear output;                  /* W_U (vocab, d) packed, b_U */
     const s2s_layer *enc, *dec;
+    const int32_t *tgt_ids; /* NULL, or a shortlist's: output v is target id tgt_ids[v] (vocab of them) */
 } s2s_model;
 
 /* ---- element-wise pieces ---- */
@@ -106,6 +107,62 @@ int s2s_pack_f32(const float *W, long N, long K, uint16_t *P)
         w[i] = bf16_round(W[i]);
     s2s_bf16_pack(w, K, N, K, P);
     free(w);
+    return 0;
+}
+
+/* ---- a vocabulary shortlist (s2s.shortlist): the target ids a batch may produce ---- */
+
+/* ids (ascending, returns how many) = the union of the k listed target ids of each of the n_src
+ * source ids src (top: (V_src, k), -1 padded), the F frequent ones and the n_always always; ids
+ * outside 0 .. V - 1 are skipped (s2s_ids_outside says whether a table has any).  mark: V bytes of
+ * scratch. */
+long s2s_shortlist_subset(const int32_t *top, long k, const int32_t *src, long n_src, const int32_t *frequent, long F,
+                          const int32_t *always, long n_always, long V, unsigned char *mark, int32_t *ids)
+{
+    memset(mark, 0, (size_t)V);
+    for (long i = 0; i < n_src; i++)
+        for (long j = 0; j < k; j++) {
+            const int32_t t = top[(long)src[i] * k + j];
+            if (t >= 0 && t < V)
+                mark[t] = 1;
+        }
+    for (long i = 0; i < F + n_always; i++) {
+        const int32_t t = i < F ? frequent[i] : always[i - F];
+        if (t >= 0 && t < V)
+            mark[t] = 1;
+    }
+    long n = 0;
+    for (long v = 0; v < V; v++)
+        if (mark[v])
+            ids[n++] = (int32_t)v;
+    return n;
+}
+
+/* how many of x[0 .. n) lie outside lo .. V - 1 */
+long s2s_ids_outside(const int32_t *x, long n, long lo, long V)
+{
+    long bad = 0;
+    for (long i = 0; i < n; i++)
+        bad += x[i] < lo || x[i] >= V;
+    return bad;
+}
+
+/* P (s2s_bf16_pack's layout) of rows ids[0 .. n) of bf16 W (rows K apart), and b_sub[i] = b[ids[i]]
+ * where b is not NULL: a batch's output projection over its shortlist.  Returns 0, -1 where
+ * memory cannot be allocated. */
+int s2s_pack_rows(const uint16_t *W, long K, const int32_t *ids, long n, const uint16_t *b, uint16_t *P,
+                  uint16_t *b_sub)
+{
+    uint16_t *rows = malloc(sizeof(uint16_t) * (size_t)(n * K) + 1);
+    if (!rows)
+        return -1;
+    for (long i = 0; i < n; i++) {
+        memcpy(rows + i * K, W + (long)ids[i] * K, sizeof(uint16_t) * (size_t)K);
+        if (b)
+            b_sub[i] = b[ids[i]];
+    }
+    s2s_bf16_pack(rows, K, n, K, P);
+    free(rows);
     return 0;
 }
 
@@ -255,6 +312,7 @@ typedef struct {
     long B, n_tok, blocks, cap; /* sentences, their source positions, self-attention caches, a cache's K/V rows */
     long *offset, *pos;     /* sentence b's first source position; a row's position */
     int32_t *tok;           /* a step's input tokens (the encoder's: the sources') */
+    int32_t *tok_id;        /* with a shortlist (m->tgt_ids): a step's input tokens as target ids */
     uint16_t *cross_kv;     /* (dec_layers, n_tok, 2 HD): k then v of each source position */
     uint16_t *self_k, *self_v; /* (dec_layers, blocks, cap, HD) */
     float *z;               /* a step's scores (rows, vocab) */
@@ -363,6 +421,7 @@ static void lay_out_batch(const s2s_model *m, batch *s, carver *c, long B, const
     CARVE(c, s->offset, B + 1);
     CARVE(c, s->pos, rows_max);
     CARVE(c, s->tok, rows_max);
+    CARVE(c, s->tok_id, rows_max);
     CARVE(c, s->cross_kv, m->dec_layers * n_tok * 2 * HD);
     CARVE(c, s->self_k, m->dec_layers * blocks * cap * HD);
     CARVE(c, s->self_v, m->dec_layers * blocks * cap * HD);
@@ -424,7 +483,13 @@ static int decoder_step(const s2s_model *m, batch *s, long N, long t, const long
     int rc = 0;
     for (long i = 0; i < N; i++)
         s->pos[i] = t;
-    embed(m, m->tgt_embed, m->dec_positions, s->tok, s->pos, N, m->dec_embed_norm, x);
+    const int32_t *tok = s->tok; /* (outputs v: the shortlist's v-th id) */
+    if (m->tgt_ids) {
+        for (long i = 0; i < N; i++)
+            s->tok_id[i] = m->tgt_ids[s->tok[i]];
+        tok = s->tok_id;
+    }
+    embed(m, m->tgt_embed, m->dec_positions, tok, s->pos, N, m->dec_embed_norm, x);
     for (long li = 0; li < m->dec_layers; li++) {
         const s2s_layer *l = m->dec + li;
         uint16_t *Kc = s->self_k + li * s->blocks * cap * HD, *Vc = s->self_v + li * s->blocks * cap * HD;
