@@ -32,6 +32,7 @@ import math
 import os
 import queue
 import signal
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field, replace
@@ -166,6 +167,17 @@ def progress_bar(done: int, total: int, width: int = 20) -> str:
     return "█" * filled + "░" * (width - filled)
 
 
+def shows_on_stderr() -> bool:
+    """Whether rich may draw on stderr: it is a terminal, or the environment tells rich to act as
+    if it were (FORCE_COLOR, TTY_COMPATIBLE, TTY_INTERACTIVE)."""
+    if any(os.environ.get(name) for name in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")):
+        return True
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # (no stderr, or a closed one)
+        return False
+
+
 class TranslateProgress:
     """Lines/s and output tokens/s on stderr while translating (when stderr is a
     terminal; in a pipe or a log file, nothing), updated at most 4 times a second.
@@ -173,14 +185,18 @@ class TranslateProgress:
     percentage done and the ETA."""
 
     def __init__(self, console=None):
-        from rich.console import Console
+        if console is None and not shows_on_stderr():  # (rich not even imported: 40-50 ms of a start)
+            self.console = None
+        else:
+            from rich.console import Console
 
-        self.console = console or Console(stderr=True)
+            self.console = console or Console(stderr=True)
         self.lines = self.tokens = 0
         self.total: Optional[int] = None  # the input's lines, once counted
         self.earlier = 0  # lines an earlier run translated (--resume): done, but not timed
         self.started = self.shown = time.time()
-        self._status = self.console.status("translating", spinner="dots") if self.console.is_terminal else None
+        shown = self.console is not None and self.console.is_terminal
+        self._status = self.console.status("translating", spinner="dots") if shown else None
         if self._status is not None:
             self._status.start()
 

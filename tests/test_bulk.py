@@ -302,6 +302,22 @@ def test_progress_shows_a_bar_and_an_eta_on_a_terminal_only(tmp_path):
     quiet.close()
 
 
+def test_progress_on_a_pipe_needs_no_console(monkeypatch):
+    """stderr not a terminal (here: captured): no console is made (rich is not imported for it),
+    and counting and closing still work; FORCE_COLOR makes one, as rich would draw then."""
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    monkeypatch.delenv("TTY_COMPATIBLE", raising=False)
+    monkeypatch.delenv("TTY_INTERACTIVE", raising=False)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    quiet = TranslateProgress()
+    assert quiet.console is None
+    quiet.add(3, 9)
+    assert quiet.lines == 3 and "3 lines" in quiet.text()
+    quiet.close()
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    assert TranslateProgress().console is not None
+
+
 def test_a_job_is_its_glossary_s_terms_not_only_its_name(models, src, tmp_path):
     from s2s.bulk import job_change, job_identity
     from s2s.workers import TranslatorSpec
