@@ -138,9 +138,6 @@ static inline void finish(const float *sums, long rows, long cols, const uint16_
     }
 }
 
-#endif
-
-#ifdef S2S_AVX512BF16
 #define DP_ROWS 6 /* a block of rows x DP_COLS blocks of 16 columns: 24 fp32 sums in registers */
 #define DP_COLS 4
 
