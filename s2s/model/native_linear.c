@@ -118,24 +118,38 @@ void s2s_bf16_pack(const uint16_t *W, long w_row, long N, long K, uint16_t *P)
 /* bf16 of 16 fp32 (to nearest, ties to even; NaN stays NaN) */
 static inline __m256i round16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 
+/* the first min(cols, 16) of 16 lanes */
+static inline __mmask16 keep16(long cols) { return cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1); }
+
+/* b[n0 .. n0 + 16) widened to fp32 (the lanes of ``keep``; 0 for b NULL) */
+static inline __m512 bias16(const uint16_t *b, long n0, __mmask16 keep)
+{
+    return b ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, b + n0)), 16))
+             : _mm512_setzero_ps();
+}
+
+/* 16 outputs of a row: act(sums + bias) in bf16 at y, or in fp32 at y32 where it is not NULL */
+static inline void store16(__m512 sums, __m512 bias, int act, __mmask16 keep, uint16_t *y, float *y32)
+{
+    __m512 v = _mm512_add_ps(sums, bias);
+    if (act == ACT_RELU)
+        v = _mm512_max_ps(v, _mm512_setzero_ps());
+    if (y32)
+        _mm512_mask_storeu_ps(y32, keep, v);
+    else
+        _mm256_mask_storeu_epi16(y, keep, round16(v));
+}
+
 /* y[r, n0 .. n0 + cols) = act(sums[r, :] + b) in bf16 (or in fp32 into y32 where it is not NULL),
  * for r < rows; sums rows 16 apart */
 static inline void finish(const float *sums, long rows, long cols, const uint16_t *b, int act, uint16_t *y,
                           float *y32, long y_row, long n0)
 {
-    const __mmask16 keep = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
-    const __m512 bias = b ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, b + n0)), 16))
-                          : _mm512_setzero_ps();
-    for (long r = 0; r < rows; r++) {
-        __m512 v = _mm512_add_ps(_mm512_loadu_ps(sums + 16 * r), bias);
-        if (act == ACT_RELU)
-            v = _mm512_max_ps(v, _mm512_setzero_ps());
-        if (y32)
-            _mm512_mask_storeu_ps(y32 + r * y_row + n0, keep, v);
-        else
-            _mm256_mask_storeu_epi16(y + r * y_row + n0, keep, round16(v));
-    }
+    const __mmask16 keep = keep16(cols);
+    const __m512 bias = bias16(b, n0, keep);
+    for (long r = 0; r < rows; r++)
+        store16(_mm512_loadu_ps(sums + 16 * r), bias, act, keep, y ? y + r * y_row + n0 : NULL,
+                y32 ? y32 + r * y_row + n0 : NULL);
 }
 
 #define DP_ROWS 6 /* a block of rows x DP_COLS blocks of 16 columns: 24 fp32 sums in registers */
@@ -167,19 +181,10 @@ static inline __attribute__((always_inline)) void dp_block(const int R, const in
     }
     for (int c = 0; c < C; c++) {
         const long col = n0 + 16 * c, cols = N - col;
-        const __mmask16 keep = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
-        const __m512 bias = b ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, b + col)), 16))
-                              : _mm512_setzero_ps();
-        for (int r = 0; r < R; r++) {
-            __m512 v = _mm512_add_ps(acc[r][c], bias);
-            if (act == ACT_RELU)
-                v = _mm512_max_ps(v, _mm512_setzero_ps());
-            if (y32)
-                _mm512_mask_storeu_ps(y32 + r * y_row + col, keep, v);
-            else
-                _mm256_mask_storeu_epi16(y + r * y_row + col, keep, round16(v));
-        }
+        const __mmask16 keep = keep16(cols);
+        const __m512 bias = bias16(b, col, keep);
+        for (int r = 0; r < R; r++)
+            store16(acc[r][c], bias, act, keep, y ? y + r * y_row + col : NULL, y32 ? y32 + r * y_row + col : NULL);
     }
 }
 
