@@ -18,7 +18,8 @@ once (``--workers N``: threads, not processes, here).
 
 :func:`engine_for` takes the route only where it computes what the torch route would
 (``--precision auto`` or bf16 on a CPU with amx_bf16 or avx512_bf16; greedy or beam
-search with none of the search's options this file does not implement; a single
+search with none of the search's options this file does not implement, the text alone or,
+for beam search, the text and its confidence (--scores); a single
 encoder-decoder model of sinusoidal or learned positions) and where the library compiled;
 anything else, and ``S2S_NATIVE_SEARCH=0``, takes torch's route, with the reason at debug level.  The
 outputs are not bit for bit torch's: the residual stream and the scores stay in fp32 here,
@@ -122,9 +123,10 @@ def library() -> Optional[ctypes.CDLL]:
 # When the route is taken
 # --------------------------------------------------------------------------- #
 
-def model_why_not(model, decode, lang) -> Optional[str]:
+def model_why_not(model, decode, lang, scores: bool = False) -> Optional[str]:
     """Why a model (ModelConfig) with these decode settings (DecodeConfig) and language ids
-    (s2s.langs.LanguageIds) is not searched here, or None where it is."""
+    (s2s.langs.LanguageIds) is not searched here, or None where it is; ``scores``: each line's
+    confidence is written too (--scores)."""
     if model.arch != "encoder_decoder":
         return f"model.arch {model.arch}"
     if model.positions not in ("sinusoidal", "learned"):
@@ -144,6 +146,8 @@ def model_why_not(model, decode, lang) -> Optional[str]:
             return f"decode.{key}"
     if lang.tgt_first:
         return "a target-language token to force"
+    if scores and decode.beam == 1:
+        return "--scores with greedy search (its log p is not summed here)"
     return None
 
 
@@ -160,8 +164,8 @@ def spec_why_not(spec, prefixes: bool) -> Optional[str]:
         return f"--device {spec.device}"
     if spec.precision not in ("auto", "bf16") or spec.quantize:
         return f"--precision {spec.precision}" + (" --quantize" if spec.quantize else "")
-    if spec.alignments or spec.nbest_rows or spec.scores or spec.output_format != "text" or prefixes:
-        return "an output with more than the text (alignments, scores, n-best rows, JSON) or a prefix"
+    if spec.alignments or spec.nbest_rows or spec.output_format != "text" or prefixes:
+        return "an output with more than the text and its score (alignments, n-best rows, JSON) or a prefix"
     if not cbuild.cpu_flags() & {"amx_bf16", "avx512_bf16"}:
         return "no amx_bf16 or avx512_bf16 (the route's products are bf16's)"
     return None
@@ -262,12 +266,14 @@ class SearchModel:
             enc_final_norm=norm("enc_final_norm"), dec_final_norm=norm("dec_final_norm"), output=output,
             enc=self.enc_layers, dec=self.dec_layers)
 
-    def search(self, sources: Sequence[Sequence[int]], max_len: Sequence[int], decode) -> list[tuple[list[int], float]]:
+    def search(self, sources: Sequence[Sequence[int]], max_len: Sequence[int],
+               decode) -> list[tuple[list[int], float, float]]:
         """The best output of each of a batch of sources (each ending in </s>) by greedy search
         (``decode.beam`` 1) or beam search (DecodeConfig); ``max_len`` each output's longest,
-        </s> included -> each output's tokens (</s> not included) and its score, log p / lp(m)
-        (NaN for a greedy search, which scores nothing).  A sentence's output does not depend
-        on the others in its batch: every row's arithmetic is its own."""
+        </s> included -> each output's tokens (</s> not included), its score, log p / lp(m), and
+        its log p, </s> included (both NaN for a greedy search, which scores nothing).  A
+        sentence's output does not depend on the others in its batch: every row's arithmetic is
+        its own (a shortlist's batch aside: its union is the batch's)."""
         B = len(sources)
         S, T = max(len(s) for s in sources), max(max_len)
         padded = [self.pad_id] * (B * S)
@@ -290,7 +296,7 @@ class SearchModel:
         found = [out[b * T:b * T + max(out_len[b], 0)] for b in range(B)]
         if ids is not None:  # shortlist positions -> target ids
             found = [[ids[v] for v in tokens] for tokens in found]
-        return [(tokens, score[b]) for b, tokens in enumerate(found)]
+        return [(tokens, score[b], logp[b] if decode.beam > 1 else math.nan) for b, tokens in enumerate(found)]
 
     def _shortlisted(self, src) -> tuple[Any, Any]:
         """The model of a batch of source ids ``src`` (padding included: the pad's list is the
@@ -339,12 +345,14 @@ class NativeSearch:
     trained_src_tokens: int
     max_input: int
     cap: int  # the longest output (s2s.modeldir.output_cap)
+    scores: bool = False  # each line's text, then a TAB and its confidence (--scores: s2s.output)
 
     def translate_lines(self, lines: Sequence[str], line_nos: Sequence[int],
                         pool: Optional[ThreadPoolExecutor]) -> tuple[list[str], int]:
-        """Each line's translation (empty for an empty line) and the output tokens, </s> included:
-        the lines sorted by length into batches (s2s.workers.task_batches), searched by
-        ``pool``'s threads at once (or here)."""
+        """Each line's translation (empty for an empty line; with ``scores``, then a TAB and its
+        confidence, s2s.output's) and the output tokens, </s> included: the lines sorted by length
+        into batches (s2s.workers.task_batches), searched by ``pool``'s threads at once (or here)."""
+        from s2s.output import SCORE_DECIMALS, mean_log_prob
         from s2s.tokenizer import encode_source_lines
         from s2s.workers import sorted_batches, task_batches
 
@@ -355,15 +363,19 @@ class NativeSearch:
                                                            self.decode.batch_tokens)]
         d = self.decode
 
-        def search(rows: list[int]) -> list[tuple[list[int], float]]:
+        def search(rows: list[int]) -> list[tuple[list[int], float, float]]:
             sources = [ids[i] for i in rows]
             return self.model.search(sources, [max_output_length(len(s) - 1, d.max_len_a, d.max_len_b, self.cap)
                                                for s in sources], d)
 
         texts, n_tokens = [""] * len(lines), 0
+        if self.scores:  # (an empty line: log 1)
+            texts = [f"\t{0.0:.{SCORE_DECIMALS}f}"] * len(lines)
         for rows, found in zip(batches, pool.map(search, batches) if pool is not None else map(search, batches)):
-            for i, (tokens, _) in zip(rows, found):
+            for i, (tokens, _, log_p) in zip(rows, found):
                 texts[i] = self.tok.decode_tgt(tokens)
+                if self.scores:
+                    texts[i] += f"\t{mean_log_prob(log_p, len(tokens) + 1):.{SCORE_DECIMALS}f}"
                 n_tokens += len(tokens) + 1
         return texts, n_tokens
 
@@ -452,7 +464,7 @@ def _load(spec) -> NativeSearch:
     cfg, tok = load_spec(d)
     decode = model_decode_settings(d, cfg, spec.overrides, spec.defaults)
     lang = language_ids(tok.languages, tok.token_id, decode.tgt_lang)
-    why = model_why_not(cfg.model, decode, lang)
+    why = model_why_not(cfg.model, decode, lang, spec.scores)
     if why is not None:
         raise _NotHere(why)
     if library() is None:
@@ -469,4 +481,4 @@ def _load(spec) -> NativeSearch:
     shortlist = _shortlist(d, weights) if decode.shortlist else None
     model = SearchModel(cfg, weights, tok, max(max_input, cap) + 1, shortlist)
     log.debug("search without torch: bf16 products on %s", KERNELS.get(library().s2s_bf16_linear_isa(), "?"))
-    return NativeSearch(model, tok, decode, lang, cfg.data.max_src_tokens, max_input, cap)
+    return NativeSearch(model, tok, decode, lang, cfg.data.max_src_tokens, max_input, cap, spec.scores)

@@ -308,7 +308,7 @@ def spec(**kw) -> TranslatorSpec:
 @pytest.mark.parametrize("kw,why", [
     (dict(models=("a", "b")), "ensemble"), (dict(device="cuda"), "--device"),
     (dict(precision="fp32"), "--precision"), (dict(quantize="int8"), "--quantize"),
-    (dict(alignments=True), "alignments"), (dict(scores=True), "scores"), (dict(nbest_rows=True), "n-best"),
+    (dict(alignments=True), "alignments"), (dict(nbest_rows=True), "n-best"),
     (dict(output_format="jsonl"), "JSON")])
 def test_settings_left_to_torch(kw, why, monkeypatch):
     monkeypatch.setattr(native_search.cbuild, "cpu_flags", lambda: frozenset({"amx_bf16"}))
@@ -339,6 +339,53 @@ def test_models_and_searches_left_to_torch(model, decode, why):
     m = ModelConfig(**{"d_model": 64, "heads": 2, "d_ff": 128, **model})
     got = native_search.model_why_not(m, DecodeConfig(**{"beam": 1, **decode}), LanguageIds())
     assert got is None if why is None else why in got
+
+
+def test_scores_are_written_here_for_beam_search_only():
+    """--scores: beam search sums each hypothesis's log p, greedy search here does not."""
+    assert native_search.spec_why_not(spec(scores=True), False) is None
+    m, lang = ModelConfig(d_model=64, heads=2, d_ff=128), LanguageIds()
+    assert native_search.model_why_not(m, DecodeConfig(beam=4), lang, scores=True) is None
+    assert "greedy" in native_search.model_why_not(m, DecodeConfig(beam=1), lang, scores=True)
+
+
+@needs_bf16
+def test_scores_are_the_mean_log_p_torch_gives(prepared, tmp_path):
+    """Beam search with --scores: each line TEXT, TAB, its confidence (s2s.output: log p over its
+    tokens, </s> counted) to 4 decimals, as torch's route with the C search's arithmetic gives it
+    (within 1e-3 of its size where the texts agree); an empty line 0.0000."""
+    from s2s.output import confidence
+    from s2s.translate import Translator
+
+    d = model_dir(prepared, tmp_path / "m")
+    lines = dev_lines(prepared, 20) + [""]
+    decode = {"beam": 4}
+    engine = native_search.engine_for(TranslatorSpec(models=(str(d),), overrides=decode, precision="bf16",
+                                                     device="cpu", scores=True), False)
+    rows = engine.translate_lines(lines, range(1, len(lines) + 1), None)[0]
+    assert rows[-1] == "\t0.0000" and all(row.count("\t") == 1 for row in rows)
+    captured = []
+    real = Translator.translate_lines
+
+    def keep(self, *args, **kw):
+        out = real(self, *args, **kw)
+        captured.extend(out)
+        return out
+
+    Translator.translate_lines = keep
+    try:
+        emulated(d, lines, decode)
+    finally:
+        Translator.translate_lines = real
+    agree = 0
+    for row, t in zip(rows, captured):
+        text, score = row.rsplit("\t", 1)
+        if text != t.text:
+            continue
+        agree += 1
+        want = confidence(t.hypotheses[0] if t.hypotheses else None)
+        assert float(score) == pytest.approx(want, rel=1e-3, abs=1e-4), (text, score, want)
+    assert agree >= len(lines) - 2
 
 
 def test_a_forced_target_language_is_torchs_route():
