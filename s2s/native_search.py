@@ -18,8 +18,8 @@ once (``--workers N``: threads, not processes, here).
 
 :func:`engine_for` takes the route only where it computes what the torch route would
 (``--precision auto`` or bf16 on a CPU with amx_bf16 or avx512_bf16; greedy or beam
-search with none of the search's options this file does not implement, the text alone or,
-for beam search, the text and its confidence (--scores); a single
+search with none of the search's options this file does not implement, the text alone or
+the text and its confidence (--scores); a single
 encoder-decoder model of sinusoidal or learned positions) and where the library compiled;
 anything else, and ``S2S_NATIVE_SEARCH=0``, takes torch's route, with the reason at debug level.  The
 outputs are not bit for bit torch's: the residual stream and the scores stay in fp32 here,
@@ -93,7 +93,8 @@ def library() -> Optional[ctypes.CDLL]:
         return None
     lib.s2s_greedy.restype = ctypes.c_int
     lib.s2s_greedy.argtypes = [ctypes.POINTER(Model), ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
-                               ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+                               ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
+                               ctypes.c_void_p]
     lib.s2s_beam.restype = ctypes.c_int
     lib.s2s_beam.argtypes = [ctypes.POINTER(Model), ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
                              ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_double,
@@ -123,10 +124,9 @@ def library() -> Optional[ctypes.CDLL]:
 # When the route is taken
 # --------------------------------------------------------------------------- #
 
-def model_why_not(model, decode, lang, scores: bool = False) -> Optional[str]:
+def model_why_not(model, decode, lang) -> Optional[str]:
     """Why a model (ModelConfig) with these decode settings (DecodeConfig) and language ids
-    (s2s.langs.LanguageIds) is not searched here, or None where it is; ``scores``: each line's
-    confidence is written too (--scores)."""
+    (s2s.langs.LanguageIds) is not searched here, or None where it is."""
     if model.arch != "encoder_decoder":
         return f"model.arch {model.arch}"
     if model.positions not in ("sinusoidal", "learned"):
@@ -146,8 +146,6 @@ def model_why_not(model, decode, lang, scores: bool = False) -> Optional[str]:
             return f"decode.{key}"
     if lang.tgt_first:
         return "a target-language token to force"
-    if scores and decode.beam == 1:
-        return "--scores with greedy search (its log p is not summed here)"
     return None
 
 
@@ -266,12 +264,13 @@ class SearchModel:
             enc_final_norm=norm("enc_final_norm"), dec_final_norm=norm("dec_final_norm"), output=output,
             enc=self.enc_layers, dec=self.dec_layers)
 
-    def search(self, sources: Sequence[Sequence[int]], max_len: Sequence[int],
-               decode) -> list[tuple[list[int], float, float]]:
+    def search(self, sources: Sequence[Sequence[int]], max_len: Sequence[int], decode,
+               log_p: bool = False) -> list[tuple[list[int], float, float]]:
         """The best output of each of a batch of sources (each ending in </s>) by greedy search
         (``decode.beam`` 1) or beam search (DecodeConfig); ``max_len`` each output's longest,
-        </s> included -> each output's tokens (</s> not included), its score, log p / lp(m), and
-        its log p, </s> included (both NaN for a greedy search, which scores nothing).  A
+        </s> included -> each output's tokens (</s> not included), its score, log p / lp(m) (NaN
+        for a greedy search, which ranks by nothing), and its log p, </s> included (a greedy
+        search sums it only with ``log_p``: NaN without).  A
         sentence's output does not depend on the others in its batch: every row's arithmetic is
         its own (a shortlist's batch aside: its union is the batch's)."""
         B = len(sources)
@@ -284,9 +283,10 @@ class SearchModel:
         longest = (ctypes.c_long * B)(*max_len)
         out, out_len = (ctypes.c_int32 * (B * T))(), (ctypes.c_long * B)()
         model, ids = (ctypes.byref(self.model), None) if self.shortlist is None else self._shortlisted(src)
-        score, logp = (ctypes.c_float * B)(*[math.nan] * B), (ctypes.c_float * B)()
+        score, logp = (ctypes.c_float * B)(*[math.nan] * B), (ctypes.c_float * B)(*[math.nan] * B)
         if decode.beam == 1:
-            rc = self.lib.s2s_greedy(model, B, src, S, src_len, longest, decode.min_len, out, T, out_len)
+            rc = self.lib.s2s_greedy(model, B, src, S, src_len, longest, decode.min_len, out, T, out_len,
+                                     logp if log_p else None)
         else:
             rc = self.lib.s2s_beam(model, B, src, S, src_len, longest, decode.min_len, decode.beam, 1, decode.alpha,
                                    LENGTH_PENALTIES[decode.length_penalty], decode.stop == "exact", out, T, out_len,
@@ -296,7 +296,7 @@ class SearchModel:
         found = [out[b * T:b * T + max(out_len[b], 0)] for b in range(B)]
         if ids is not None:  # shortlist positions -> target ids
             found = [[ids[v] for v in tokens] for tokens in found]
-        return [(tokens, score[b], logp[b] if decode.beam > 1 else math.nan) for b, tokens in enumerate(found)]
+        return [(tokens, score[b], logp[b]) for b, tokens in enumerate(found)]
 
     def _shortlisted(self, src) -> tuple[Any, Any]:
         """The model of a batch of source ids ``src`` (padding included: the pad's list is the
@@ -366,7 +366,7 @@ class NativeSearch:
         def search(rows: list[int]) -> list[tuple[list[int], float, float]]:
             sources = [ids[i] for i in rows]
             return self.model.search(sources, [max_output_length(len(s) - 1, d.max_len_a, d.max_len_b, self.cap)
-                                               for s in sources], d)
+                                               for s in sources], d, self.scores)
 
         texts, n_tokens = [""] * len(lines), 0
         if self.scores:  # (an empty line: log 1)
@@ -464,7 +464,7 @@ def _load(spec) -> NativeSearch:
     cfg, tok = load_spec(d)
     decode = model_decode_settings(d, cfg, spec.overrides, spec.defaults)
     lang = language_ids(tok.languages, tok.token_id, decode.tgt_lang)
-    why = model_why_not(cfg.model, decode, lang, spec.scores)
+    why = model_why_not(cfg.model, decode, lang)
     if why is not None:
         raise _NotHere(why)
     if library() is None:

@@ -341,25 +341,24 @@ def test_models_and_searches_left_to_torch(model, decode, why):
     assert got is None if why is None else why in got
 
 
-def test_scores_are_written_here_for_beam_search_only():
-    """--scores: beam search sums each hypothesis's log p, greedy search here does not."""
+def test_scores_are_written_here():
     assert native_search.spec_why_not(spec(scores=True), False) is None
-    m, lang = ModelConfig(d_model=64, heads=2, d_ff=128), LanguageIds()
-    assert native_search.model_why_not(m, DecodeConfig(beam=4), lang, scores=True) is None
-    assert "greedy" in native_search.model_why_not(m, DecodeConfig(beam=1), lang, scores=True)
 
 
 @needs_bf16
-def test_scores_are_the_mean_log_p_torch_gives(prepared, tmp_path):
-    """Beam search with --scores: each line TEXT, TAB, its confidence (s2s.output: log p over its
-    tokens, </s> counted) to 4 decimals, as torch's route with the C search's arithmetic gives it
-    (within 1e-3 of its size where the texts agree); an empty line 0.0000."""
+@pytest.mark.parametrize("decode", [{"beam": 4}, {"beam": 1}, {"beam": 1, "min_len": 3, "max_len_a": 0.0,
+                                                                "max_len_b": 4},
+                                    {"beam": 1, "min_len": 5, "max_len_a": 0.0, "max_len_b": 3}])
+def test_scores_are_the_mean_log_p_torch_gives(prepared, tmp_path, decode):
+    """--scores: each line TEXT, TAB, its confidence (s2s.output: log p over its tokens, </s>
+    counted) to 4 decimals, as torch's route with the C search's arithmetic gives it (within 1e-3
+    of its size where the texts agree); an empty line 0.0000.  Greedy too, its log p summed in C
+    (outputs cut at max_len: </s>'s own log p there; before min_len a blocked </s>, 0)."""
     from s2s.output import confidence
     from s2s.translate import Translator
 
     d = model_dir(prepared, tmp_path / "m")
     lines = dev_lines(prepared, 20) + [""]
-    decode = {"beam": 4}
     engine = native_search.engine_for(TranslatorSpec(models=(str(d),), overrides=decode, precision="bf16",
                                                      device="cpu", scores=True), False)
     rows = engine.translate_lines(lines, range(1, len(lines) + 1), None)[0]

@@ -551,12 +551,15 @@ static void block_specials(const s2s_model *m, float *z, long t, long min_len)
 
 /* Greedy search of B sources: src (B, src_stride) token ids, sentence b's src_len[b] of them (its
  * </s> included, at least 1); max_len[b] >= 1 its longest output (</s> included).  out (B,
- * out_stride >= max_len[b]) gets each output's tokens, out_len[b] of them (</s> not included).
+ * out_stride >= max_len[b]) gets each output's tokens, out_len[b] of them (</s> not included);
+ * out_logp (NULL: not computed) each output's log p, </s> included, as s2s.search.greedy_search
+ * sums it: each step's log_softmax over the whole vocabulary, taken before the rules block
+ * tokens (at max_len, </s>'s own log p, 0 where it is blocked).
  * Returns 0; -1 where memory cannot be allocated, -2 where there is no AMX kernel (this library
  * or this process), -3 where a step's scores hold NaN, -4 where a kernel failed (its scratch
  * could not be allocated). */
 int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, const long *src_len,
-               const long *max_len, long min_len, int32_t *out, long out_stride, long *out_len)
+               const long *max_len, long min_len, int32_t *out, long out_stride, long *out_len, float *out_logp)
 {
     if (!s2s_bf16_linear_isa())
         return -2;
@@ -565,12 +568,13 @@ int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, 
         T_max = max_len[b] > T_max ? max_len[b] : T_max;
     batch s;
     long *live, *slot;
-    float *best;
+    float *best, *shift, *logp, *block_top;
     int64_t *choice;
     carver c = {NULL, 0};
     for (int pass = 0; pass < 2; pass++) { /* count, then carve the thread's block */
         lay_out_batch(m, &s, &c, B, src_len, B, B, T_max);
         CARVE(&c, live, B), CARVE(&c, slot, B), CARVE(&c, best, B), CARVE(&c, choice, B);
+        CARVE(&c, shift, B), CARVE(&c, logp, B), CARVE(&c, block_top, m->vocab / SHIFT_BLOCK + 1);
         if (!pass && !(c.base = thread_block(c.used)))
             return -1;
         c.used = 0;
@@ -581,6 +585,7 @@ int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, 
         live[b] = b;
         s.tok[b] = m->bos_id;
         out_len[b] = 0;
+        logp[b] = 0.0f;
     }
     for (long t = 0; !rc && N > 0 && t < T_max; t++) {
         for (long i = 0; i < N; i++)
@@ -589,9 +594,17 @@ int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, 
             rc = -4;
             break;
         }
-        for (long i = 0; i < N; i++)
+        for (long i = 0; i < N && out_logp; i++) { /* log p = z - log sum exp z, before the rules */
+            shift[i] = s2s_log_softmax_shift(s.z + i * m->vocab, m->vocab, block_top);
+            if (shift[i] != shift[i])
+                rc = -3;
+        }
+        for (long i = 0; i < N; i++) {
+            if (out_logp && max_len[live[i]] <= t + 1) /* </s> alone, at its own log p (0 where blocked) */
+                logp[live[i]] += t < min_len ? 0.0f : s.z[i * m->vocab + m->eos_id] - shift[i];
             block_specials(m, s.z + i * m->vocab, t, min_len);
-        if (s2s_argmax_rows_f32(s.z, m->vocab, N, m->vocab, best, choice)) {
+        }
+        if (rc || s2s_argmax_rows_f32(s.z, m->vocab, N, m->vocab, best, choice)) {
             rc = -3;
             break;
         }
@@ -599,8 +612,12 @@ int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, 
         for (long i = 0; i < N; i++) {
             const long b = live[i];
             const int32_t y = max_len[b] <= t + 1 ? m->eos_id : (int32_t)choice[i];
+            if (out_logp && max_len[b] > t + 1)
+                logp[b] += best[i] - shift[i];
             if (y == m->eos_id) {
                 out_len[b] = t;
+                if (out_logp)
+                    out_logp[b] = logp[b];
                 continue;
             }
             out[b * out_stride + t] = y;
