@@ -18,8 +18,8 @@ once (``--workers N``: threads, not processes, here).
 
 :func:`engine_for` takes the route only where it computes what the torch route would
 (``--precision auto`` or bf16 on a CPU with amx_bf16 or avx512_bf16; greedy or beam
-search with none of the search's options this file does not implement, the text alone or
-the text and its confidence (--scores); a single
+search with none of the search's options this file does not implement, text rows, with
+their confidence (--scores) or as n-best rows (--nbest, s2s.output's formats); a single
 encoder-decoder model of sinusoidal or learned positions) and where the library compiled;
 anything else, and ``S2S_NATIVE_SEARCH=0``, takes torch's route, with the reason at debug level.  The
 outputs are not bit for bit torch's: the residual stream and the scores stay in fp32 here,
@@ -137,8 +137,8 @@ def model_why_not(model, decode, lang) -> Optional[str]:
                        ("d_ff", model.d_ff)):
         if size % 32:
             return f"{name} {size} is not whole tiles of 32"
-    if decode.sampling or decode.nbest != 1 or decode.coverage_penalty:
-        return "sampling, n-best or a coverage penalty"
+    if decode.sampling or decode.coverage_penalty:
+        return "sampling or a coverage penalty"
     if decode.length_penalty not in LENGTH_PENALTIES or decode.stop not in ("exact", "early"):
         return f"decode.length_penalty {decode.length_penalty} or decode.stop {decode.stop}"
     for key in ("no_repeat_ngram", "compile", "glossary", "split_sentences", "markup"):
@@ -162,8 +162,8 @@ def spec_why_not(spec, prefixes: bool) -> Optional[str]:
         return f"--device {spec.device}"
     if spec.precision not in ("auto", "bf16") or spec.quantize:
         return f"--precision {spec.precision}" + (" --quantize" if spec.quantize else "")
-    if spec.alignments or spec.nbest_rows or spec.output_format != "text" or prefixes:
-        return "an output with more than the text and its score (alignments, n-best rows, JSON) or a prefix"
+    if spec.alignments or spec.output_format != "text" or prefixes:
+        return "an output with more than texts and scores (alignments, JSON) or a prefix"
     if not cbuild.cpu_flags() & {"amx_bf16", "avx512_bf16"}:
         return "no amx_bf16 or avx512_bf16 (the route's products are bf16's)"
     return None
@@ -265,14 +265,14 @@ class SearchModel:
             enc=self.enc_layers, dec=self.dec_layers)
 
     def search(self, sources: Sequence[Sequence[int]], max_len: Sequence[int], decode,
-               log_p: bool = False) -> list[tuple[list[int], float, float]]:
-        """The best output of each of a batch of sources (each ending in </s>) by greedy search
-        (``decode.beam`` 1) or beam search (DecodeConfig); ``max_len`` each output's longest,
-        </s> included -> each output's tokens (</s> not included), its score, log p / lp(m) (NaN
-        for a greedy search, which ranks by nothing), and its log p, </s> included (a greedy
-        search sums it only with ``log_p``: NaN without).  A
-        sentence's output does not depend on the others in its batch: every row's arithmetic is
-        its own (a shortlist's batch aside: its union is the batch's)."""
+               log_p: bool = False) -> list[list[tuple[list[int], float, float]]]:
+        """The best outputs of each of a batch of sources (each ending in </s>) by greedy search
+        (``decode.beam`` 1) or beam search (DecodeConfig; its ``nbest`` best, best first, as
+        many as it finished); ``max_len`` each output's longest, </s> included -> each source's
+        hypotheses: tokens (</s> not included), score, log p / lp(m) (NaN for a greedy search,
+        which ranks by nothing), and log p, </s> included (a greedy search sums it only with
+        ``log_p``: NaN without).  A sentence's outputs do not depend on the others in its batch:
+        every row's arithmetic is its own (a shortlist's batch aside: its union is the batch's)."""
         B = len(sources)
         S, T = max(len(s) for s in sources), max(max_len)
         padded = [self.pad_id] * (B * S)
@@ -281,22 +281,27 @@ class SearchModel:
         src = (ctypes.c_int32 * (B * S))(*padded)
         src_len = (ctypes.c_long * B)(*(len(s) for s in sources))
         longest = (ctypes.c_long * B)(*max_len)
-        out, out_len = (ctypes.c_int32 * (B * T))(), (ctypes.c_long * B)()
+        n = decode.nbest if decode.beam > 1 else 1
+        out, out_len = (ctypes.c_int32 * (B * n * T))(), (ctypes.c_long * (B * n))()
         model, ids = (ctypes.byref(self.model), None) if self.shortlist is None else self._shortlisted(src)
-        score, logp = (ctypes.c_float * B)(*[math.nan] * B), (ctypes.c_float * B)(*[math.nan] * B)
+        score, logp = ((ctypes.c_float * (B * n))(*[math.nan] * (B * n)) for _ in range(2))
         if decode.beam == 1:
             rc = self.lib.s2s_greedy(model, B, src, S, src_len, longest, decode.min_len, out, T, out_len,
                                      logp if log_p else None)
         else:
-            rc = self.lib.s2s_beam(model, B, src, S, src_len, longest, decode.min_len, decode.beam, 1, decode.alpha,
+            rc = self.lib.s2s_beam(model, B, src, S, src_len, longest, decode.min_len, decode.beam, n, decode.alpha,
                                    LENGTH_PENALTIES[decode.length_penalty], decode.stop == "exact", out, T, out_len,
                                    score, logp)
         if rc:
             raise S2SError(f"the native search failed: {ERRORS.get(rc, f'error {rc}')}")
-        found = [out[b * T:b * T + max(out_len[b], 0)] for b in range(B)]
-        if ids is not None:  # shortlist positions -> target ids
-            found = [[ids[v] for v in tokens] for tokens in found]
-        return [(tokens, score[b], logp[b]) for b, tokens in enumerate(found)]
+        found: list[list[tuple[list[int], float, float]]] = []
+        for b in range(B):
+            hyps = [(out[o * T:o * T + out_len[o]], score[o], logp[o]) for o in range(b * n, b * n + n)
+                    if out_len[o] >= 0]  # (-1: fewer finished than n)
+            if ids is not None:  # shortlist positions -> target ids
+                hyps = [([ids[v] for v in tokens], sc, lp) for tokens, sc, lp in hyps]
+            found.append(hyps)
+        return found
 
     def _shortlisted(self, src) -> tuple[Any, Any]:
         """The model of a batch of source ids ``src`` (padding included: the pad's list is the
@@ -346,6 +351,7 @@ class NativeSearch:
     max_input: int
     cap: int  # the longest output (s2s.modeldir.output_cap)
     scores: bool = False  # each line's text, then a TAB and its confidence (--scores: s2s.output)
+    nbest_rows: bool = False  # `LINE ||| TEXT ||| SCORE` rows even for one hypothesis (--nbest 1)
 
     def translate_lines(self, lines: Sequence[str], line_nos: Sequence[int],
                         pool: Optional[ThreadPoolExecutor]) -> tuple[list[str], int]:
@@ -368,15 +374,23 @@ class NativeSearch:
             return self.model.search(sources, [max_output_length(len(s) - 1, d.max_len_a, d.max_len_b, self.cap)
                                                for s in sources], d, self.scores)
 
-        texts, n_tokens = [""] * len(lines), 0
-        if self.scores:  # (an empty line: log 1)
-            texts = [f"\t{0.0:.{SCORE_DECIMALS}f}"] * len(lines)
+        nbest = self.nbest_rows or d.nbest > 1  # (s2s.workers.TranslatorSpec.output's rule)
+
+        def row(i: int, h: Optional[tuple[list[int], float, float]]) -> str:
+            """One output row of line i for hypothesis h (None: no output, an empty line's), as
+            s2s.output.format_translation writes it."""
+            text = "" if h is None else self.tok.decode_tgt(h[0])
+            if nbest:
+                text = f"{line_nos[i] - 1} ||| {text} ||| {0.0 if h is None else h[1]:.4f}"
+            if self.scores:  # (an empty line: log 1)
+                text += f"\t{0.0 if h is None else mean_log_prob(h[2], len(h[0]) + 1):.{SCORE_DECIMALS}f}"
+            return text
+
+        texts, n_tokens = [row(i, None) for i in range(len(lines))], 0
         for rows, found in zip(batches, pool.map(search, batches) if pool is not None else map(search, batches)):
-            for i, (tokens, _, log_p) in zip(rows, found):
-                texts[i] = self.tok.decode_tgt(tokens)
-                if self.scores:
-                    texts[i] += f"\t{mean_log_prob(log_p, len(tokens) + 1):.{SCORE_DECIMALS}f}"
-                n_tokens += len(tokens) + 1
+            for i, hyps in zip(rows, found):
+                texts[i] = "\n".join(row(i, h) for h in hyps) if hyps else row(i, None)
+                n_tokens += len(hyps[0][0]) + 1 if hyps else 0
         return texts, n_tokens
 
     def translate_stream(self, items: Iterator[str], threads: int, chunk_lines: int, first_line_no: int,
@@ -481,4 +495,5 @@ def _load(spec) -> NativeSearch:
     shortlist = _shortlist(d, weights) if decode.shortlist else None
     model = SearchModel(cfg, weights, tok, max(max_input, cap) + 1, shortlist)
     log.debug("search without torch: bf16 products on %s", KERNELS.get(library().s2s_bf16_linear_isa(), "?"))
-    return NativeSearch(model, tok, decode, lang, cfg.data.max_src_tokens, max_input, cap, spec.scores)
+    return NativeSearch(model, tok, decode, lang, cfg.data.max_src_tokens, max_input, cap, spec.scores,
+                        spec.nbest_rows)

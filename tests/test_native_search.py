@@ -137,7 +137,7 @@ def native_scores(directory: Path, lines: list[str], decode: dict) -> list[float
     d = engine.decode
     found = iter(engine.model.search(todo, [native_search.max_output_length(len(x) - 1, d.max_len_a, d.max_len_b,
                                                                             engine.cap) for x in todo], d))
-    return [math.nan if x is None else next(found)[1] for x in ids]
+    return [math.nan if x is None else next(found)[0][1] for x in ids]
 
 
 @needs_bf16
@@ -308,7 +308,7 @@ def spec(**kw) -> TranslatorSpec:
 @pytest.mark.parametrize("kw,why", [
     (dict(models=("a", "b")), "ensemble"), (dict(device="cuda"), "--device"),
     (dict(precision="fp32"), "--precision"), (dict(quantize="int8"), "--quantize"),
-    (dict(alignments=True), "alignments"), (dict(nbest_rows=True), "n-best"),
+    (dict(alignments=True), "alignments"),
     (dict(output_format="jsonl"), "JSON")])
 def test_settings_left_to_torch(kw, why, monkeypatch):
     monkeypatch.setattr(native_search.cbuild, "cpu_flags", lambda: frozenset({"amx_bf16"}))
@@ -332,7 +332,7 @@ def test_a_cpu_without_bf16_products_is_torchs_route(monkeypatch):
     ({}, {}, None), (dict(arch="decoder_only"), {}, "arch"), (dict(positions="t5_bias"), {}, "positions"),
     (dict(copy=True), {}, "copy"), (dict(d_model=48, heads=2), {}, "d_model"), (dict(d_ff=100), {}, "d_ff"),
     ({}, dict(beam=5), None), ({}, dict(sampling=True), "sampling"), ({}, dict(coverage_penalty=0.2), "coverage"),
-    ({}, dict(beam=5, nbest=2), "n-best"),
+    ({}, dict(beam=5, nbest=2), None),
     ({}, dict(no_repeat_ngram=3), "no_repeat_ngram"), ({}, dict(shortlist=True), None),
     ({}, dict(glossary="g.tsv"), "glossary"), ({}, dict(split_sentences=True), "split_sentences")])
 def test_models_and_searches_left_to_torch(model, decode, why):
@@ -341,8 +341,8 @@ def test_models_and_searches_left_to_torch(model, decode, why):
     assert got is None if why is None else why in got
 
 
-def test_scores_are_written_here():
-    assert native_search.spec_why_not(spec(scores=True), False) is None
+def test_scores_and_nbest_rows_are_written_here():
+    assert native_search.spec_why_not(spec(scores=True, nbest_rows=True), False) is None
 
 
 @needs_bf16
@@ -385,6 +385,51 @@ def test_scores_are_the_mean_log_p_torch_gives(prepared, tmp_path, decode):
         want = confidence(t.hypotheses[0] if t.hypotheses else None)
         assert float(score) == pytest.approx(want, rel=1e-3, abs=1e-4), (text, score, want)
     assert agree >= len(lines) - 2
+
+
+@needs_bf16
+@pytest.mark.parametrize("decode,scores,rows", [({"beam": 4, "nbest": 3}, True, False), ({"beam": 3}, False, True)])
+def test_nbest_rows_are_torchs(prepared, tmp_path, decode, scores, rows):
+    """--nbest K (or --nbest 1's rows): `LINE ||| TEXT ||| SEARCH_SCORE[<TAB>SCORE]` for each of a
+    line's K best, best first, as s2s.output.format_translation writes torch's route's with the C
+    search's arithmetic (the same rows but for a line or two, numbers within 1e-3 of their size);
+    an empty line's row too."""
+    from s2s.output import OutputFormat, format_translation
+    from s2s.translate import Translator
+
+    d = model_dir(prepared, tmp_path / "m")
+    lines = dev_lines(prepared, 20) + [""]
+    engine = native_search.engine_for(TranslatorSpec(models=(str(d),), overrides=decode, precision="bf16",
+                                                     device="cpu", scores=scores, nbest_rows=rows), False)
+    got = engine.translate_lines(lines, range(1, len(lines) + 1), None)[0]
+    captured = []
+    real = Translator.translate_lines
+
+    def keep(self, *args, **kw):
+        out = real(self, *args, **kw)
+        captured.extend(out)
+        return out
+
+    Translator.translate_lines = keep
+    try:
+        emulated(d, lines, decode)
+    finally:
+        Translator.translate_lines = real
+    fmt = OutputFormat(nbest=True, scores=scores)
+    want = [format_translation(t, fmt).rstrip("\n") for t in captured]
+    assert got[-1] == want[-1] == "20 |||  ||| 0.0000" + ("\t0.0000" if scores else "")
+    differ = 0
+    for g, w in zip(got, want):
+        g_rows, w_rows = g.split("\n"), w.split("\n")
+        assert len(g_rows) == len(w_rows) == (decode.get("nbest", 1) if g_rows[0].split(" ||| ")[1] else 1)
+        if [r.split(" ||| ")[:2] for r in g_rows] != [r.split(" ||| ")[:2] for r in w_rows]:
+            differ += 1
+            continue
+        for gr, wr in zip(g_rows, w_rows):
+            g_nums = [float(x) for x in gr.split(" ||| ")[2].split("\t")]
+            w_nums = [float(x) for x in wr.split(" ||| ")[2].split("\t")]
+            assert g_nums == pytest.approx(w_nums, rel=1e-3, abs=2e-4), (gr, wr)
+    assert differ <= 2
 
 
 def test_a_forced_target_language_is_torchs_route():
