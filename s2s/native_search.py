@@ -18,8 +18,9 @@ once (``--workers N``: threads, not processes, here).
 
 :func:`engine_for` takes the route only where it computes what the torch route would
 (``--precision auto`` or bf16 on a CPU with amx_bf16 or avx512_bf16; greedy or beam
-search with none of the search's options this file does not implement, text rows, with
-their confidence (--scores) or as n-best rows (--nbest, s2s.output's formats); a single
+search with none of the search's options this file does not implement, its output as
+s2s.output writes it: text rows, with their confidence (--scores), n-best rows of a beam search
+(--nbest) or JSON lines; a single
 encoder-decoder model of sinusoidal or learned positions) and where the library compiled;
 anything else, and ``S2S_NATIVE_SEARCH=0``, takes torch's route, with the reason at debug level.  The
 outputs are not bit for bit torch's: the residual stream and the scores stay in fp32 here,
@@ -162,8 +163,8 @@ def spec_why_not(spec, prefixes: bool) -> Optional[str]:
         return f"--device {spec.device}"
     if spec.precision not in ("auto", "bf16") or spec.quantize:
         return f"--precision {spec.precision}" + (" --quantize" if spec.quantize else "")
-    if spec.alignments or spec.output_format != "text" or prefixes:
-        return "an output with more than texts and scores (alignments, JSON) or a prefix"
+    if spec.alignments or prefixes:
+        return "alignments or a prefix"
     if not cbuild.cpu_flags() & {"amx_bf16", "avx512_bf16"}:
         return "no amx_bf16 or avx512_bf16 (the route's products are bf16's)"
     return None
@@ -350,15 +351,20 @@ class NativeSearch:
     trained_src_tokens: int
     max_input: int
     cap: int  # the longest output (s2s.modeldir.output_cap)
-    scores: bool = False  # each line's text, then a TAB and its confidence (--scores: s2s.output)
-    nbest_rows: bool = False  # `LINE ||| TEXT ||| SCORE` rows even for one hypothesis (--nbest 1)
+    fmt: Any = None  # s2s.output.OutputFormat: what is written of each line (None: its text)
+
+    def __post_init__(self) -> None:
+        from s2s.output import OutputFormat
+
+        self.fmt = self.fmt or OutputFormat()
 
     def translate_lines(self, lines: Sequence[str], line_nos: Sequence[int],
                         pool: Optional[ThreadPoolExecutor]) -> tuple[list[str], int]:
-        """Each line's translation (empty for an empty line; with ``scores``, then a TAB and its
-        confidence, s2s.output's) and the output tokens, </s> included: the lines sorted by length
-        into batches (s2s.workers.task_batches), searched by ``pool``'s threads at once (or here)."""
-        from s2s.output import SCORE_DECIMALS, mean_log_prob
+        """Each line's output as ``fmt`` writes it (s2s.output.format_translation: its text,
+        confidence, n-best rows or JSON object; an empty line's too), without the last newline,
+        and the output tokens, </s> included: the lines sorted by length into batches
+        (s2s.workers.task_batches), searched by ``pool``'s threads at once (or here)."""
+        from s2s.output import format_translation
         from s2s.tokenizer import encode_source_lines
         from s2s.workers import sorted_batches, task_batches
 
@@ -372,24 +378,14 @@ class NativeSearch:
         def search(rows: list[int]) -> list[tuple[list[int], float, float]]:
             sources = [ids[i] for i in rows]
             return self.model.search(sources, [max_output_length(len(s) - 1, d.max_len_a, d.max_len_b, self.cap)
-                                               for s in sources], d, self.scores)
+                                               for s in sources], d, self.fmt.shows_scores)
 
-        nbest = self.nbest_rows or d.nbest > 1  # (s2s.workers.TranslatorSpec.output's rule)
-
-        def row(i: int, h: Optional[tuple[list[int], float, float]]) -> str:
-            """One output row of line i for hypothesis h (None: no output, an empty line's), as
-            s2s.output.format_translation writes it."""
-            text = "" if h is None else self.tok.decode_tgt(h[0])
-            if nbest:
-                text = f"{line_nos[i] - 1} ||| {text} ||| {0.0 if h is None else h[1]:.4f}"
-            if self.scores:  # (an empty line: log 1)
-                text += f"\t{0.0 if h is None else mean_log_prob(h[2], len(h[0]) + 1):.{SCORE_DECIMALS}f}"
-            return text
-
-        texts, n_tokens = [row(i, None) for i in range(len(lines))], 0
+        texts, n_tokens = [format_translation(_Line(n, [], []), self.fmt)[:-1] for n in line_nos], 0
         for rows, found in zip(batches, pool.map(search, batches) if pool is not None else map(search, batches)):
             for i, hyps in zip(rows, found):
-                texts[i] = "\n".join(row(i, h) for h in hyps) if hyps else row(i, None)
+                line = _Line(line_nos[i], [_Hypothesis(tokens, score, log_p) for tokens, score, log_p in hyps],
+                             [self.tok.decode_tgt(tokens) for tokens, _, _ in hyps])
+                texts[i] = format_translation(line, self.fmt)[:-1]  # (its rows; the stream ends the last)
                 n_tokens += len(hyps[0][0]) + 1 if hyps else 0
         return texts, n_tokens
 
@@ -425,6 +421,30 @@ def engine_for(spec, prefixes: bool) -> Optional[NativeSearch]:
             why = f"the model directory ({e})"
     log.debug("search through torch: %s", why)
     return None
+
+
+@dataclass
+class _Hypothesis:
+    """What s2s.output reads of an s2s.search.Hypothesis (which lives with torch)."""
+
+    tokens: list[int]
+    score: float  # log p / lp(m)
+    log_prob: float  # </s> included
+    alignment: None = None
+    m: None = None
+
+
+@dataclass
+class _Line:
+    """What s2s.output reads of an s2s.translate.Translation."""
+
+    line_no: int
+    hypotheses: list[_Hypothesis]
+    texts: list[str]
+
+    @property
+    def text(self) -> str:
+        return self.texts[0] if self.texts else ""
 
 
 class _NotHere(Exception):
@@ -481,6 +501,11 @@ def _load(spec) -> NativeSearch:
     why = model_why_not(cfg.model, decode, lang)
     if why is not None:
         raise _NotHere(why)
+    from s2s.output import OutputFormat  # (s2s.workers.TranslatorSpec.output's, with no alignments here)
+
+    fmt = OutputFormat(nbest=decode.nbest > 1 or spec.nbest_rows, scores=spec.scores, format=spec.output_format)
+    if fmt.nbest and decode.beam == 1:
+        raise _NotHere("n-best rows of a greedy search (its search score, log p / lp(m), is not computed here)")
     if library() is None:
         raise _NotHere("the library did not compile or load, or no bf16 kernel here")
     verified_meta(d)  # (after the checks above: torch's route, where they send it, hashes the weights itself)
@@ -495,5 +520,4 @@ def _load(spec) -> NativeSearch:
     shortlist = _shortlist(d, weights) if decode.shortlist else None
     model = SearchModel(cfg, weights, tok, max(max_input, cap) + 1, shortlist)
     log.debug("search without torch: bf16 products on %s", KERNELS.get(library().s2s_bf16_linear_isa(), "?"))
-    return NativeSearch(model, tok, decode, lang, cfg.data.max_src_tokens, max_input, cap, spec.scores,
-                        spec.nbest_rows)
+    return NativeSearch(model, tok, decode, lang, cfg.data.max_src_tokens, max_input, cap, fmt)

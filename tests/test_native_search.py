@@ -308,8 +308,7 @@ def spec(**kw) -> TranslatorSpec:
 @pytest.mark.parametrize("kw,why", [
     (dict(models=("a", "b")), "ensemble"), (dict(device="cuda"), "--device"),
     (dict(precision="fp32"), "--precision"), (dict(quantize="int8"), "--quantize"),
-    (dict(alignments=True), "alignments"),
-    (dict(output_format="jsonl"), "JSON")])
+    (dict(alignments=True), "alignments")])
 def test_settings_left_to_torch(kw, why, monkeypatch):
     monkeypatch.setattr(native_search.cbuild, "cpu_flags", lambda: frozenset({"amx_bf16"}))
     assert native_search.spec_why_not(spec(), False) is None
@@ -341,8 +340,9 @@ def test_models_and_searches_left_to_torch(model, decode, why):
     assert got is None if why is None else why in got
 
 
-def test_scores_and_nbest_rows_are_written_here():
+def test_scores_nbest_rows_and_json_are_written_here():
     assert native_search.spec_why_not(spec(scores=True, nbest_rows=True), False) is None
+    assert native_search.spec_why_not(spec(output_format="jsonl"), False) is None
 
 
 @needs_bf16
@@ -402,6 +402,9 @@ def test_nbest_rows_are_torchs(prepared, tmp_path, decode, scores, rows):
     engine = native_search.engine_for(TranslatorSpec(models=(str(d),), overrides=decode, precision="bf16",
                                                      device="cpu", scores=scores, nbest_rows=rows), False)
     got = engine.translate_lines(lines, range(1, len(lines) + 1), None)[0]
+    greedy_rows = TranslatorSpec(models=(str(d),), overrides={"beam": 1}, precision="bf16", device="cpu",
+                                 nbest_rows=True)
+    assert native_search.engine_for(greedy_rows, False) is None  # (a greedy search's SEARCH_SCORE: torch's)
     captured = []
     real = Translator.translate_lines
 
@@ -430,6 +433,44 @@ def test_nbest_rows_are_torchs(prepared, tmp_path, decode, scores, rows):
             w_nums = [float(x) for x in wr.split(" ||| ")[2].split("\t")]
             assert g_nums == pytest.approx(w_nums, rel=1e-3, abs=2e-4), (gr, wr)
     assert differ <= 2
+
+
+@needs_bf16
+@pytest.mark.parametrize("decode", [{"beam": 4, "nbest": 2}, {"beam": 1}])
+def test_json_lines_are_torchs(prepared, tmp_path, decode):
+    """--format jsonl: one object per line, text and score (and "nbest", best first), as
+    s2s.output.translation_json writes torch's route's with the C search's arithmetic."""
+    import json
+
+    from s2s.output import OutputFormat, format_translation
+    from s2s.translate import Translator
+
+    d = model_dir(prepared, tmp_path / "m")
+    lines = dev_lines(prepared, 20) + [""]
+    engine = native_search.engine_for(TranslatorSpec(models=(str(d),), overrides=decode, precision="bf16",
+                                                     device="cpu", output_format="jsonl"), False)
+    got = [json.loads(x) for x in engine.translate_lines(lines, range(1, len(lines) + 1), None)[0]]
+    captured = []
+    real = Translator.translate_lines
+
+    def keep(self, *args, **kw):
+        out = real(self, *args, **kw)
+        captured.extend(out)
+        return out
+
+    Translator.translate_lines = keep
+    try:
+        emulated(d, lines, decode)
+    finally:
+        Translator.translate_lines = real
+    fmt = OutputFormat(nbest=decode.get("nbest", 1) > 1, format="jsonl")
+    want = [json.loads(format_translation(t, fmt)) for t in captured]
+    assert got[-1] == want[-1] == ({"text": "", "score": 0.0, "nbest": [{"text": "", "score": 0.0}]}
+                                   if "nbest" in decode else {"text": "", "score": 0.0})
+    same = [(g, w) for g, w in zip(got, want) if g["text"] == w["text"]]
+    assert len(same) >= len(lines) - 2
+    for g, w in same:
+        assert g.keys() == w.keys() and g["score"] == pytest.approx(w["score"], rel=1e-3, abs=2e-4)
 
 
 def test_a_forced_target_language_is_torchs_route():
