@@ -101,6 +101,25 @@ def emulated(directory: Path, lines: list[str], decode: dict) -> list[tuple[str,
     return [(t.text, t.hypotheses[0].score if t.hypotheses else math.nan) for t in translator.translate_lines(lines)]
 
 
+def emulated_translations(directory: Path, lines: list[str], decode: dict) -> list:
+    """:func:`emulated`'s s2s.translate.Translation of each line (hypotheses, scores, texts)."""
+    from s2s.translate import Translator
+
+    captured, real = [], Translator.translate_lines
+
+    def keep(self, *args, **kw):
+        out = real(self, *args, **kw)
+        captured.extend(out)
+        return out
+
+    Translator.translate_lines = keep
+    try:
+        emulated(directory, lines, decode)
+    finally:
+        Translator.translate_lines = real
+    return captured
+
+
 def native(directory: Path, lines: list[str], threads: int = 1, decode: Optional[dict] = None) -> list[str]:
     from concurrent.futures import ThreadPoolExecutor
 
@@ -355,7 +374,6 @@ def test_scores_are_the_mean_log_p_torch_gives(prepared, tmp_path, decode):
     of its size where the texts agree); an empty line 0.0000.  Greedy too, its log p summed in C
     (outputs cut at max_len: </s>'s own log p there; before min_len a blocked </s>, 0)."""
     from s2s.output import confidence
-    from s2s.translate import Translator
 
     d = model_dir(prepared, tmp_path / "m")
     lines = dev_lines(prepared, 20) + [""]
@@ -363,19 +381,7 @@ def test_scores_are_the_mean_log_p_torch_gives(prepared, tmp_path, decode):
                                                      device="cpu", scores=True), False)
     rows = engine.translate_lines(lines, range(1, len(lines) + 1), None)[0]
     assert rows[-1] == "\t0.0000" and all(row.count("\t") == 1 for row in rows)
-    captured = []
-    real = Translator.translate_lines
-
-    def keep(self, *args, **kw):
-        out = real(self, *args, **kw)
-        captured.extend(out)
-        return out
-
-    Translator.translate_lines = keep
-    try:
-        emulated(d, lines, decode)
-    finally:
-        Translator.translate_lines = real
+    captured = emulated_translations(d, lines, decode)
     agree = 0
     for row, t in zip(rows, captured):
         text, score = row.rsplit("\t", 1)
@@ -395,7 +401,6 @@ def test_nbest_rows_are_torchs(prepared, tmp_path, decode, scores, rows):
     search's arithmetic (the same rows but for a line or two, numbers within 1e-3 of their size);
     an empty line's row too."""
     from s2s.output import OutputFormat, format_translation
-    from s2s.translate import Translator
 
     d = model_dir(prepared, tmp_path / "m")
     lines = dev_lines(prepared, 20) + [""]
@@ -405,19 +410,7 @@ def test_nbest_rows_are_torchs(prepared, tmp_path, decode, scores, rows):
     greedy_rows = TranslatorSpec(models=(str(d),), overrides={"beam": 1}, precision="bf16", device="cpu",
                                  nbest_rows=True)
     assert native_search.engine_for(greedy_rows, False) is None  # (a greedy search's SEARCH_SCORE: torch's)
-    captured = []
-    real = Translator.translate_lines
-
-    def keep(self, *args, **kw):
-        out = real(self, *args, **kw)
-        captured.extend(out)
-        return out
-
-    Translator.translate_lines = keep
-    try:
-        emulated(d, lines, decode)
-    finally:
-        Translator.translate_lines = real
+    captured = emulated_translations(d, lines, decode)
     fmt = OutputFormat(nbest=True, scores=scores)
     want = [format_translation(t, fmt).rstrip("\n") for t in captured]
     assert got[-1] == want[-1] == "20 |||  ||| 0.0000" + ("\t0.0000" if scores else "")
@@ -443,26 +436,13 @@ def test_json_lines_are_torchs(prepared, tmp_path, decode):
     import json
 
     from s2s.output import OutputFormat, format_translation
-    from s2s.translate import Translator
 
     d = model_dir(prepared, tmp_path / "m")
     lines = dev_lines(prepared, 20) + [""]
     engine = native_search.engine_for(TranslatorSpec(models=(str(d),), overrides=decode, precision="bf16",
                                                      device="cpu", output_format="jsonl"), False)
     got = [json.loads(x) for x in engine.translate_lines(lines, range(1, len(lines) + 1), None)[0]]
-    captured = []
-    real = Translator.translate_lines
-
-    def keep(self, *args, **kw):
-        out = real(self, *args, **kw)
-        captured.extend(out)
-        return out
-
-    Translator.translate_lines = keep
-    try:
-        emulated(d, lines, decode)
-    finally:
-        Translator.translate_lines = real
+    captured = emulated_translations(d, lines, decode)
     fmt = OutputFormat(nbest=decode.get("nbest", 1) > 1, format="jsonl")
     want = [json.loads(format_translation(t, fmt)) for t in captured]
     assert got[-1] == want[-1] == ({"text": "", "score": 0.0, "nbest": [{"text": "", "score": 0.0}]}
