@@ -375,7 +375,7 @@ class NativeSearch:
                                                            self.decode.batch_tokens)]
         d = self.decode
 
-        def search(rows: list[int]) -> list[tuple[list[int], float, float]]:
+        def search(rows: list[int]) -> list[list[tuple[list[int], float, float]]]:
             sources = [ids[i] for i in rows]
             return self.model.search(sources, [max_output_length(len(s) - 1, d.max_len_a, d.max_len_b, self.cap)
                                                for s in sources], d, self.fmt.shows_scores)
