@@ -1,7 +1,7 @@
 /* Greedy and beam search of an encoder-decoder transformer in C, without torch: s2s.native_search
  * compiles this file with native_attention.c and native_linear.c (cc -O3 -march=native) into a
  * library of its own, loaded through ctypes, and ``s2s translate`` decodes plain searches with
- * it on a CPU with AMX, where importing torch took longer than a greedy search.
+ * it on a CPU with AMX or AVX512-BF16, where importing torch took longer than a greedy search.
  *
  * The same model as s2s.model.transformer (docs/model.md (1)-(21)), for one batch of sources:
  *
@@ -16,7 +16,8 @@
  * z_t[v]) or by beam search over log p = log_softmax(z_t) (s2s.search.beam_search), with the
  * search's rules (s2s.search.constrain): pad and <s> never chosen, </s> blocked while t < min_len
  * and the only choice at t = max_len - 1.  Every product is s2s_bf16_linear's (W packed once into
- * AMX tiles, x rounded to bf16, sums in fp32, y rounded to bf16); the residual stream, the norms
+ * AMX's tile layout, run on AMX or vdpbf16ps, x rounded to bf16, sums in fp32, y rounded to bf16;
+ * with a shortlist, the output projection over the batch's ids alone); the residual stream, the norms
  * and the attention's softmax and sums run in fp32; the attention is s2s_few_query_attention's
  * over bf16 K/V, one sentence (or beam) at a time over its own positions (no padding, no mask).
  * A sentence's rows leave the step's products once its search has ended.
@@ -555,7 +556,7 @@ static void block_specials(const s2s_model *m, float *z, long t, long min_len)
  * out_logp (NULL: not computed) each output's log p, </s> included, as s2s.search.greedy_search
  * sums it: each step's log_softmax over the whole vocabulary, taken before the rules block
  * tokens (at max_len, </s>'s own log p, 0 where it is blocked).
- * Returns 0; -1 where memory cannot be allocated, -2 where there is no AMX kernel (this library
+ * Returns 0; -1 where memory cannot be allocated, -2 where there is no bf16 kernel (this library
  * or this process), -3 where a step's scores hold NaN, -4 where a kernel failed (its scratch
  * could not be allocated). */
 int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, const long *src_len,
