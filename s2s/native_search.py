@@ -38,12 +38,13 @@ import math
 import os
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from s2s import cbuild
 from s2s.errors import S2SError
+from s2s.output import OutputFormat
 
 log = logging.getLogger("s2s")
 
@@ -351,12 +352,7 @@ class NativeSearch:
     trained_src_tokens: int
     max_input: int
     cap: int  # the longest output (s2s.modeldir.output_cap)
-    fmt: Any = None  # s2s.output.OutputFormat: what is written of each line (None: its text)
-
-    def __post_init__(self) -> None:
-        from s2s.output import OutputFormat
-
-        self.fmt = self.fmt or OutputFormat()
+    fmt: OutputFormat = field(default_factory=OutputFormat)  # what is written of each line
 
     def translate_lines(self, lines: Sequence[str], line_nos: Sequence[int],
                         pool: Optional[ThreadPoolExecutor]) -> tuple[list[str], int]:
@@ -501,9 +497,7 @@ def _load(spec) -> NativeSearch:
     why = model_why_not(cfg.model, decode, lang)
     if why is not None:
         raise _NotHere(why)
-    from s2s.output import OutputFormat  # (s2s.workers.TranslatorSpec.output's, with no alignments here)
-
-    fmt = OutputFormat(nbest=decode.nbest > 1 or spec.nbest_rows, scores=spec.scores, format=spec.output_format)
+    fmt = spec.output_format_for(decode.nbest, alignments=False)  # (alignments: torch's route)
     if fmt.nbest and decode.beam == 1:
         raise _NotHere("n-best rows of a greedy search (its search score, log p / lp(m), is not computed here)")
     if library() is None:

@@ -120,8 +120,13 @@ class TranslatorSpec:
 
     def output(self, translator) -> OutputFormat:
         """How the translator's output is written (see s2s.output)."""
-        return OutputFormat(nbest=translator.decode.nbest > 1 or self.nbest_rows, alignments=translator.alignments,
-                            scores=self.scores, format=self.output_format)
+        return self.output_format_for(translator.decode.nbest, translator.alignments)
+
+    def output_format_for(self, nbest: int, alignments: bool) -> OutputFormat:
+        """How a search of ``nbest`` hypotheses a line (decode.nbest) is written, with or without
+        alignments: n-best rows for more than one hypothesis or --nbest 1's rows."""
+        return OutputFormat(nbest=nbest > 1 or self.nbest_rows, alignments=alignments, scores=self.scores,
+                            format=self.output_format)
 
 
 def auto_workers(device: str, cores: int) -> int:
