@@ -600,11 +600,8 @@ int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, 
             if (shift[i] != shift[i])
                 rc = -3;
         }
-        for (long i = 0; i < N; i++) {
-            if (out_logp && max_len[live[i]] <= t + 1) /* </s> alone, at its own log p (0 where blocked) */
-                logp[live[i]] += t < min_len ? 0.0f : s.z[i * m->vocab + m->eos_id] - shift[i];
+        for (long i = 0; i < N; i++)
             block_specials(m, s.z + i * m->vocab, t, min_len);
-        }
         if (rc || s2s_argmax_rows_f32(s.z, m->vocab, N, m->vocab, best, choice)) {
             rc = -3;
             break;
@@ -613,8 +610,10 @@ int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, 
         for (long i = 0; i < N; i++) {
             const long b = live[i];
             const int32_t y = max_len[b] <= t + 1 ? m->eos_id : (int32_t)choice[i];
-            if (out_logp && max_len[b] > t + 1)
-                logp[b] += best[i] - shift[i];
+            if (out_logp) { /* at max_len </s> alone, at its own log p (0 where it is blocked) */
+                const float z = y == choice[i] ? best[i] : s.z[i * m->vocab + m->eos_id];
+                logp[b] += isinf(z) ? 0.0f : z - shift[i];
+            }
             if (y == m->eos_id) {
                 out_len[b] = t;
                 if (out_logp)
