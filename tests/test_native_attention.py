@@ -72,7 +72,8 @@ def test_kernel_reads_the_layouts_a_step_gives_it():
     ancestry[:, :, 1:, 1::3] = NEG_INF  # each query its own keys
     ancestry[:, :, 3, 1:] = NEG_INF  # one key only
     got = kernel(beams, k, v, ancestry)
-    torch.testing.assert_close(got, few_query_attention(beams, k, v, ancestry), atol=2e-5, rtol=2e-5)
+    # (scores 30x larger: the order of their fp32 sums, in 16 or 8 lanes, moves a weight by 2e-5)
+    torch.testing.assert_close(got, few_query_attention(beams, k, v, ancestry), atol=4e-5, rtol=2e-5)
     torch.testing.assert_close(got[:, :, 3], v[:, :, 0])  # one key: its value, whatever the score
 
 

@@ -28,7 +28,7 @@
 
 #if defined(__has_builtin)
 #if __has_builtin(__builtin_shufflevector)
-#define S2S_VECTORS 1 /* GCC >= 12, clang: 16-float vectors for d_head = 16, 32, ..., 128 */
+#define S2S_VECTORS 1 /* GCC >= 12, clang: vectors of floats (VL below) for d_head = 16, 32, ..., 128 */
 #endif
 #endif
 
@@ -38,7 +38,7 @@
  * multiply-add, which -fassociative-math cannot merge), |r| <= ln(2) / 2, e^r by Cephes' expf
  * polynomial (within 0.83 ulp of e^x on [-87, 0], measured); 0 below ln(FLT_MIN), so e^-inf = 0 as a masked key's weight must be; NaN stays
  * NaN.  Branch-free: the softmax's loop of it vectorizes, where libm's expf is a call per score. */
-#define EXP_REDUCED(T, r) /* e^r, |r| <= ln(2) / 2, for T float or 16 floats (v16) */ \
+#define EXP_REDUCED(T, r) /* e^r, |r| <= ln(2) / 2, for T float or a vector (vN) */ \
     ({                                                                                  \
         T p_ = (T){0} + 1.9875691500e-4f;                                               \
         p_ = p_ * (r) + 1.3981999507e-3f;                                               \
@@ -152,90 +152,111 @@ INLINE void head_any(const int bf16, const float *restrict cq, const void *restr
 }
 
 #ifdef S2S_VECTORS
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias)); /* any float address */
+/* The vector code runs on vectors of the registers' width, VL lanes: 16 with AVX-512 (or no
+ * AVX2), 8 with AVX2 alone.  (Built for AVX2 alone, GCC 12 made each comparison of 16-float
+ * vectors 16 scalar compares and spilled their halves: a beam step's log_softmax shift ran 10x
+ * slower, a head 2-3x, than on 8-lane vectors.) */
+#if defined(__AVX512F__) || !defined(__AVX2__)
+#define VL 16
+#else
+#define VL 8
+#endif
+typedef float vN __attribute__((vector_size(4 * VL)));
+typedef float vNu __attribute__((vector_size(4 * VL), aligned(4), may_alias)); /* any float address */
+typedef int32_t iN __attribute__((vector_size(4 * VL)));
+typedef uint16_t u16xNu __attribute__((vector_size(2 * VL), aligned(2), may_alias));
+typedef uint32_t u32xN __attribute__((vector_size(4 * VL)));
 
-typedef uint16_t u16x16u __attribute__((vector_size(32), aligned(2), may_alias));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+INLINE vN loadN(const float *p) { return *(const vNu *)p; }
+INLINE void storeN(float *p, vN x) { *(vNu *)p = x; }
 
-INLINE v16 load16(const float *p) { return *(const v16u *)p; }
-INLINE void store16(float *p, v16 x) { *(v16u *)p = x; }
-
-/* 16 K/V elements from element i on, as fp32 (bf16: widened, its 16 bits on top of 16 zero bits) */
-INLINE v16 kv16(const int bf16, const void *base, long i)
+/* VL K/V elements from element i on, as fp32 (bf16: widened, its 16 bits on top of 16 zero bits) */
+INLINE vN kvN(const int bf16, const void *base, long i)
 {
     if (!bf16)
-        return load16((const float *)base + i);
-    const u32x16 wide = __builtin_convertvector(*(const u16x16u *)((const uint16_t *)base + i), u32x16) << 16;
-    return (v16)wide;
+        return loadN((const float *)base + i);
+    return (vN)(__builtin_convertvector(*(const u16xNu *)((const uint16_t *)base + i), u32xN) << 16);
 }
 
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
 /* lanes of a where m (all ones), of b where not */
-INLINE v16 select16(i32x16 m, v16 a, v16 b) { return (v16)(((i32x16)a & m) | ((i32x16)b & ~m)); }
+INLINE vN selectN(iN m, vN a, vN b) { return (vN)(((iN)a & m) | ((iN)b & ~m)); }
 
-INLINE float max_lanes16(v16 x)
+INLINE float max_lanes(vN x)
 {
     float m = x[0];
-    for (int l = 1; l < 16; l++)
+    for (int l = 1; l < VL; l++)
         m = x[l] > m ? x[l] : m;
     return m;
 }
 
-/* exp_poly (above) on 16 lanes at once: GCC leaves the scalar loop of it unvectorized (its
- * floorf and selects), where it was most of a head's time (38 cycles a score) */
-INLINE v16 exp16(v16 x)
+INLINE float sum_lanes(vN x)
 {
-    const v16 lo = (v16){0} - 87.33654475f, hi = (v16){0} + 88.37626266f;
-    const i32x16 is_nan = x != x, below = x < lo;
-    v16 xc = select16(below, lo, select16(x > hi, hi, x));
-    xc = select16(is_nan, (v16){0}, xc);
-    const v16 z = xc * 1.44269504088896341f + 0.5f; /* n = floor(z), from truncation toward 0 */
-    const v16 t = __builtin_convertvector(__builtin_convertvector(z, i32x16), v16);
-    const v16 n = t - (v16)((i32x16)((v16){0} + 1.f) & (t > z));
-    v16 r = n * -0.693359375f + xc;
-    __asm__("" : "+m"(r)); /* (ln 2's two parts stay two steps: -fassociative-math would fold them into one) */
-    r = n * 2.12194440e-4f + r;
-    const v16 p = EXP_REDUCED(v16, r);
-    const v16 two_n = (v16)((__builtin_convertvector(n, i32x16) + 127) << 23);
-    return select16(is_nan, x, select16(below, (v16){0}, p * two_n));
+    float sum = 0.f;
+    for (int l = 0; l < VL; l++)
+        sum += x[l];
+    return sum;
 }
 
-/* softmax_rows, 16 scores at a time.  A block past a row's end reads on into the next row's
+/* 0, 1, ..., VL - 1 */
+INLINE iN lanes(void)
+{
+    iN lane;
+    for (int l = 0; l < VL; l++)
+        lane[l] = l;
+    return lane;
+}
+
+/* exp_poly (above) on VL lanes at once: GCC leaves the scalar loop of it unvectorized (its
+ * floorf and selects), where it was most of a head's time (38 cycles a score) */
+INLINE vN expN(vN x)
+{
+    const vN lo = (vN){0} - 87.33654475f, hi = (vN){0} + 88.37626266f;
+    const iN is_nan = x != x, below = x < lo;
+    vN xc = selectN(below, lo, selectN(x > hi, hi, x));
+    xc = selectN(is_nan, (vN){0}, xc);
+    const vN z = xc * 1.44269504088896341f + 0.5f; /* n = floor(z), from truncation toward 0 */
+    const vN t = __builtin_convertvector(__builtin_convertvector(z, iN), vN);
+    const vN n = t - (vN)((iN)((vN){0} + 1.f) & (t > z));
+    vN r = n * -0.693359375f + xc;
+    __asm__("" : "+m"(r)); /* (ln 2's two parts stay two steps: -fassociative-math would fold them into one) */
+    r = n * 2.12194440e-4f + r;
+    const vN p = EXP_REDUCED(vN, r);
+    const vN two_n = (vN)((__builtin_convertvector(n, iN) + 127) << 23);
+    return selectN(is_nan, x, selectN(below, (vN){0}, p * two_n));
+}
+
+/* softmax_rows, VL scores at a time.  A block past a row's end reads on into the next row's
  * scores (or the 16 floats of slack after the last row), leaves them as they were and writes
  * them back unchanged. */
-INLINE void softmax_rows16(float *restrict a, const float *restrict mb, long m_g, long G, long S)
+INLINE void softmax_rows_vec(float *restrict a, const float *restrict mb, long m_g, long G, long S)
 {
-    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const iN lane = lanes();
     for (long j = 0; j < G; j++) {
         float *restrict r = a + j * S;
         add_mask(r, mb ? mb + j * m_g : NULL, S);
-        v16 top = (v16){0} - INFINITY;
-        for (long s = 0; s < S; s += 16)
-            top = select16(lane < (int32_t)(S - s), select16(load16(r + s) > top, load16(r + s), top), top);
-        const float m = max_lanes16(top);
-        v16 sum = (v16){0};
-        for (long s = 0; s < S; s += 16) {
-            const i32x16 in = lane < (int32_t)(S - s);
-            const v16 x = load16(r + s), e = select16(in, exp16(x - m), (v16){0});
+        vN top = (vN){0} - INFINITY;
+        for (long s = 0; s < S; s += VL)
+            top = selectN(lane < (int32_t)(S - s), selectN(loadN(r + s) > top, loadN(r + s), top), top);
+        const float m = max_lanes(top);
+        vN sum = (vN){0};
+        for (long s = 0; s < S; s += VL) {
+            const iN in = lane < (int32_t)(S - s);
+            const vN x = loadN(r + s), e = selectN(in, expN(x - m), (vN){0});
             sum += e;
-            store16(r + s, select16(in, e, x));
+            storeN(r + s, selectN(in, e, x));
         }
-        float total = 0.f;
-        for (int l = 0; l < 16; l++)
-            total += sum[l];
-        const float inv = 1.f / total;
+        const float inv = 1.f / sum_lanes(sum);
         for (long s = 0; s < S; s++)
             r[s] *= inv;
     }
 }
 
-/* lane r of the result = the sum of x[r]'s 16 lanes, r = 0..15: four rounds of pairing rows and
- * adding halves (15 additions for 16 sums, where summing each vector alone takes 4 each) */
-INLINE v16 sum_lanes16(const v16 *x)
+/* lane r of the result = the sum of x[r]'s VL lanes, r < VL: rounds of pairing rows and adding
+ * halves (VL - 1 additions for VL sums, where summing each vector alone takes log2(VL) each) */
+INLINE vN sum_rows(const vN *x)
 {
-    v16 t[8], u[4], w[2];
+#if VL == 16
+    vN t[8], u[4], w[2];
     for (int r = 0; r < 8; r++) /* lanes 0-7: row r's 8 partial sums, 8-15: row r+8's */
         t[r] = __builtin_shufflevector(x[r], x[r + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
              + __builtin_shufflevector(x[r], x[r + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -247,70 +268,81 @@ INLINE v16 sum_lanes16(const v16 *x)
              + __builtin_shufflevector(u[r], u[r + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
     return __builtin_shufflevector(w[0], w[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
          + __builtin_shufflevector(w[0], w[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+#else
+    vN t[4], u[2];
+    for (int r = 0; r < 4; r++) /* lanes 0-3: row r's 4 partial sums, 4-7: row r+4's */
+        t[r] = __builtin_shufflevector(x[r], x[r + 4], 0, 1, 2, 3, 8, 9, 10, 11)
+             + __builtin_shufflevector(x[r], x[r + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int r = 0; r < 2; r++) /* 2 lanes each: rows r, r+2, r+4, r+6 */
+        u[r] = __builtin_shufflevector(t[r], t[r + 2], 0, 1, 8, 9, 4, 5, 12, 13)
+             + __builtin_shufflevector(t[r], t[r + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(u[0], u[1], 0, 8, 2, 10, 4, 12, 6, 14)
+         + __builtin_shufflevector(u[0], u[1], 1, 9, 3, 11, 5, 13, 7, 15);
+#endif
 }
 
-/* one head, D = 16 n (n a constant where it is inlined: the vectors stay in registers).  Keys
- * and values go in blocks of 16 rows, every query's work done on a block while it is in the
- * core's first cache. */
+/* one head, D = 16 n (n a constant where it is inlined: the vectors stay in registers), each of
+ * its rows D / VL vectors.  Keys and values go in blocks of VL rows, every query's work done on
+ * a block while it is in the core's first cache. */
 INLINE void head_vec(const int n, const int bf16, const float *restrict cq, const void *restrict kb, long k_s,
                      const void *restrict vb, long v_s, const void *restrict kn, const float *restrict mb,
                      long m_g, const int64_t *restrict col, float *restrict ob, float *restrict a, long G, long S)
 {
-    const long D = 16 * n;
-    for (long s = 0; s < S; s += 16) { /* scores: a block of 16 keys' sums in one vector per query */
-        const long rows = S - s < 16 ? S - s : 16;
+    const long D = 16 * n, nv = D / VL;
+    for (long s = 0; s < S; s += VL) { /* scores: a block of VL keys' sums in one vector per query */
+        const long rows = S - s < VL ? S - s : VL;
         for (long r = 0; r < rows; r++)
             prefetch_row(bf16, kv_at(bf16, vb, KEY(s + r) * v_s), D);
         for (long j = 0; j < G; j++) {
-            v16 qv[8], acc[16];
-            for (int i = 0; i < n; i++)
-                qv[i] = load16(cq + j * D + 16 * i);
+            vN qv[128 / VL], acc[VL];
+            for (int i = 0; i < nv; i++)
+                qv[i] = loadN(cq + j * D + VL * i);
             for (long r = 0; r < rows; r++) {
                 const long row = KEY(s + r) * k_s;
-                v16 x = qv[0] * kv16(bf16, kb, row);
-                for (int i = 1; i < n; i++)
-                    x += qv[i] * kv16(bf16, kb, row + 16 * i);
+                vN x = qv[0] * kvN(bf16, kb, row);
+                for (int i = 1; i < nv; i++)
+                    x += qv[i] * kvN(bf16, kb, row + VL * i);
                 acc[r] = x;
             }
-            if (rows == 16) {
-                store16(a + j * S + s, sum_lanes16(acc));
+            if (rows == VL) {
+                storeN(a + j * S + s, sum_rows(acc));
             } else { /* the last block: its rows' sums alone (the next query's scores follow them) */
-                for (long r = rows; r < 16; r++)
-                    acc[r] = (v16){0};
-                const v16 sums = sum_lanes16(acc);
+                for (long r = rows; r < VL; r++)
+                    acc[r] = (vN){0};
+                const vN sums = sum_rows(acc);
                 for (long r = 0; r < rows; r++)
                     a[j * S + s + r] = sums[r];
             }
         }
     }
-    softmax_rows16(a, mb, m_g, G, S);
+    softmax_rows_vec(a, mb, m_g, G, S);
     for (long d = 0; d < G * D; d++)
         ob[d] = 0.f;
-    for (long s = 0; s < S; s += 16) { /* out = A V: a block of 16 values into every query's sums */
-        const long rows = S - s < 16 ? S - s : 16;
+    for (long s = 0; s < S; s += VL) { /* out = A V: a block of VL values into every query's sums */
+        const long rows = S - s < VL ? S - s : VL;
         if (kn)
             for (long r = 0; r < rows; r++)
                 prefetch_row(bf16, kv_at(bf16, kn, KEY(s + r) * k_s), D);
         for (long j = 0; j < G; j++) {
             const float *restrict p = a + j * S + s;
-            v16 o0[8], o1[8];
-            for (int i = 0; i < n; i++) {
-                o0[i] = load16(ob + j * D + 16 * i);
-                o1[i] = (v16){0};
+            vN o0[128 / VL], o1[128 / VL];
+            for (int i = 0; i < nv; i++) {
+                o0[i] = loadN(ob + j * D + VL * i);
+                o1[i] = (vN){0};
             }
             long r = 0;
             for (; r + 2 <= rows; r += 2) { /* two rows into two sets of sums: twice the FMAs in flight */
                 const long row0 = KEY(s + r) * v_s, row1 = KEY(s + r + 1) * v_s;
-                for (int i = 0; i < n; i++) {
-                    o0[i] += p[r] * kv16(bf16, vb, row0 + 16 * i);
-                    o1[i] += p[r + 1] * kv16(bf16, vb, row1 + 16 * i);
+                for (int i = 0; i < nv; i++) {
+                    o0[i] += p[r] * kvN(bf16, vb, row0 + VL * i);
+                    o1[i] += p[r + 1] * kvN(bf16, vb, row1 + VL * i);
                 }
             }
             if (r < rows)
-                for (int i = 0; i < n; i++)
-                    o0[i] += p[r] * kv16(bf16, vb, KEY(s + r) * v_s + 16 * i);
-            for (int i = 0; i < n; i++)
-                store16(ob + j * D + 16 * i, o0[i] + o1[i]);
+                for (int i = 0; i < nv; i++)
+                    o0[i] += p[r] * kvN(bf16, vb, KEY(s + r) * v_s + VL * i);
+            for (int i = 0; i < nv; i++)
+                storeN(ob + j * D + VL * i, o0[i] + o1[i]);
         }
     }
 }
@@ -398,15 +430,14 @@ INLINE float block_max(const int bf16, const void *restrict zn, long b, long end
     float m = -INFINITY;
     long v = b;
 #ifdef S2S_VECTORS
-    v16 mv = (v16){0} - INFINITY;
-    i32x16 nv = {0};
-    for (; v + 16 <= end; v += 16) {
-        const v16 x = kv16(bf16, zn, v);
-        const i32x16 up = x > mv;
-        mv = (v16)(((i32x16)x & up) | ((i32x16)mv & ~up));
+    vN mv = (vN){0} - INFINITY;
+    iN nv = {0};
+    for (; v + VL <= end; v += VL) {
+        const vN x = kvN(bf16, zn, v);
+        mv = selectN(x > mv, x, mv);
         nv |= x != x;
     }
-    for (int l = 0; l < 16; l++) {
+    for (int l = 0; l < VL; l++) {
         m = mv[l] > m ? mv[l] : m;
         *nan |= nv[l] != 0;
     }
@@ -421,7 +452,7 @@ INLINE float block_max(const int bf16, const void *restrict zn, long b, long end
 
 /* best[n] = max_v z[n,v] and index[n] = the first v holding it (numpy's and torch's choice on
  * ties; every score -inf: 0), z bf16 (widened as it is read) or fp32, rows z_row elements apart.
- * The maxima of blocks of 512 scores run 16 lanes at a time; only the first block reaching the
+ * The maxima of blocks of 512 scores run VL lanes at a time; only the first block reaching the
  * row's maximum is scanned for its position.  Returns 0, or 1 at a row holding NaN (the caller
  * takes its own route). */
 INLINE int argmax_rows(const int bf16, const void *z, long z_row, long N, long V, float *best, int64_t *index)
@@ -484,11 +515,10 @@ float s2s_log_softmax_shift(const float *z, long V, float *tops)
     float sum = 0.f;
     long v = 0;
 #ifdef S2S_VECTORS
-    v16 acc = (v16){0};
-    for (; v + 16 <= V; v += 16)
-        acc += exp16(load16(z + v) - top);
-    for (int l = 0; l < 16; l++)
-        sum += acc[l];
+    vN acc = (vN){0};
+    for (; v + VL <= V; v += VL)
+        acc += expN(loadN(z + v) - top);
+    sum = sum_lanes(acc);
 #endif
     for (; v < V; v++)
         sum += exp_poly(z[v] - top);
