@@ -59,6 +59,12 @@ steady state), "memory_ratio", and under "models" every model's every row.
     python benchmarks/decode_speed.py --model exp/qs --quick      # 1 round, 200 sentences, small memory check
     python benchmarks/decode_speed.py --model exp/qs --device cuda
     python benchmarks/decode_speed.py --model exp/qs --configs s2s_fp32_2x1,ct2_fp32_2x1   # only these rows
+    python benchmarks/decode_speed.py --model exp/qs --isa avx2     # as a CPU with AVX2 alone would
+
+``--isa avx2`` measures, on a CPU with AVX-512, what a CPU with AVX2 and FMA alone (AMD's Zen 2
+and 3, Intel's Haswell to Comet Lake) runs: every engine capped to those instructions
+(:data:`AVX2_ONLY`: CTranslate2's, oneDNN's and torch's own switches; s2s's kernels compiled for
+x86-64-v3), and no bf16 rows.  The cores' speed is still this CPU's.
 """
 
 from __future__ import annotations
@@ -78,6 +84,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "ddtp-en-de"
 SEARCHES = (("beam5", 5), ("greedy", 1))
+AVX2_ONLY = {"CT2_FORCE_CPU_ISA": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2",
+             "ATEN_CPU_CAPABILITY": "avx2", "S2S_MARCH": "x86-64-v3"}  # --isa avx2's environment
 
 CT2_SCRIPT = """
 import json, sys, time, ctranslate2, sentencepiece as spm
@@ -182,7 +190,9 @@ def splits(cores: int) -> list[tuple[int, int]]:
 
 
 def cpu_has_bf16() -> bool:
-    """Native bf16 matmuls: the CPU flags avx512_bf16 or amx_bf16."""
+    """Native bf16 matmuls: the CPU flags avx512_bf16 or amx_bf16 (and no ``--isa avx2``)."""
+    if os.environ.get("S2S_MARCH") == AVX2_ONLY["S2S_MARCH"]:
+        return False
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -472,7 +482,11 @@ def main() -> None:
                     help="only these configurations, comma-separated (e.g. s2s_fp32_2x1,ct2_int8_2x1)")
     ap.add_argument("--memory-lines", type=int, default=200_000,
                     help="lines of the memory check's big input (0: no memory check)")
+    ap.add_argument("--isa", choices=("native", "avx2"), default="native",
+                    help="avx2: every engine capped to AVX2 and FMA, as on a CPU without AVX-512 (see above)")
     args = ap.parse_args()
+    if args.isa == "avx2":
+        os.environ.update(AVX2_ONLY)
     if not set(args.engines.split(",")) <= {"s2s", "ct2", "hf"}:
         ap.error(f"--engines: {args.engines!r} is not a subset of s2s,ct2,hf")
     for model in args.model:
@@ -507,6 +521,8 @@ def main() -> None:
         memory = memory_check(args.model[0], args, work, src) if args.memory_lines else {}
 
     where = cpu_name() if args.device == "cpu" else torch.cuda.get_device_name(0)
+    if args.isa == "avx2":
+        where += ", every engine capped to AVX2 (--isa avx2)"
     print(f"# {where}; {args.cores} cores; {n} sentences; {args.rounds} round(s); batch {args.batch}; "
           f"sentences/s median [min-max]")
     for m in models:
@@ -521,8 +537,9 @@ def main() -> None:
               f"{memory['memory_rss_small_mib']} MiB on {memory['memory_small_lines']}: "
               f"ratio {memory['memory_ratio']} (goal <= 1.5)")
     head = {k: v for k, v in models[0].items() if k != "rows"}
-    print(json.dumps({**head, **memory, "device": args.device, "cpu_or_gpu": where, "cores": args.cores,
-                      "sentences": n, "rounds": args.rounds, "batch": args.batch, "models": models}))
+    print(json.dumps({**head, **memory, "device": args.device, "cpu_or_gpu": where, "isa": args.isa,
+                      "cores": args.cores, "sentences": n, "rounds": args.rounds, "batch": args.batch,
+                      "models": models}))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@ the C files linked with native_op.cpp against torch's headers) and the torch-fre
 search's (s2s.native_search: the C files alone, loaded through ctypes).  Each is keyed by its
 sources, the compilers and their flags, what else it depends on (torch's version for the
 first) and the CPU (``-march=native``), so that a new source, compiler or CPU builds afresh.
+``$S2S_MARCH`` names another target than ``native`` (``x86-64-v3``: AVX2 and FMA alone, as
+benchmarks/decode_speed.py ``--isa avx2`` measures a CPU without AVX-512 on one that has it); the
+kernels then run what that target has (s2s.native_search asks the library, not the CPU's flags).
 
 This module imports no torch.
 """
@@ -25,8 +28,13 @@ from typing import Sequence
 
 log = logging.getLogger("s2s")
 
-CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-          "-fno-trapping-math", "-fPIC")
+CFLAGS = ("-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fPIC")
+MARCH = "S2S_MARCH"  # the compiler's -march (native where unset)
+
+
+def cflags() -> tuple[str, ...]:
+    """:data:`CFLAGS` with ``-march=$S2S_MARCH`` (``native`` where it is unset)."""
+    return (*CFLAGS, f"-march={os.environ.get(MARCH) or 'native'}")
 COMPILE_TIMEOUT_S = 300
 
 
@@ -75,7 +83,7 @@ def compile_library(name: str, c_sources: Sequence[Path], cxx_source: Path | Non
                     cxx_flags: Sequence[str] = (), link_flags: Sequence[str] = (),
                     depends: Sequence[str] = ()) -> Path:
     """The library ``NAME-KEY.so`` compiled for this machine from ``c_sources`` (by ``cc``, or
-    ``$CC``, with :data:`CFLAGS`) and, with ``cxx_source``, linked with it by ``c++`` (or ``$CXX``,
+    ``$CC``, with :func:`cflags`) and, with ``cxx_source``, linked with it by ``c++`` (or ``$CXX``,
     with ``cxx_flags`` and ``link_flags``), else linked by ``cc``; built into :func:`cache_dir`
     first if it is not there (written under a temporary name and renamed, so that processes
     building it at once never load a partial file).  A compiler that failed leaves
@@ -86,7 +94,7 @@ def compile_library(name: str, c_sources: Sequence[Path], cxx_source: Path | Non
     compilers = [cc] + ([cxx] if cxx_source is not None else [])
     paths = [*c_sources, *([cxx_source] if cxx_source is not None else [])]
     sources = b"".join(path.read_bytes() for path in paths)
-    key = build_key(sources, ["\0".join(compilers), " ".join((*CFLAGS, *cxx_flags)), *depends])
+    key = build_key(sources, ["\0".join(compilers), " ".join((*cflags(), *cxx_flags)), *depends])
     out = cache_dir() / "native" / f"{name}-{key}.so"
     failed = out.with_suffix(".failed")
     if out.exists():
@@ -101,7 +109,7 @@ def compile_library(name: str, c_sources: Sequence[Path], cxx_source: Path | Non
     with tempfile.TemporaryDirectory(prefix=f".{name}-", dir=out.parent) as tmp:
         objects = [os.path.join(tmp, f"{path.stem}.o") for path in c_sources]
         lib = os.path.join(tmp, f"{name}.so")
-        commands = [(cc, [*shlex.split(cc), *CFLAGS, "-c", str(path), "-o", obj])
+        commands = [(cc, [*shlex.split(cc), *cflags(), "-c", str(path), "-o", obj])
                     for path, obj in zip(c_sources, objects)]
         if cxx_source is not None:
             commands.append((cxx, [*shlex.split(cxx), *cxx_flags, str(cxx_source), *objects, "-o", lib,
