@@ -1,5 +1,5 @@
 """Greedy and beam search without torch: ``s2s translate``'s route for a plain search on a CPU with
-bf16 products (AMX, or AVX512-BF16 without it).
+bf16 products (AMX, or AVX512-BF16 without it), or with int8 products on AVX2.
 
 On a 2-core Intel Xeon with AMX, a greedy ``s2s translate`` of 1,000 lines spent 0.85 s
 importing torch (in the workers' server) before its first line, and 0.6 s decoding them
@@ -7,6 +7,7 @@ importing torch (in the workers' server) before its first line, and 0.6 s decodi
 ``native_attention.c`` and ``native_linear.c``, the kernels the torch route calls as operators)
 runs a whole batch's encoder and greedy or beam search in one C call, its products on AMX (or
 AVX512-BF16's vdpbf16ps on a CPU without AMX, as AMD's Zen 4 and 5) with each W packed once,
+or int8 products on AVX2 (``native_int8.c``: W quantized once row by row, x per call),
 the residual stream, the softmax and the scores in fp32, each thread's buffers kept from batch
 to batch (s2s/model/native_search.c); with ``decode.shortlist`` each batch's output projection
 over its shortlist alone (s2s.shortlist: the table read here without torch, the subset computed
@@ -17,14 +18,17 @@ them. The C call releases the GIL, so that N threads of this one process decode 
 once (``--workers N``: threads, not processes, here).
 
 :func:`engine_for` takes the route only where it computes what the torch route would
-(``--precision auto`` or bf16 on a CPU with amx_bf16 or avx512_bf16; greedy or beam
+(:func:`products_for`: ``--precision auto`` or bf16 on a CPU with amx_bf16 or avx512_bf16, in
+bf16; ``--quantize int8``, and ``--precision auto`` where that picks int8 matrices (AVX2 without
+AVX-512), in int8, on a CPU with AVX2; greedy or beam
 search with none of the search's options this file does not implement, its output as
 s2s.output writes it: text rows, with their confidence (--scores), n-best rows of a beam search
 (--nbest) or JSON lines; a single
 encoder-decoder model of sinusoidal or learned positions) and where the library compiled;
 anything else, and ``S2S_NATIVE_SEARCH=0``, takes torch's route, with the reason at debug level.  The
 outputs are not bit for bit torch's: the residual stream and the scores stay in fp32 here,
-where torch's bf16 model rounds them to bf16 (tests/test_native_search.py).
+where torch's bf16 model rounds them to bf16, and int8 products quantize x row by row and W
+row by row, where torch's quantize x and W whole (tests/test_native_search.py).
 
 This module imports no torch.
 """
@@ -49,17 +53,21 @@ from s2s.output import OutputFormat
 log = logging.getLogger("s2s")
 
 MODEL_DIR = Path(__file__).parent / "model"
-SOURCES = tuple(MODEL_DIR / name for name in ("native_attention.c", "native_linear.c", "native_search.c"))
+SOURCES = tuple(MODEL_DIR / name for name in ("native_attention.c", "native_linear.c", "native_int8.c",
+                                              "native_search.c"))
 DISABLE = "S2S_NATIVE_SEARCH"  # =0: torch's route
 ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}  # native_search.c's ACT_*
 LENGTH_PENALTIES = {"gnmt": 0, "power": 1, "none": 2}  # its LP_*
 KERNELS = {1: "AMX", 2: "AVX512-BF16 (vdpbf16ps)"}  # native_linear.c's ISA_*
-ERRORS = {-1: "out of memory", -2: "no bf16 kernel (AMX or AVX512-BF16) in this process",
+BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})  # a CPU with bf16 products
+INT8_FLAGS = frozenset({"avx2", "fma"})  # one with native_int8.c's
+ERRORS = {-1: "out of memory", -2: "no kernel for the model's products in this process",
           -3: "a step's scores hold NaN", -4: "a kernel ran out of memory"}
 
 
 class Linear(ctypes.Structure):
-    _fields_ = [("P", ctypes.c_void_p), ("b", ctypes.c_void_p), ("N", ctypes.c_long), ("K", ctypes.c_long)]
+    _fields_ = [("P", ctypes.c_void_p), ("b", ctypes.c_void_p), ("N", ctypes.c_long), ("K", ctypes.c_long),
+                ("int8", ctypes.c_int)]
 
 
 class Norm(ctypes.Structure):
@@ -85,8 +93,8 @@ class Model(ctypes.Structure):
 @functools.lru_cache(maxsize=None)
 def library() -> Optional[ctypes.CDLL]:
     """The search's library (s2s.cbuild: compiled once per machine with ``cc``), loaded;
-    None where it cannot be built or loaded, or this process has neither bf16 kernel (AMX, or
-    AVX512-BF16; why: at debug level)."""
+    None where it cannot be built or loaded, or this process has no kernel for its products (AMX,
+    AVX512-BF16 or AVX2; why: at debug level)."""
     try:
         lib = ctypes.CDLL(str(cbuild.compile_library("search", SOURCES, link_flags=("-pthread",))))
         lib.s2s_beam  # noqa: B018  (an older or foreign file: AttributeError)
@@ -116,10 +124,23 @@ def library() -> Optional[ctypes.CDLL]:
     lib.s2s_pack_rows.restype = ctypes.c_int
     lib.s2s_pack_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
                                   ctypes.c_void_p, ctypes.c_void_p]
-    if not lib.s2s_bf16_linear_isa():
-        log.debug("native search unavailable: no bf16 kernel (this library or this process)")
+    lib.s2s_i8_packed_bytes.restype = ctypes.c_long
+    lib.s2s_i8_packed_bytes.argtypes = [ctypes.c_long, ctypes.c_long]
+    lib.s2s_i8_quantize_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                                         ctypes.c_void_p]
+    lib.s2s_i8_pack.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+                                ctypes.c_void_p]
+    lib.s2s_pack_rows_i8.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
+                                     ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    if not lib.s2s_bf16_linear_isa() and not lib.s2s_i8_linear_available():
+        log.debug("native search unavailable: no kernel for its products (this library or this process)")
         return None
     return lib
+
+
+def has_products(lib: ctypes.CDLL, products: str) -> bool:
+    """Whether ``lib`` (:func:`library`) runs ``products`` (bf16 or int8) in this process."""
+    return bool(lib.s2s_i8_linear_available() if products == "int8" else lib.s2s_bf16_linear_isa())
 
 
 # --------------------------------------------------------------------------- #
@@ -162,13 +183,33 @@ def spec_why_not(spec, prefixes: bool) -> Optional[str]:
         return "an ensemble"
     if spec.device not in ("cpu", "auto") or (spec.device == "auto" and gpu_driver_present()):
         return f"--device {spec.device}"
-    if spec.precision not in ("auto", "bf16") or spec.quantize:
-        return f"--precision {spec.precision}" + (" --quantize" if spec.quantize else "")
     if spec.alignments or prefixes:
         return "alignments or a prefix"
-    if not cbuild.cpu_flags() & {"amx_bf16", "avx512_bf16"}:
-        return "no amx_bf16 or avx512_bf16 (the route's products are bf16's)"
-    return None
+    products, why = products_for(spec.precision, spec.quantize)
+    return why if products is None else None
+
+
+def products_for(precision: str, quantize: Optional[str],
+                 flags: Optional[frozenset[str]] = None) -> tuple[Optional[str], str]:
+    """The products this route runs for ``--precision`` and ``--quantize`` on a CPU with ``flags``
+    (this one's by default), and why: ("bf16" or "int8", why), or (None, why not).  bf16 for auto
+    or bf16 where the CPU has bf16 products (amx_bf16 or avx512_bf16); int8 for ``--quantize
+    int8`` (fp32 or auto) on a CPU with AVX2, and for auto on one with AVX2 and neither bf16
+    products nor AVX-512, where s2s.precision.auto_arithmetic picks int8 matrices too."""
+    flags = cbuild.cpu_flags() if flags is None else flags
+    if quantize == "int8":
+        if precision == "bf16":
+            return None, "--precision bf16 --quantize int8"  # (torch's route refuses it)
+        if not INT8_FLAGS <= flags:
+            return None, "--quantize int8 without avx2 and fma (the route's int8 products)"
+        return "int8", "--quantize int8"
+    if quantize or precision not in ("auto", "bf16"):
+        return None, f"--precision {precision}" + (f" --quantize {quantize}" if quantize else "")
+    if flags & BF16_FLAGS:
+        return "bf16", f"--precision {precision}, CPU flags {' '.join(sorted(flags & BF16_FLAGS))}"
+    if precision == "auto" and INT8_FLAGS <= flags and "avx512f" not in flags:
+        return "int8", "--precision auto: int8 matrices on AVX2 without AVX-512"
+    return None, f"--precision {precision} and no amx_bf16 or avx512_bf16 (the route's bf16 products)"
 
 
 # --------------------------------------------------------------------------- #
@@ -177,14 +218,15 @@ def spec_why_not(spec, prefixes: bool) -> Optional[str]:
 
 class SearchModel:
     """A model directory's weights laid out for native_search.c: every W packed into AMX's tiles
-    in bf16, biases in bf16, embeddings, position tables and norms in fp32.  ``weights``: name ->
-    (shape, fp32 bytes), as safetensors' ``deserialize`` gives them."""
+    in bf16 (or, ``products`` int8, quantized row by row and packed for native_int8.c), biases in
+    bf16, embeddings, position tables and norms in fp32.  ``weights``: name -> (shape, fp32
+    bytes), as safetensors' ``deserialize`` gives them."""
 
     def __init__(self, cfg, weights: dict[str, tuple[list[int], bytearray]], tok, position_rows: int,
-                 shortlist: Optional[tuple[Any, int, Any, int]] = None):
+                 shortlist: Optional[tuple[Any, int, Any, int]] = None, products: str = "bf16"):
         lib = library()
         m = cfg.model
-        self.lib, self.pad_id = lib, tok.pad_id
+        self.lib, self.pad_id, self.int8 = lib, tok.pad_id, products == "int8"
         self._keep: list[Any] = []  # every buffer the struct points into
 
         def buffer(ctype, n: int):
@@ -206,14 +248,23 @@ class SearchModel:
             lib.s2s_to_bf16(f32(name, keep=False), n, b16)
             return ctypes.addressof(b16)
 
+        def quantized(name: str, N: int, K: int) -> tuple[Any, Any]:  # q(W) row by row, and s_W
+            Wq, scale = (ctypes.c_int8 * (N * K))(), (ctypes.c_float * N)()
+            lib.s2s_i8_quantize_rows(f32(name, keep=False), N, K, Wq, scale)
+            return Wq, scale
+
         def linear(weight: str, bias: Optional[str]) -> Linear:
             if weight not in weights:
                 return Linear()
             N, K = weights[weight][0]
-            P = buffer(ctypes.c_uint16, -(-N // 16) * (K // 32) * 512)
-            if lib.s2s_pack_f32(f32(weight, keep=False), N, K, P):
-                raise MemoryError("packing the weights")
-            return Linear(ctypes.addressof(P), bf16(bias, N) if bias in weights else None, N, K)
+            if self.int8:
+                P = buffer(ctypes.c_uint8, lib.s2s_i8_packed_bytes(N, K))
+                lib.s2s_i8_pack(*quantized(weight, N, K), None, N, K, P)
+            else:
+                P = buffer(ctypes.c_uint16, -(-N // 16) * (K // 32) * 512)
+                if lib.s2s_pack_f32(f32(weight, keep=False), N, K, P):
+                    raise MemoryError("packing the weights")
+            return Linear(ctypes.addressof(P), bf16(bias, N) if bias in weights else None, N, K, self.int8)
 
         def projection(prefix: str) -> Linear:
             return linear(prefix + ".weight", prefix + ".bias")
@@ -242,15 +293,19 @@ class SearchModel:
         self.vocab = weights[tgt_embed][0][0]
         self.enc_layers = (Layer * m.enc_layers)(*(layer(f"encoder_layers.{i}.") for i in range(m.enc_layers)))
         self.dec_layers = (Layer * m.dec_layers)(*(layer(f"decoder_layers.{i}.") for i in range(m.dec_layers)))
-        # W_U: the target embedding where tied; b_U.  With a shortlist, W_U's rows in bf16, each
-        # batch's packed for it (search), and b_U
+        # W_U: the target embedding where tied; b_U.  With a shortlist, W_U's rows in bf16 (or
+        # quantized, with their scales), each batch's packed for it (search), and b_U
         w_u = tgt_embed if m.tie_output else "output_proj.weight"
         self.shortlist = shortlist  # (top, k, frequent, F) as ctypes arrays and sizes
         if shortlist is None:
             output = linear(w_u, "output_bias")
         else:
-            output = Linear(None, None, 0, m.d_model)
-            self.w_u16 = bf16(w_u, self.vocab * m.d_model)
+            output = Linear(None, None, 0, m.d_model, self.int8)
+            if self.int8:
+                self.w_uq = quantized(w_u, self.vocab, m.d_model)
+                self._keep.extend(self.w_uq)
+            else:
+                self.w_u16 = bf16(w_u, self.vocab * m.d_model)
             self.b_u16 = bf16("output_bias", self.vocab) if "output_bias" in weights else None
             self.always = (ctypes.c_int32 * 4)(tok.pad_id, tok.unk_id, tok.bos_id, tok.eos_id)
         self.model = Model(
@@ -314,16 +369,20 @@ class SearchModel:
         V, d, lib = self.vocab, self.model.d, self.lib
         mark, ids = (ctypes.c_ubyte * V)(), (ctypes.c_int32 * V)()
         n = lib.s2s_shortlist_subset(top, k, src, len(src), frequent, F, self.always, len(self.always), V, mark, ids)
-        P = (ctypes.c_uint16 * (-(-n // 16) * (d // 32) * 512))()
         b = (ctypes.c_uint16 * n)() if self.b_u16 is not None else None
-        if lib.s2s_pack_rows(self.w_u16, d, ids, n, self.b_u16, P, b):
-            raise MemoryError("packing the shortlist's rows")
+        if self.int8:
+            P = (ctypes.c_uint8 * lib.s2s_i8_packed_bytes(n, d))()
+            lib.s2s_pack_rows_i8(*self.w_uq, d, ids, n, self.b_u16, P, b)
+        else:
+            P = (ctypes.c_uint16 * (-(-n // 16) * (d // 32) * 512))()
+            if lib.s2s_pack_rows(self.w_u16, d, ids, n, self.b_u16, P, b):
+                raise MemoryError("packing the shortlist's rows")
         model = Model.from_buffer_copy(self.model)
         position = {v: i for i, v in enumerate(ids[:n])}
         model.vocab, model.tgt_ids = n, ctypes.addressof(ids)
         model.pad_id, model.bos_id, model.eos_id = (position[x] for x in (self.always[0], self.always[2],
                                                                           self.always[3]))
-        model.output = Linear(ctypes.addressof(P), None if b is None else ctypes.addressof(b), n, d)
+        model.output = Linear(ctypes.addressof(P), None if b is None else ctypes.addressof(b), n, d, self.int8)
         model._keep = (P, b, ids)  # (what the struct points into, for as long as it lives)
         return ctypes.byref(model), ids
 
@@ -500,8 +559,9 @@ def _load(spec) -> NativeSearch:
     fmt = spec.output_format_for(decode.nbest, alignments=False)  # (alignments: torch's route)
     if fmt.nbest and decode.beam == 1:
         raise _NotHere("n-best rows of a greedy search (its search score, log p / lp(m), is not computed here)")
-    if library() is None:
-        raise _NotHere("the library did not compile or load, or no bf16 kernel here")
+    products = products_for(spec.precision, spec.quantize)[0]
+    if library() is None or not has_products(library(), products):
+        raise _NotHere(f"the library did not compile or load, or has no kernel for {products} products here")
     verified_meta(d)  # (after the checks above: torch's route, where they send it, hashes the weights itself)
     warn_past_output_cap(cfg.model, decode)
     tensors = deserialize((d / WEIGHTS).read_bytes())
@@ -512,6 +572,7 @@ def _load(spec) -> NativeSearch:
         raise _NotHere("a beam wider than the vocabulary")
     cap, max_input = output_cap(cfg.model, decode), input_cap(cfg.model, decode)
     shortlist = _shortlist(d, weights) if decode.shortlist else None
-    model = SearchModel(cfg, weights, tok, max(max_input, cap) + 1, shortlist)
-    log.debug("search without torch: bf16 products on %s", KERNELS.get(library().s2s_bf16_linear_isa(), "?"))
+    model = SearchModel(cfg, weights, tok, max(max_input, cap) + 1, shortlist, products)
+    log.debug("search without torch: %s", "int8 products on AVX2 (vpmaddubsw)" if products == "int8" else
+              f"bf16 products on {KERNELS.get(library().s2s_bf16_linear_isa(), '?')}")
     return NativeSearch(model, tok, decode, lang, cfg.data.max_src_tokens, max_input, cap, fmt)

@@ -82,7 +82,9 @@ def auto_arithmetic(device: torch.device, flags: Optional[set[str] | frozenset[s
 
     Anything else, and other devices, take :func:`auto_precision`'s choice.  (This is torch's
     route: a plain search with ``--precision auto`` on a CPU with amx_bf16 or avx512_bf16 runs
-    in s2s.native_search without torch, in bf16, which beat int8 through torch on the Zen 4 too.)"""
+    in s2s.native_search without torch, in bf16, which beat int8 through torch on the Zen 4 too;
+    on AVX2 without AVX-512, and with ``--quantize int8`` on any CPU with AVX2, it runs there
+    with int8 products of its own: s2s.native_search.products_for.)"""
     precision, why = auto_precision(device, flags)
     if device.type != "cpu":
         return precision, False, why

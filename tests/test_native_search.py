@@ -2,11 +2,12 @@
 
 Where the route is taken: the C search gives what torch's own search (greedy, and beam search
 with each length penalty and stop rule) gives with the C search's arithmetic (weights and every
-product's input and output rounded to bf16, the residual stream, the norms, the attention and
-the scores in fp32), for every model option it takes: greedy line for line, beam search but
-for near ties; ``s2s translate`` decodes through it without importing torch, one line out per
-line in, empty lines kept, in threads, and a bad input line stops it with the lines before it
-written.  Everywhere: which settings it takes and which it leaves to torch's route."""
+product's input and output rounded to bf16, or for int8 products W and x quantized row by row,
+the residual stream, the norms, the attention and the scores in fp32), for every model option
+it takes, on each kernel this CPU has: greedy line for line, beam search but for near ties;
+``s2s translate`` decodes through it without importing torch, one line out per line in, empty
+lines kept, in threads, and a bad input line stops it with the lines before it written.
+Everywhere: which settings it takes and which it leaves to torch's route."""
 
 from __future__ import annotations
 
@@ -23,14 +24,37 @@ import torch
 from torch import nn
 
 from s2s import native_search
-from s2s.cbuild import cpu_flags
 from s2s.config import DecodeConfig, ModelConfig
 from s2s.langs import LanguageIds
 from s2s.workers import TranslatorSpec
 
-BF16 = bool(cpu_flags() & {"amx_bf16", "avx512_bf16"}) and os.environ.get(native_search.DISABLE, "1") != "0"
-needs_bf16 = pytest.mark.skipif(not BF16 or native_search.library() is None,
-                                reason="no AMX or AVX512-BF16 here, or the search's library is not built")
+
+def runs(products: str) -> bool:
+    """Whether the search's library runs ``products`` (bf16 or int8) here."""
+    lib = native_search.library() if os.environ.get(native_search.DISABLE, "1") != "0" else None
+    return lib is not None and native_search.has_products(lib, products)
+
+
+PRODUCTS = [p for p in ("bf16", "int8") if runs(p)]  # bf16 on AMX or AVX512-BF16, int8 on AVX2
+ROUTE = PRODUCTS[0] if PRODUCTS else None  # what the tests of everything but the products run
+needs_route = pytest.mark.skipif(ROUTE is None, reason="the search's library is not built, or has no kernel here")
+ARITHMETIC = {"bf16": {"precision": "bf16"}, "int8": {"precision": "fp32", "quantize": "int8"}}  # spec's
+
+
+def needs(products: str) -> None:
+    if products not in PRODUCTS:
+        pytest.skip(f"no {products} products here")
+
+
+def route_spec(directory: Path, decode: dict, products: Optional[str] = None, **kw) -> TranslatorSpec:
+    """The spec of ``directory`` on the CPU whose products are ``products`` (default: ROUTE's)."""
+    return TranslatorSpec(models=(str(directory),), overrides=decode, device="cpu",
+                          **ARITHMETIC[products or ROUTE], **kw)
+
+
+def route_args(products: Optional[str] = None) -> list[str]:
+    """`s2s translate`'s options for ``products`` (default: ROUTE's)."""
+    return [a for key, value in ARITHMETIC[products or ROUTE].items() for a in (f"--{key}", value)]
 REPO = Path(__file__).resolve().parents[1]
 
 # model options the C search implements, each variant a few at once
@@ -69,30 +93,64 @@ def bf16(x: torch.Tensor) -> torch.Tensor:
     return x.bfloat16().float()
 
 
-def emulated(directory: Path, lines: list[str], decode: dict) -> list[tuple[str, float]]:
+def quantized_rows(W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """native_int8.c's q(W), s_W: each row's int8 values (as floats) and scale, in its fp32 steps."""
+    top = W.abs().amax(1, keepdim=True)
+    inv = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
+    return (W * inv).round().clamp(-127, 127), top / 127.0
+
+
+def int8_product(x: torch.Tensor, q: torch.Tensor, s_w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    """native_int8.c's y = s_x s_W (sum_k (u(x) - z) q(W)) + b of bf16 x (rows, K) and quantized W:
+    x's rows quantized to 7 bits over their range (0 included), the sums exact (integers in
+    float64), scaled and biased with one rounding to fp32 as its fused multiply-add gives."""
+    lo = x.amin(-1, keepdim=True).clamp(max=0)
+    hi = x.amax(-1, keepdim=True).clamp(min=0)
+    s_x = (hi - lo) / 127.0
+    inv = torch.where(s_x > 0, 1.0 / s_x, torch.zeros_like(s_x))
+    z = torch.where(s_x > 0, (-lo * inv).round(), torch.zeros_like(s_x))
+    u = ((x * inv).round() + z).clamp(0, 127)
+    exact = (u.double() - z.double()) @ q.double().t()
+    y = exact * (s_x * s_w.t()).double()
+    return (y + (0 if b is None else b.double())).float()
+
+
+def emulated(directory: Path, lines: list[str], decode: dict, products: str = "bf16") -> list[tuple[str, float]]:
     """torch's greedy search (s2s.translate.Translator) of the model in ``directory`` with the C
     search's arithmetic: each matrix and bias rounded to bf16, each product's input and output too
-    (hooks on every nn.Linear, and the output projection's input), the rest, and the scores, in fp32."""
+    (hooks on every nn.Linear, and the output projection's input), or with ``products`` int8 each
+    product native_int8.c's (:func:`int8_product`, its output rounded to bf16), the rest, and the
+    scores, in fp32."""
     from s2s.modeldir import load_model_dir, model_decode_settings
     from s2s.translate import Translator
 
     loaded = load_model_dir(directory)
     model = loaded.model
+    int8 = products == "int8"
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, nn.Linear):
-                m.weight.copy_(bf16(m.weight))
                 if m.bias is not None:
                     m.bias.copy_(bf16(m.bias))
+                if int8:
+                    q, s_w = quantized_rows(m.weight)
+                    m.forward = lambda x, q=q, s_w=s_w, b=m.bias: bf16(int8_product(bf16(x), q, s_w, b))
+                    continue
+                m.weight.copy_(bf16(m.weight))
                 m.register_forward_pre_hook(lambda _, args: (bf16(args[0]),))
                 m.register_forward_hook(lambda _, args, out: bf16(out))
     W_U = model.tgt_embed.weight if model.output_proj is None else model.output_proj.weight
     b_U = model.output_bias
+    q_U, s_U = quantized_rows(W_U.detach())
 
     def logits(h, subset=None):  # (in fp32: the C search's scores are its sums, not rounded)
         ids = slice(None) if subset is None else subset.ids  # (a shortlist: its rows of W_U and b_U)
-        z = bf16(h * model.output_scale) @ bf16(W_U[ids]).t()
-        return z + (0 if b_U is None else bf16(b_U[ids]))
+        b = None if b_U is None else bf16(b_U[ids])
+        x = bf16(h * model.output_scale)
+        if int8:
+            return int8_product(x, q_U[ids], s_U[ids], b)
+        z = x @ bf16(W_U[ids]).t()
+        return z + (0 if b is None else b)
 
     model.logits = logits
     settings = model_decode_settings(directory, loaded.cfg, decode, {})
@@ -101,7 +159,7 @@ def emulated(directory: Path, lines: list[str], decode: dict) -> list[tuple[str,
     return [(t.text, t.hypotheses[0].score if t.hypotheses else math.nan) for t in translator.translate_lines(lines)]
 
 
-def emulated_translations(directory: Path, lines: list[str], decode: dict) -> list:
+def emulated_translations(directory: Path, lines: list[str], decode: dict, products: str = "bf16") -> list:
     """:func:`emulated`'s s2s.translate.Translation of each line (hypotheses, scores, texts)."""
     from s2s.translate import Translator
 
@@ -114,17 +172,17 @@ def emulated_translations(directory: Path, lines: list[str], decode: dict) -> li
 
     Translator.translate_lines = keep
     try:
-        emulated(directory, lines, decode)
+        emulated(directory, lines, decode, products)
     finally:
         Translator.translate_lines = real
     return captured
 
 
-def native(directory: Path, lines: list[str], threads: int = 1, decode: Optional[dict] = None) -> list[str]:
+def native(directory: Path, lines: list[str], threads: int = 1, decode: Optional[dict] = None,
+           products: Optional[str] = None) -> list[str]:
     from concurrent.futures import ThreadPoolExecutor
 
-    engine = native_search.engine_for(TranslatorSpec(models=(str(directory),), overrides=decode or {"beam": 1},
-                                                     precision="bf16", device="cpu"), False)
+    engine = native_search.engine_for(route_spec(directory, decode or {"beam": 1}, products), False)
     assert engine is not None
     pool = ThreadPoolExecutor(threads) if threads > 1 else None
     return engine.translate_lines(lines, range(1, len(lines) + 1), pool)[0]
@@ -144,13 +202,12 @@ SEARCHES = {
 }
 
 
-def native_scores(directory: Path, lines: list[str], decode: dict) -> list[float]:
+def native_scores(directory: Path, lines: list[str], decode: dict, products: str) -> list[float]:
     """The C search's score of each line's output (NaN: greedy, or an empty line), all lines in
     one batch (a sentence's search does not depend on its batch)."""
     from s2s.tokenizer import encode_source_lines
 
-    engine = native_search.engine_for(TranslatorSpec(models=(str(directory),), overrides=decode, precision="bf16",
-                                                     device="cpu"), False)
+    engine = native_search.engine_for(route_spec(directory, decode, products), False)
     ids = encode_source_lines(engine.tok, engine.lang, lines, range(1, len(lines) + 1), 0, engine.max_input)
     todo = [x for x in ids if x is not None]
     d = engine.decode
@@ -159,45 +216,47 @@ def native_scores(directory: Path, lines: list[str], decode: dict) -> list[float
     return [math.nan if x is None else next(found)[0][1] for x in ids]
 
 
-@needs_bf16
+@pytest.mark.parametrize("products", ["bf16", "int8"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("search", list(SEARCHES))
-def test_the_c_search_is_torchs_with_its_arithmetic(prepared, tmp_path, variant, search):
+def test_the_c_search_is_torchs_with_its_arithmetic(prepared, tmp_path, variant, search, products):
     """Greedy search: line for line the same.  Beam search: the same but for a line or two, the
     same outputs scored alike (within 1e-3 of their size), and where a line differs, neither
     search's best much better than the other's (1%).  Its sums run in another order than torch's,
     and a last bit changed in an fp32 sum can round a bf16 input the other way: log p moves by
     1e-4 of its size over a sentence, enough to reorder two beams that all but tie (a random
     model's long repetitive outputs: 4 lines of 276 in the searches below when this was written,
-    at 6e-6, 0.4%, 0.4% and 0.5% of their scores, the C search's better in two)."""
+    at 6e-6, 0.4%, 0.4% and 0.5% of their scores, the C search's better in two).  Each kind of
+    products this CPU has: bf16 (AMX or AVX512-BF16), int8 (AVX2)."""
+    needs(products)
     assert_searches_as_torch(model_dir(prepared, tmp_path / "m", **VARIANTS[variant]), dev_lines(prepared, 20),
-                             SEARCHES[search])
+                             SEARCHES[search], products)
 
 
-def assert_searches_as_torch(d: Path, dev: list[str], decode: dict) -> None:
+def assert_searches_as_torch(d: Path, dev: list[str], decode: dict, products: str = "bf16") -> None:
     """test_the_c_search_is_torchs_with_its_arithmetic's check of model ``d`` on lines ``dev``."""
     lines = dev + ["", "   ", "x"]
-    got, want = native(d, lines, decode=decode), emulated(d, lines, decode)
+    got, want = native(d, lines, decode=decode, products=products), emulated(d, lines, decode, products)
     assert got[20] == got[21] == ""
-    assert native(d, lines, threads=2, decode=decode) == got  # threads share the batches out
+    assert native(d, lines, threads=2, decode=decode, products=products) == got  # threads share the batches out
     differ = [i for i, (text, (wanted, _)) in enumerate(zip(got, want)) if text != wanted]
     if decode["beam"] == 1:
         assert not differ
         return
     assert len(differ) <= 2, [(got[i], want[i][0]) for i in differ]
-    scores = native_scores(d, lines, decode)
+    scores = native_scores(d, lines, decode, products)
     for i in range(len(lines)):
         if lines[i].strip():
             assert scores[i] == pytest.approx(want[i][1], rel=1e-2 if i in differ else 1e-3), (
                 f"line {i + 1}: {got[i]!r} against {want[i][0]!r}")
 
 
-@needs_bf16
 @pytest.mark.parametrize("kernel", [1, 2], ids=["amx_bf16", "avx512_bf16"])
 @pytest.mark.parametrize("search", ["greedy", "beam 4"])
 def test_each_kernel_of_the_products_searches_alike(prepared, tmp_path, kernel, search):
     """The products on each of native_linear.c's kernels this CPU has (s2s_bf16_linear_use): AMX's
     tiles or AVX512-BF16's vdpbf16ps; the same check."""
+    needs("bf16")
     lib = native_search.library()
     try:
         if lib.s2s_bf16_linear_use(kernel) != kernel:
@@ -250,26 +309,26 @@ def test_a_batchs_shortlist_is_torchs():
         assert ids[:n] == table.subset(src.long().view(1, -1), always.tolist()).tolist()
 
 
-@needs_bf16
+@pytest.mark.parametrize("products", ["bf16", "int8"])
 @pytest.mark.parametrize("search", ["greedy", "beam 4"])
-def test_a_shortlist_searches_its_ids_alone_as_torch_does(prepared, tmp_path, search):
+def test_a_shortlist_searches_its_ids_alone_as_torch_does(prepared, tmp_path, search, products):
     """decode.shortlist: each batch's outputs are its shortlist's ids (its sources' lists, the
     frequent ids, the special ids), W_U's rows for them packed per batch; the same check as
     above against torch's route with the same shortlist."""
+    needs(products)
     d = model_dir(prepared, tmp_path / "m")
     save_random_shortlist(d, k=40, same=True)  # (every batch's subset the same: torch's batches are not these)
     decode = {**SEARCHES[search], "shortlist": True}
-    assert native_search.engine_for(TranslatorSpec(models=(str(d),), overrides=decode, precision="bf16",
-                                                   device="cpu"), False) is not None
-    assert_searches_as_torch(d, dev_lines(prepared, 20), decode)
-    full = native(d, dev_lines(prepared, 20), decode=SEARCHES[search])
-    assert native(d, dev_lines(prepared, 20), decode=decode) != full  # (a random list: other outputs)
+    assert native_search.engine_for(route_spec(d, decode, products), False) is not None
+    assert_searches_as_torch(d, dev_lines(prepared, 20), decode, products)
+    full = native(d, dev_lines(prepared, 20), decode=SEARCHES[search], products=products)
+    assert native(d, dev_lines(prepared, 20), decode=decode, products=products) != full  # (a random list)
 
 
-@needs_bf16
+@needs_route
 def test_a_shortlist_that_does_not_fit_is_left_to_torchs_error(prepared, tmp_path):
     d = model_dir(prepared, tmp_path / "m")
-    spec = TranslatorSpec(models=(str(d),), overrides={"beam": 1, "shortlist": True}, precision="bf16", device="cpu")
+    spec = route_spec(d, {"beam": 1, "shortlist": True})
     assert native_search.engine_for(spec, False) is None  # (none there)
     (d / "shortlist.safetensors").write_bytes(b"not a table")
     assert native_search.engine_for(spec, False) is None
@@ -281,10 +340,11 @@ def test_a_shortlist_that_does_not_fit_is_left_to_torchs_error(prepared, tmp_pat
     assert native_search.engine_for(spec, False) is None  # (3 source rows: not this model's)
 
 
-@needs_bf16
+@needs_route
 def test_translate_decodes_without_torch(prepared, tmp_path):
-    """`s2s translate --beam 1 --precision bf16 --workers 2`: the C search's lines, one per input
-    line, and torch never imported; with $S2S_NATIVE_SEARCH=0 (one worker), torch's route in this process."""
+    """`s2s translate --beam 1 --precision bf16 --workers 2` (`--quantize int8` on a CPU with
+    int8 products alone): the C search's lines, one per input line, and torch never imported;
+    with $S2S_NATIVE_SEARCH=0 (one worker), torch's route in this process."""
     d = model_dir(prepared, tmp_path / "m")
     lines = dev_lines(prepared, 20)
     src = tmp_path / "in.txt"
@@ -292,7 +352,7 @@ def test_translate_decodes_without_torch(prepared, tmp_path):
     probe = ("import atexit, sys; atexit.register(lambda: print('torch imported:', 'torch' in sys.modules, "
              "file=sys.stderr)); sys.argv = ['s2s'] + sys.argv[1:]; from s2s.launch import main; main()")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    args = ["-m", str(d), "--beam", "1", "--precision", "bf16", "--workers", "2", "--input", str(src)]
+    args = ["-m", str(d), "--beam", "1", *route_args(), "--workers", "2", "--input", str(src)]
     done = subprocess.run([sys.executable, "-c", probe, "translate", *args], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     assert "torch imported: False" in done.stderr
@@ -304,7 +364,7 @@ def test_translate_decodes_without_torch(prepared, tmp_path):
     assert "torch imported: True" in done.stderr and len(done.stdout.splitlines()) == 21
 
 
-@needs_bf16
+@needs_route
 def test_a_bad_line_stops_the_threads_with_the_chunks_before_it_written(prepared, tmp_path):
     """Invalid UTF-8 on line 1,205: the first chunk of 1,000 lines is written, then the error
     naming the line, and a non-zero exit."""
@@ -312,8 +372,8 @@ def test_a_bad_line_stops_the_threads_with_the_chunks_before_it_written(prepared
     lines = (dev_lines(prepared, 20) * 61)[:1204]
     src = tmp_path / "in.txt"
     src.write_bytes(("\n".join(lines) + "\n").encode() + b"bad \xff line\nmore\n")
-    done = subprocess.run([sys.executable, "-m", "s2s", "translate", "-m", str(d), "--beam", "1", "--precision",
-                           "bf16", "--workers", "2", "--input", str(src)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "s2s", "translate", "-m", str(d), "--beam", "1", *route_args(),
+                           "--workers", "2", "--input", str(src)], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode != 0
     assert "1205" in done.stderr
@@ -326,10 +386,10 @@ def spec(**kw) -> TranslatorSpec:
 
 @pytest.mark.parametrize("kw,why", [
     (dict(models=("a", "b")), "ensemble"), (dict(device="cuda"), "--device"),
-    (dict(precision="fp32"), "--precision"), (dict(quantize="int8"), "--quantize"),
+    (dict(precision="fp32"), "--precision"), (dict(quantize="int8", precision="bf16"), "--quantize"),
     (dict(alignments=True), "alignments")])
 def test_settings_left_to_torch(kw, why, monkeypatch):
-    monkeypatch.setattr(native_search.cbuild, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+    monkeypatch.setattr(native_search.cbuild, "cpu_flags", lambda: frozenset({"amx_bf16", "avx2", "fma"}))
     assert native_search.spec_why_not(spec(), False) is None
     assert why in native_search.spec_why_not(spec(**kw), False)
     assert "prefix" in native_search.spec_why_not(spec(), True)
@@ -337,13 +397,36 @@ def test_settings_left_to_torch(kw, why, monkeypatch):
     assert "0" in native_search.spec_why_not(spec(), False)
 
 
-def test_a_cpu_without_bf16_products_is_torchs_route(monkeypatch):
-    """AMX or AVX512-BF16 (AMD's Zen 4 and 5) takes the route; AVX-512 or AVX2 alone does not."""
-    for flags, why in (({"avx512f", "avx512_vnni", "avx2"}, "amx_bf16 or avx512_bf16"), ({"avx512_bf16"}, None),
-                       ({"amx_bf16", "avx512_bf16"}, None)):
-        monkeypatch.setattr(native_search.cbuild, "cpu_flags", lambda f=flags: frozenset(f))
-        got = native_search.spec_why_not(spec(), False)
-        assert got is None if why is None else why in got
+AVX2 = {"avx", "avx2", "fma"}
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512_vnni"}
+
+
+@pytest.mark.parametrize("flags,precision,quantize,want", [
+    (AVX512 | {"avx512_bf16"}, "auto", None, "bf16"), (AVX512 | {"amx_bf16", "avx512_bf16"}, "bf16", None, "bf16"),
+    (AVX512 | {"avx512_bf16"}, "auto", "int8", "int8"), (AVX512 | {"avx512_bf16"}, "fp32", "int8", "int8"),
+    (AVX2, "auto", None, "int8"), (AVX2, "fp32", "int8", "int8"), (AVX2, "bf16", None, None),
+    (AVX2, "fp32", None, None), (AVX512, "auto", None, None), (AVX512, "fp32", "int8", "int8"),
+    ({"avx"}, "auto", None, None), ({"avx"}, "fp32", "int8", None), (AVX2, "bf16", "int8", None)])
+def test_the_products_follow_the_cpu_and_the_precision(flags, precision, quantize, want):
+    """bf16 products where the CPU has them (AMX or AVX512-BF16: Intel's Xeons since Sapphire Rapids,
+    AMD's Zen 4 and 5) for --precision auto or bf16; int8 products on AVX2 for --quantize int8, and
+    for --precision auto on a CPU with AVX2 and no AVX-512 (Zen 2 and 3, Intel's Haswell to Comet
+    Lake), where torch's route picks int8 matrices too (s2s.precision.auto_arithmetic); AVX-512
+    without bf16 keeps torch's fp32 for auto (int8 unmeasured there), and fp32 is torch's."""
+    got, why = native_search.products_for(precision, quantize, frozenset(flags))
+    assert got == want, why
+    if want is None:
+        assert why
+
+
+def test_auto_picks_int8_where_torchs_auto_does():
+    """products_for's int8 for --precision auto is where s2s.precision.auto_arithmetic picks
+    int8 matrices among the CPUs without bf16 products."""
+    from s2s.precision import auto_arithmetic
+
+    for flags in (AVX2, AVX512, {"avx"}):
+        int8 = auto_arithmetic(torch.device("cpu"), set(flags))[1]
+        assert (native_search.products_for("auto", None, frozenset(flags))[0] == "int8") == int8, flags
 
 
 @pytest.mark.parametrize("model,decode,why", [
@@ -364,7 +447,7 @@ def test_scores_nbest_rows_and_json_are_written_here():
     assert native_search.spec_why_not(spec(output_format="jsonl"), False) is None
 
 
-@needs_bf16
+@needs_route
 @pytest.mark.parametrize("decode", [{"beam": 4}, {"beam": 1}, {"beam": 1, "min_len": 3, "max_len_a": 0.0,
                                                                 "max_len_b": 4},
                                     {"beam": 1, "min_len": 5, "max_len_a": 0.0, "max_len_b": 3}])
@@ -377,11 +460,10 @@ def test_scores_are_the_mean_log_p_torch_gives(prepared, tmp_path, decode):
 
     d = model_dir(prepared, tmp_path / "m")
     lines = dev_lines(prepared, 20) + [""]
-    engine = native_search.engine_for(TranslatorSpec(models=(str(d),), overrides=decode, precision="bf16",
-                                                     device="cpu", scores=True), False)
+    engine = native_search.engine_for(route_spec(d, decode, scores=True), False)
     rows = engine.translate_lines(lines, range(1, len(lines) + 1), None)[0]
     assert rows[-1] == "\t0.0000" and all(row.count("\t") == 1 for row in rows)
-    captured = emulated_translations(d, lines, decode)
+    captured = emulated_translations(d, lines, decode, ROUTE)
     agree = 0
     for row, t in zip(rows, captured):
         text, score = row.rsplit("\t", 1)
@@ -393,7 +475,7 @@ def test_scores_are_the_mean_log_p_torch_gives(prepared, tmp_path, decode):
     assert agree >= len(lines) - 2
 
 
-@needs_bf16
+@needs_route
 @pytest.mark.parametrize("decode,scores,rows", [({"beam": 4, "nbest": 3}, True, False), ({"beam": 3}, False, True)])
 def test_nbest_rows_are_torchs(prepared, tmp_path, decode, scores, rows):
     """--nbest K (or --nbest 1's rows): `LINE ||| TEXT ||| SEARCH_SCORE[<TAB>SCORE]` for each of a
@@ -404,13 +486,11 @@ def test_nbest_rows_are_torchs(prepared, tmp_path, decode, scores, rows):
 
     d = model_dir(prepared, tmp_path / "m")
     lines = dev_lines(prepared, 20) + [""]
-    engine = native_search.engine_for(TranslatorSpec(models=(str(d),), overrides=decode, precision="bf16",
-                                                     device="cpu", scores=scores, nbest_rows=rows), False)
+    engine = native_search.engine_for(route_spec(d, decode, scores=scores, nbest_rows=rows), False)
     got = engine.translate_lines(lines, range(1, len(lines) + 1), None)[0]
-    greedy_rows = TranslatorSpec(models=(str(d),), overrides={"beam": 1}, precision="bf16", device="cpu",
-                                 nbest_rows=True)
+    greedy_rows = route_spec(d, {"beam": 1}, nbest_rows=True)
     assert native_search.engine_for(greedy_rows, False) is None  # (a greedy search's SEARCH_SCORE: torch's)
-    captured = emulated_translations(d, lines, decode)
+    captured = emulated_translations(d, lines, decode, ROUTE)
     fmt = OutputFormat(nbest=True, scores=scores)
     want = [format_translation(t, fmt).rstrip("\n") for t in captured]
     assert got[-1] == want[-1] == "20 |||  ||| 0.0000" + ("\t0.0000" if scores else "")
@@ -428,7 +508,7 @@ def test_nbest_rows_are_torchs(prepared, tmp_path, decode, scores, rows):
     assert differ <= 2
 
 
-@needs_bf16
+@needs_route
 @pytest.mark.parametrize("decode", [{"beam": 4, "nbest": 2}, {"beam": 1}])
 def test_json_lines_are_torchs(prepared, tmp_path, decode):
     """--format jsonl: one object per line, text and score (and "nbest", best first), as
@@ -439,10 +519,9 @@ def test_json_lines_are_torchs(prepared, tmp_path, decode):
 
     d = model_dir(prepared, tmp_path / "m")
     lines = dev_lines(prepared, 20) + [""]
-    engine = native_search.engine_for(TranslatorSpec(models=(str(d),), overrides=decode, precision="bf16",
-                                                     device="cpu", output_format="jsonl"), False)
+    engine = native_search.engine_for(route_spec(d, decode, output_format="jsonl"), False)
     got = [json.loads(x) for x in engine.translate_lines(lines, range(1, len(lines) + 1), None)[0]]
-    captured = emulated_translations(d, lines, decode)
+    captured = emulated_translations(d, lines, decode, ROUTE)
     fmt = OutputFormat(nbest=decode.get("nbest", 1) > 1, format="jsonl")
     want = [json.loads(format_translation(t, fmt)) for t in captured]
     assert got[-1] == want[-1] == ({"text": "", "score": 0.0, "nbest": [{"text": "", "score": 0.0}]}
@@ -468,9 +547,9 @@ def test_max_output_length_is_the_translators(n, a, b, cap, want):
     assert int(max_output_lengths(torch.tensor([n]), a, b, cap)[0]) == want
 
 
-@needs_bf16
+@needs_route
 def test_a_beam_wider_than_the_vocabulary_is_left_to_torchs_error(prepared, tmp_path):
     d = model_dir(prepared, tmp_path / "m")
-    spec = TranslatorSpec(models=(str(d),), overrides={"beam": 301}, precision="bf16", device="cpu")
+    spec = route_spec(d, {"beam": 301})
     assert native_search.engine_for(spec, False) is None
     assert native_search.engine_for(dataclasses.replace(spec, overrides={"beam": 300}), False) is not None

@@ -1,7 +1,8 @@
 /* Greedy and beam search of an encoder-decoder transformer in C, without torch: s2s.native_search
- * compiles this file with native_attention.c and native_linear.c (cc -O3 -march=native) into a
- * library of its own, loaded through ctypes, and ``s2s translate`` decodes plain searches with
- * it on a CPU with AMX or AVX512-BF16, where importing torch took longer than a greedy search.
+ * compiles this file with native_attention.c, native_linear.c and native_int8.c (cc -O3
+ * -march=native) into a library of its own, loaded through ctypes, and ``s2s translate`` decodes
+ * plain searches with it on a CPU with AMX or AVX512-BF16 (bf16 products) or with AVX2 (int8
+ * products), where importing torch took longer than a greedy search.
  *
  * The same model as s2s.model.transformer (docs/model.md (1)-(21)), for one batch of sources:
  *
@@ -16,8 +17,10 @@
  * z_t[v]) or by beam search over log p = log_softmax(z_t) (s2s.search.beam_search), with the
  * search's rules (s2s.search.constrain): pad and <s> never chosen, </s> blocked while t < min_len
  * and the only choice at t = max_len - 1.  Every product is s2s_bf16_linear's (W packed once into
- * AMX's tile layout, run on AMX or vdpbf16ps, x rounded to bf16, sums in fp32, y rounded to bf16;
- * with a shortlist, the output projection over the batch's ids alone); the residual stream, the norms
+ * AMX's tile layout, run on AMX or vdpbf16ps, x rounded to bf16, sums in fp32, y rounded to bf16)
+ * or, for a model packed for int8, s2s_i8_linear's (W quantized once row by row, x row by row per
+ * call, sums exact in int32, y rounded to bf16); with a shortlist, the output projection over the
+ * batch's ids alone; the residual stream, the norms
  * and the attention's softmax and sums run in fp32; the attention is s2s_few_query_attention's
  * over bf16 K/V, one sentence (or beam) at a time over its own positions (no padding, no mask).
  * A sentence's rows leave the step's products once its search has ended.
@@ -40,6 +43,10 @@ int s2s_few_query_attention(const float *q, long q_b, long q_h, long q_g, const 
                             long H, long G, long S, long D, float c, int kv_bf16);
 int s2s_bf16_linear_f32(const uint16_t *x, long x_row, long M, long N, long K, const uint16_t *P, const uint16_t *b,
                         float *y, long y_row);
+int s2s_i8_linear_available(void);
+int s2s_i8_linear(const uint16_t *x, long x_row, long M, long N, long K, const void *Q, const uint16_t *b, int act,
+                  uint16_t *y, float *y32, long y_row);
+void s2s_i8_pack(const int8_t *Wq, const float *scale, const int32_t *ids, long N, long K, void *Q);
 int s2s_argmax_rows_f32(const float *z, long z_row, long N, long V, float *best, int64_t *index);
 float s2s_log_softmax_shift(const float *z, long V, float *tops);
 
@@ -47,10 +54,13 @@ float s2s_log_softmax_shift(const float *z, long V, float *tops);
 
 enum { ACT_RELU = 0, ACT_GELU = 1, ACT_GELU_TANH = 2, ACT_SILU = 3 };
 
-/* y = x W^T + b: W (N, K) packed by s2s_bf16_pack (P), b bf16 or NULL */
+/* y = x W^T + b: W (N, K) packed by s2s_bf16_pack (P; int8 0) or by s2s_i8_pack (int8 1: int8
+ * products, native_int8.c), b bf16 or NULL */
 typedef struct {
-    const uint16_t *P, *b;
+    const void *P;
+    const uint16_t *b;
     long N, K;
+    int int8;
 } s2s_linear;
 
 /* LayerNorm(x) = (x - mean) / sqrt(var + eps) g + b,  RMSNorm(x) = x / sqrt(mean(x^2) + eps) g (b NULL);
@@ -167,6 +177,16 @@ int s2s_pack_rows(const uint16_t *W, long K, const int32_t *ids, long n, const u
     return 0;
 }
 
+/* s2s_pack_rows for int8 products: Q (s2s_i8_pack's layout) of rows ids[0 .. n) of q(W) (int8,
+ * rows K apart, their scales s_W), and b_sub as there */
+void s2s_pack_rows_i8(const int8_t *Wq, const float *scale, long K, const int32_t *ids, long n, const uint16_t *b,
+                      void *Q, uint16_t *b_sub)
+{
+    s2s_i8_pack(Wq, scale, ids, n, K, Q);
+    for (long i = 0; b && i < n; i++)
+        b_sub[i] = b[ids[i]];
+}
+
 /* PE(pos)[i] = sin(pos w_i), PE(pos)[d/2 + i] = cos(pos w_i), w_i = 10000^(-2i/d) (an odd d: a last 0),
  * for pos < rows: s2s.model.positions.sinusoidal_table, in fp32 as it computes it */
 void s2s_sinusoidal_table(long rows, long d, float *table)
@@ -243,9 +263,24 @@ typedef struct {
     float *att;               /* one sentence's attention output (heads, queries, d_head) */
 } workspace;
 
+/* y (rows, L->N) = act(x L^T + b) in bf16, or in fp32 into y32 where it is not NULL (relu 0) */
+static int mul_into(const s2s_linear *L, const uint16_t *x, long rows, int relu, uint16_t *y, float *y32)
+{
+    if (L->int8)
+        return s2s_i8_linear(x, L->K, rows, L->N, L->K, L->P, L->b, relu, y, y32, L->N);
+    return y32 ? s2s_bf16_linear_f32(x, L->K, rows, L->N, L->K, L->P, L->b, y32, L->N)
+               : s2s_bf16_linear(x, L->K, rows, L->N, L->K, L->P, L->b, relu, y, L->N);
+}
+
 static int mul(const s2s_linear *L, const uint16_t *x, long rows, int relu, uint16_t *y)
 {
-    return s2s_bf16_linear(x, L->K, rows, L->N, L->K, L->P, L->b, relu, y, L->N);
+    return mul_into(L, x, rows, relu, y, NULL);
+}
+
+/* 1 where this process has the kernel of the model's products (bf16's, or int8's) */
+static int has_kernel(const s2s_model *m)
+{
+    return m->output.int8 ? s2s_i8_linear_available() : s2s_bf16_linear_isa() != 0;
 }
 
 /* a (rows, d) bf16 = Norm(x) (pre-norm), or x itself (post-norm) */
@@ -535,7 +570,7 @@ static int decoder_step(const s2s_model *m, batch *s, long N, long t, const long
     norm_rows(x, N, d, m->pre_norm ? m->dec_final_norm : (s2s_norm){0}, m->rms, m->eps, w->q);
     for (long e = 0; e < N * d; e++)
         w->a[e] = bf16_round(w->q[e] * m->output_scale);
-    rc |= s2s_bf16_linear_f32(w->a, d, N, m->output.N, d, m->output.P, m->output.b, s->z, m->output.N);
+    rc |= mul_into(&m->output, w->a, N, 0, NULL, s->z);
     return rc;
 }
 
@@ -556,13 +591,13 @@ static void block_specials(const s2s_model *m, float *z, long t, long min_len)
  * out_logp (NULL: not computed) each output's log p, </s> included, as s2s.search.greedy_search
  * sums it: each step's log_softmax over the whole vocabulary, taken before the rules block
  * tokens (at max_len, </s>'s own log p, 0 where it is blocked).
- * Returns 0; -1 where memory cannot be allocated, -2 where there is no bf16 kernel (this library
- * or this process), -3 where a step's scores hold NaN, -4 where a kernel failed (its scratch
+ * Returns 0; -1 where memory cannot be allocated, -2 where there is no kernel for the model's
+ * products (bf16's or int8's, in this library or this process), -3 where a step's scores hold NaN, -4 where a kernel failed (its scratch
  * could not be allocated). */
 int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, const long *src_len,
                const long *max_len, long min_len, int32_t *out, long out_stride, long *out_len, float *out_logp)
 {
-    if (!s2s_bf16_linear_isa())
+    if (!has_kernel(m))
         return -2;
     long T_max = 0;
     for (long b = 0; b < B; b++)
@@ -670,7 +705,7 @@ int s2s_beam(const s2s_model *m, long B, const int32_t *src, long src_stride, co
              const long *max_len, long min_len, long K, long nbest, double alpha, int lp_kind, int exact,
              int32_t *out, long out_stride, long *out_len, float *out_score, float *out_logp)
 {
-    if (!s2s_bf16_linear_isa())
+    if (!has_kernel(m))
         return -2;
     const long V = m->vocab;
     long T_max = 0;

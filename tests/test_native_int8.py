@@ -1,0 +1,125 @@
+"""native_int8.c: the int8 products of the torch-free search on a CPU with AVX2.
+
+W quantized row by row to 8 bits, x row by row to 7 bits over its range, the sums exact: each
+product is test_native_search.int8_product's (the same arithmetic in torch, exact integers in
+float64) to the last bit of its fp32 output, and to a bf16 step where rounded; a shortlist's
+packed rows are the packed subset."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import pytest
+import torch
+
+from s2s import native_search
+from tests.test_native_search import int8_product, quantized_rows
+
+LIB = native_search.library() if os.environ.get(native_search.DISABLE, "1") != "0" else None
+pytestmark = pytest.mark.skipif(LIB is None or not native_search.has_products(LIB, "int8"),
+                                reason="no AVX2 here, or the search's library is not built")
+ACT_RELU = 1
+
+
+@pytest.fixture(scope="module")
+def lib():
+    LIB.s2s_i8_linear.restype = ctypes.c_int
+    LIB.s2s_i8_linear.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                  ctypes.c_long]
+    return LIB
+
+
+def pack(lib, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q(W) int8, s_W, Q) of fp32 W (N, K)."""
+    N, K = W.shape
+    Wq, scale = torch.empty(N, K, dtype=torch.int8), torch.empty(N)
+    lib.s2s_i8_quantize_rows(W.contiguous().data_ptr(), N, K, Wq.data_ptr(), scale.data_ptr())
+    Q = torch.empty(lib.s2s_i8_packed_bytes(N, K), dtype=torch.uint8)
+    lib.s2s_i8_pack(Wq.data_ptr(), scale.data_ptr(), None, N, K, Q.data_ptr())
+    return Wq, scale, Q
+
+
+def product(lib, x: torch.Tensor, Q: torch.Tensor, N: int, b=None, act: int = 0, fp32: bool = False):
+    """s2s_i8_linear of bf16 x (M, K): y (M, N), bf16 or fp32."""
+    M, K = x.shape
+    y = torch.full((M, N), float("nan"), dtype=torch.float32 if fp32 else torch.bfloat16)
+    rc = lib.s2s_i8_linear(x.data_ptr(), K, M, N, K, Q.data_ptr(), None if b is None else b.data_ptr(), act,
+                           None if fp32 else y.data_ptr(), y.data_ptr() if fp32 else None, N)
+    assert rc == 0
+    return y
+
+
+def test_the_quantization_of_a_worked_example(lib):
+    """W's row [0.5, -1.27, 0, 1.27]: s_W = 1.27 / 127 = 0.01, q = [50, -127, 0, 127], c = 50; x's
+    row [-1, 0, 3, 0, ...]: s_x = (3 - -1) / 127, z = round(31.75) = 32, u = [0, 32, 127, 32, ...];
+    y = s_x s_W (sum_k u q - z c) = 4 / 127 * 0.01 * (0 - 4064 + 0 + 4064 - 32 * 50) = -0.50394,
+    where x . W = -0.5.  Rows of zeros: s_W = 0, y = 0."""
+    W = torch.zeros(3, 8)
+    W[0, :4] = torch.tensor([0.5, -1.27, 0.0, 1.27])
+    Wq, scale, Q = pack(lib, W)
+    assert Wq[0, :4].tolist() == [50, -127, 0, 127] and Wq[1:].abs().sum() == 0
+    assert scale[0].item() == pytest.approx(0.01) and scale[1:].tolist() == [0.0, 0.0]
+    x = torch.zeros(1, 8, dtype=torch.bfloat16)
+    x[0, 0], x[0, 2] = -1, 3
+    y = product(lib, x, Q, 3, fp32=True)
+    assert y[0, 0].item() == pytest.approx(4 / 127 * 0.01 * -1600, rel=1e-6)
+    assert y[0, 0].item() == pytest.approx(-0.50394, abs=1e-5) and y[0, 1:].tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 16, 32), (3, 40, 64), (4, 256, 256), (7, 100, 96), (13, 33, 1024),
+                                   (64, 768, 256), (320, 500, 192)])
+def test_products_are_the_emulated_arithmetic(lib, M, N, K):
+    """Every shape (partial blocks of 4 rows and 16 columns, chunks of W's columns): the fp32
+    output is int8_product's to the last bit but for its rounding (1e-6), the bf16 output within
+    one bf16 step, ReLU's too; with and without a bias."""
+    g = torch.Generator().manual_seed(M * N + K)
+    W = torch.randn(N, K, generator=g) * 0.1
+    x = (torch.randn(M, K, generator=g) * 2 + 0.3).bfloat16()
+    x[0, :] = 0  # (a row of zeros: s_x = 0, y = b)
+    b = (torch.randn(N, generator=g)).bfloat16()
+    _, _, Q = pack(lib, W)
+    q, s_w = quantized_rows(W)
+    for bias in (None, b):
+        want = int8_product(x.float(), q, s_w, None if bias is None else bias.float())
+        got = product(lib, x, Q, N, bias, fp32=True)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        got16 = product(lib, x, Q, N, bias)
+        torch.testing.assert_close(got16.float(), want.bfloat16().float(), rtol=8e-3, atol=1e-5)
+        relu = product(lib, x, Q, N, bias, act=ACT_RELU)
+        torch.testing.assert_close(relu.float(), want.relu().bfloat16().float(), rtol=8e-3, atol=1e-5)
+    assert (product(lib, x, Q, N, b, fp32=True)[0] == b.float()).all()
+
+
+def test_quantized_products_are_close_to_the_exact_ones(lib):
+    """The point of the arithmetic: within 2% of the fp32 product (7-bit x, 8-bit W; 1.5% on
+    Gaussian rows)."""
+    g = torch.Generator().manual_seed(3)
+    W, x = torch.randn(512, 256, generator=g) * 0.05, torch.randn(64, 256, generator=g).bfloat16()
+    got = product(lib, x, pack(lib, W)[2], 512, fp32=True)
+    exact = x.float() @ W.t()
+    assert ((got - exact).norm() / exact.norm()).item() < 0.02
+
+
+def test_a_shortlists_packed_rows_are_the_packed_subset(lib):
+    """s2s_pack_rows_i8 of ids: the same Q (and b's entries) as packing those rows alone."""
+    g = torch.Generator().manual_seed(5)
+    V, K = 300, 64
+    W = torch.randn(V, K, generator=g)
+    b = torch.randn(V, generator=g).bfloat16()
+    Wq, scale, _ = pack(lib, W)
+    ids = torch.tensor([0, 3, 17, 18, 100, 101, 102, 250, 299], dtype=torch.int32)
+    n = len(ids)
+    Q = torch.empty(lib.s2s_i8_packed_bytes(n, K), dtype=torch.uint8)
+    b_sub = torch.empty(n, dtype=torch.bfloat16)
+    lib.s2s_pack_rows_i8(Wq.data_ptr(), scale.data_ptr(), K, ids.data_ptr(), n, b.data_ptr(), Q.data_ptr(),
+                         b_sub.data_ptr())
+    assert torch.equal(Q, pack(lib, W[ids.long()])[2])
+    assert torch.equal(b_sub, b[ids.long()])
+
+
+def test_a_depth_not_in_eights_is_refused(lib):
+    x, Q = torch.zeros(1, 12, dtype=torch.bfloat16), torch.zeros(lib.s2s_i8_packed_bytes(16, 12), dtype=torch.uint8)
+    y = torch.zeros(1, 16, dtype=torch.bfloat16)
+    assert lib.s2s_i8_linear(x.data_ptr(), 12, 1, 16, 12, Q.data_ptr(), None, 0, y.data_ptr(), None, 16) == -2
