@@ -1,8 +1,9 @@
 """The torch-free search's product kernels side by side, and CTranslate2 in the same rounds.
 
 ``s2s translate``'s torch-free route (s2s.native_search) multiplies with one of the kernels of
-s2s/model/native_linear.c: AMX's tiles (amx_bf16) or AVX512-BF16's vdpbf16ps (avx512_bf16).  This
-script times each kernel this CPU has (an Intel Xeon with AMX has both) on the same model and
+s2s/model/native_linear.c, AMX's tiles (amx_bf16) or AVX512-BF16's vdpbf16ps (avx512_bf16), or
+with s2s/model/native_int8.c's int8 products on AVX2 (int8_avx2, ``--quantize int8``).  This
+script times each kernel this CPU has (an Intel Xeon with AMX has all three) on the same model and
 sentences, steady state (the model loaded, translation alone), one thread, greedy and beam 5, and
 CTranslate2 int8 and fp32 in the same rounds, on the instructions it picks and, with
 ``--ct2-isa best,AVX2``, capped to others (``CT2_FORCE_CPU_ISA``: what it runs on a CPU that has
@@ -10,8 +11,14 @@ only those).  The configurations take turns round by round (``--rounds``, >= 3),
 with min and max is kept.  Not a timed test: only ratios within one run mean something.  Prints a
 table and, last, one JSON line.
 
+``--products`` times the kernels' products alone instead, one thread, at a decoding step's shapes
+(rows x depth x columns, W rotated through more than the core's caches as a step's matrices are),
+in microseconds a call and multiply-adds a second (int8: x's quantization and the bf16 store
+included; each call through ctypes, about 1 us).
+
     python benchmarks/native_kernels.py --model exp/ref
     python benchmarks/native_kernels.py --model exp/qs --lines 500 --rounds 5 --ct2-isa best,AVX2
+    python benchmarks/native_kernels.py --products
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "ddtp-en-de"
-KERNELS = {"amx_bf16": 1, "avx512_bf16": 2}  # native_linear.c's ISA_*
+KERNELS = {"amx_bf16": 1, "avx512_bf16": 2, "int8_avx2": 0}  # native_linear.c's ISA_*; 0: native_int8.c's
+PRODUCT_SHAPES = ((1, 256, 768), (8, 256, 768), (64, 256, 256), (64, 256, 768), (64, 1024, 256), (64, 256, 1024),
+                  (64, 192, 4000), (320, 256, 8000))  # rows x depth (K) x columns (N)
 
 S2S_SCRIPT = """
 import json, sys, time
@@ -39,9 +48,10 @@ model, src, kernel, beam, batch, cap = sys.argv[2], sys.argv[3], *map(int, sys.a
 lines = open(src, encoding="utf-8").read().splitlines()
 decode = {"beam": beam, "batch_size": batch, "batch_tokens": 1_000_000, "length_penalty": "power", "alpha": 1.0,
           "stop": "early", "max_len_a": 0.0, "max_len_b": cap}
-spec = TranslatorSpec(models=(model,), overrides=decode, precision="bf16", device="cpu")
+arithmetic = {"precision": "fp32", "quantize": "int8"} if kernel == 0 else {"precision": "bf16"}
+spec = TranslatorSpec(models=(model,), overrides=decode, device="cpu", **arithmetic)
 engine = native_search.engine_for(spec, False)
-if engine is None or native_search.library().s2s_bf16_linear_use(kernel) != kernel:
+if engine is None or (kernel and native_search.library().s2s_bf16_linear_use(kernel) != kernel):
     print(json.dumps({"skip": True}))
     sys.exit(0)
 engine.translate_lines(lines[:64], range(1, 65), None)  # warm-up
@@ -72,9 +82,67 @@ def run(cmd: list[str], env: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def time_products(rounds: int) -> None:
+    """--products: each kernel's products at PRODUCT_SHAPES, one thread, the best of ``rounds``."""
+    import ctypes
+    import random
+    import time
+    from array import array
+
+    sys.path.insert(0, str(REPO))
+    from s2s import native_search
+
+    lib = native_search.library()
+    if lib is None:
+        sys.exit("native_kernels: the search's library is not built here")
+    lib.s2s_bf16_linear.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_long]
+    lib.s2s_i8_linear.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                  ctypes.c_long]
+    rng = random.Random(0)
+    result = {}
+    print(f"{'kernel':<14} {'rows x K x N':>16} {'us':>9} {'GMAC/s':>8}")
+    for kernel, isa in KERNELS.items():
+        if isa and lib.s2s_bf16_linear_use(isa) != isa or not isa and not lib.s2s_i8_linear_available():
+            continue
+        for M, K, N in PRODUCT_SHAPES:
+            copies = max(1, (64 << 20) // (N * K))  # (W's copies rotated: 64 MiB of fp32 W, past the caches)
+            W, Ws = array("f", (rng.gauss(0, 0.05) for _ in range(N * K))), []
+            for _ in range(copies):
+                if isa:
+                    P = (ctypes.c_uint16 * (-(-N // 16) * (K // 32) * 512))()
+                    lib.s2s_pack_f32(W.buffer_info()[0], N, K, P)
+                else:
+                    Wq, scale = (ctypes.c_int8 * (N * K))(), (ctypes.c_float * N)()
+                    lib.s2s_i8_quantize_rows(W.buffer_info()[0], N, K, Wq, scale)
+                    P = (ctypes.c_uint8 * lib.s2s_i8_packed_bytes(N, K))()
+                    lib.s2s_i8_pack(Wq, scale, None, N, K, P)
+                Ws.append(P)
+            x = (ctypes.c_uint16 * (M * K))(*(0x3f80 + rng.randrange(-200, 200) for _ in range(M * K)))
+            y = (ctypes.c_uint16 * (M * N))()
+            calls = max(copies, int(2e9 / (M * N * K)))
+            best = float("inf")
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                for i in range(calls):
+                    if isa:
+                        lib.s2s_bf16_linear(x, K, M, N, K, Ws[i % copies], None, 0, y, N)
+                    else:
+                        lib.s2s_i8_linear(x, K, M, N, K, Ws[i % copies], None, 0, y, None, N)
+                best = min(best, (time.perf_counter() - t0) / calls)
+            key = f"{kernel} {M}x{K}x{N}"
+            result[key] = {"us": round(best * 1e6, 1), "gmac_s": round(M * N * K / best / 1e9, 1)}
+            print(f"{kernel:<14} {f'{M} x {K} x {N}':>16} {best * 1e6:>9.1f} {M * N * K / best / 1e9:>8.1f}")
+        if isa:
+            lib.s2s_bf16_linear_use(0)
+    print(json.dumps({"products": result, "threads": 1}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, type=Path)
+    ap.add_argument("--model", type=Path)
+    ap.add_argument("--products", action="store_true", help="the kernels' products alone (no model)")
     ap.add_argument("--lines", type=int, default=1000, help="test sentences (data/ddtp-en-de/test)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch", type=int, default=64)
@@ -82,6 +150,12 @@ def main() -> None:
     ap.add_argument("--ct2-isa", default="best", help="CTranslate2's instructions, comma-separated: best "
                                                       "(its own pick), AVX512, AVX2, AVX, NEON ...")
     args = ap.parse_args()
+    if args.products:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        time_products(args.rounds)
+        return
+    if args.model is None:
+        ap.error("--model is required (or --products)")
 
     import sacrebleu
 
