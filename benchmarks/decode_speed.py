@@ -108,7 +108,8 @@ print(json.dumps({"steady_s": steady}))
 # the steady state of s2s's W workers as `s2s translate --workers W` runs them: W > 1, a TranslatorPool,
 # timed once every worker has loaded its model and a warm-up pass of 64 W lines has run (its batches go
 # to whichever worker is free); W = 1, the Translator in this process, as `--workers 1` decodes; a plain
-# greedy or beam search on a CPU with AMX, the torch-free search (s2s.native_search) in W threads, as the CLI runs it
+# greedy or beam search the torch-free route takes (s2s.native_search), that search in W threads, as the
+# CLI runs it
 S2S_STEADY_SCRIPT = """
 import io, json, sys, time
 sys.path.insert(0, sys.argv[1])
@@ -118,7 +119,7 @@ lines = open(src, encoding="utf-8").read().splitlines()
 out = io.StringIO()
 from s2s.native_search import engine_for
 from s2s.workers import CHUNK_LINES
-engine = engine_for(spec, False)  # a plain search on a CPU with AMX: `s2s translate`'s torch-free route
+engine = engine_for(spec, False)  # a plain search the torch-free route takes: `s2s translate`'s route
 if engine is not None:
     def write(text, n_lines, n_tokens):
         out.write(text)

@@ -54,7 +54,7 @@ log = logging.getLogger("s2s")
 
 MODEL_DIR = Path(__file__).parent / "model"
 SOURCES = tuple(MODEL_DIR / name for name in ("native_attention.c", "native_linear.c", "native_int8.c",
-                                              "native_search.c"))
+                                              "native_thread.c", "native_search.c"))
 DISABLE = "S2S_NATIVE_SEARCH"  # =0: torch's route
 ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}  # native_search.c's ACT_*
 LENGTH_PENALTIES = {"gnmt": 0, "power": 1, "none": 2}  # its LP_*

@@ -25,7 +25,7 @@
  * an AMD EPYC Zen 4 built for AVX2 only, as fast as vdpbf16ps there.)
  */
 #include <math.h>
-#include <pthread.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,6 +34,9 @@
 #include <immintrin.h>
 #define S2S_I8_AVX2 1
 #endif
+
+void *s2s_thread_block(int which, size_t bytes); /* native_thread.c */
+enum { S2S_BLOCK_PRODUCTS = 1 };                  /* its block for the products' quantized rows */
 
 #ifndef I8_ROWS
 #define I8_ROWS 4 /* rows of a block: 2 x ROWS sums, two columns' halves, a row's bytes and the ones in registers */
@@ -98,45 +101,6 @@ void s2s_i8_pack(const int8_t *Wq, const float *scale, const int32_t *ids, long 
 }
 
 #ifdef S2S_I8_AVX2
-/* scratch of the calling thread (its rows' bytes u(x), s_x and z), kept from call to call and
- * freed when the thread ends */
-typedef struct {
-    uint8_t *p;
-    long bytes;
-} scratch;
-
-static pthread_key_t scratch_key;
-static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
-
-static void scratch_free(void *s)
-{
-    free(((scratch *)s)->p);
-    free(s);
-}
-
-static void scratch_key_init(void) { pthread_key_create(&scratch_key, scratch_free); }
-
-/* this thread's scratch, at least ``bytes`` long; NULL where it cannot be allocated */
-static uint8_t *thread_scratch(long bytes)
-{
-    pthread_once(&scratch_once, scratch_key_init);
-    scratch *s = pthread_getspecific(scratch_key);
-    if (!s) {
-        s = calloc(1, sizeof *s);
-        if (!s || pthread_setspecific(scratch_key, s)) {
-            free(s);
-            return NULL;
-        }
-    }
-    if (s->bytes < bytes) {
-        uint8_t *grown = realloc(s->p, (size_t)bytes);
-        if (!grown)
-            return NULL;
-        s->p = grown, s->bytes = bytes;
-    }
-    return s->p;
-}
-
 /* bf16 (8) widened to fp32 */
 static inline __m256 widen8(const uint16_t *h)
 {
@@ -264,7 +228,8 @@ static int linear_i8(const uint16_t *x, long x_row, long M, long N, long K, cons
     const float *s_w = Q;
     const int32_t *c = (const int32_t *)(s_w + NB * 16);
     const int8_t *q = (const int8_t *)(c + NB * 16);
-    uint8_t *block = thread_scratch(M * (K + (long)(sizeof(float) + sizeof(int32_t))));
+    const long bytes = M * (K + (long)(sizeof(float) + sizeof(int32_t)));
+    uint8_t *block = s2s_thread_block(S2S_BLOCK_PRODUCTS, (size_t)bytes);
     if (!block)
         return -4;
     float *s_x = (float *)block;

@@ -26,7 +26,6 @@
  * A sentence's rows leave the step's products once its search has ended.
  */
 #include <math.h>
-#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 #include <stdint.h>
@@ -47,6 +46,8 @@ int s2s_i8_linear_available(void);
 int s2s_i8_linear(const uint16_t *x, long x_row, long M, long N, long K, const void *Q, const uint16_t *b, int act,
                   uint16_t *y, float *y32, long y_row);
 void s2s_i8_pack(const int8_t *Wq, const float *scale, const int32_t *ids, long N, long K, void *Q);
+void *s2s_thread_block(int which, size_t bytes);
+enum { S2S_BLOCK_SEARCH = 0 }; /* native_thread.c's blocks: this file's */
 int s2s_argmax_rows_f32(const float *z, long z_row, long N, long V, float *best, int64_t *index);
 float s2s_log_softmax_shift(const float *z, long V, float *tops);
 
@@ -375,44 +376,8 @@ static void *carve(carver *c, size_t bytes)
 
 #define CARVE(c, ptr, n) ((ptr) = carve((c), sizeof *(ptr) * (size_t)(n)))
 
-typedef struct {
-    void *p;
-    size_t size;
-} arena;
-
-static pthread_key_t arena_key;
-static pthread_once_t arena_once = PTHREAD_ONCE_INIT;
-
-static void arena_free(void *a)
-{
-    if (a) {
-        free(((arena *)a)->p);
-        free(a);
-    }
-}
-
-static void arena_key_init(void) { pthread_key_create(&arena_key, arena_free); }
-
-/* this thread's block, at least ``bytes`` long; NULL where it cannot be allocated */
-static char *thread_block(size_t bytes)
-{
-    pthread_once(&arena_once, arena_key_init);
-    arena *a = pthread_getspecific(arena_key);
-    if (!a) {
-        a = calloc(1, sizeof *a);
-        if (!a || pthread_setspecific(arena_key, a)) {
-            free(a);
-            return NULL;
-        }
-    }
-    if (a->size < bytes) {
-        free(a->p);
-        const size_t size = ((bytes + bytes / 4) + 63) & ~(size_t)63; /* room for a somewhat larger batch */
-        a->p = aligned_alloc(64, size);
-        a->size = a->p ? size : 0;
-    }
-    return a->p;
-}
+/* this thread's block of a batch's buffers (native_thread.c) */
+static char *thread_block(size_t bytes) { return s2s_thread_block(S2S_BLOCK_SEARCH, bytes); }
 
 /* the pages inside [p, p + bytes) handed back to the system (they read as zeros when next touched):
  * the self-attention caches after a search, whose slots past a batch's last step are never written,
