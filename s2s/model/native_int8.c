@@ -1,6 +1,6 @@
-/* y = act(x W^T + b) with int8 products, for the torch-free search (native_search.c) on a CPU with
- * AVX2 and no bf16 products (AMD's Zen 2 and 3, Intel's Haswell to Ice Lake), and for
- * ``--quantize int8`` on any CPU with AVX2.  x and y are bf16, as native_linear.c's products
+/* y = act(x W^T + b) with int8 products, for the torch-free search (native_search.c): its
+ * ``--precision auto`` on a CPU with AVX2 and no AVX-512 (AMD's Zen 2 and 3, Intel's Haswell to
+ * Comet Lake), and ``--quantize int8`` on any CPU with AVX2.  x and y are bf16, as native_linear.c's products
  * take and give them, so that the search runs either.
  *
  * W is quantized once, row by row (symmetric, 8 bits), and each call quantizes x row by row
@@ -21,8 +21,9 @@
  * so that one 32-byte load holds 4 depths of 8 columns and a row's 4 bytes broadcast meet them;
  * s_W and c precede it.  A block of ROWS rows x 16 columns keeps its sums in registers for the
  * whole depth, W's columns in chunks of CHUNK_BYTES multiplied by every block of rows while they
- * are in the core's second cache.  (README: this kernel alone ran at 105-112 GMAC/s on one core of
- * an AMD EPYC Zen 4 built for AVX2 only, as fast as vdpbf16ps there.)
+ * are in the core's second cache.  (README: 76-99 GMAC/s from 64 rows up on one core of an AMD
+ * EPYC Zen 4 built for AVX2 alone, x's quantization and the store included, W rotated past the
+ * caches; vdpbf16ps 89-103 in the same run: benchmarks/native_kernels.py --products.)
  */
 #include <math.h>
 #include <stddef.h>
@@ -59,7 +60,10 @@ int s2s_i8_linear_available(void)
 static inline long blocks16(long N) { return (N + 15) / 16; }
 
 /* bytes of Q for W (N, K): s_W and c for 16 columns a block, then the packed bytes */
-long s2s_i8_packed_bytes(long N, long K) { return blocks16(N) * 16 * (long)(sizeof(float) + sizeof(int32_t)) + blocks16(N) * 16 * K; }
+long s2s_i8_packed_bytes(long N, long K)
+{
+    return blocks16(N) * 16 * ((long)(sizeof(float) + sizeof(int32_t)) + K);
+}
 
 /* q(W) (N, K) int8 row by row, and each row's scale s_W (above), from fp32 W */
 void s2s_i8_quantize_rows(const float *W, long N, long K, int8_t *Wq, float *scale)
