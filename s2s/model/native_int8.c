@@ -25,6 +25,7 @@
  * EPYC Zen 4 built for AVX2 alone, x's quantization and the store included, W rotated past the
  * caches; vdpbf16ps 89-103 in the same run: benchmarks/native_kernels.py --products.)
  */
+#include <float.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -65,20 +66,25 @@ long s2s_i8_packed_bytes(long N, long K)
     return blocks16(N) * 16 * ((long)(sizeof(float) + sizeof(int32_t)) + K);
 }
 
-/* q(W) (N, K) int8 row by row, and each row's scale s_W (above), from fp32 W */
+/* q(W) (N, K) int8 row by row, and each row's scale s_W (above), from fp32 W; a row holding NaN
+ * gets the scale NaN (its outputs NaN, as the bf16 products give them) */
 void s2s_i8_quantize_rows(const float *W, long N, long K, int8_t *Wq, float *scale)
 {
     for (long n = 0; n < N; n++) {
         const float *w = W + n * K;
         float top = 0.0f;
-        for (long k = 0; k < K; k++)
+        int nan = 0;
+        for (long k = 0; k < K; k++) {
             top = fabsf(w[k]) > top ? fabsf(w[k]) : top;
+            nan |= w[k] != w[k];
+        }
         const float s = top / 127.0f, inv = top > 0.0f ? 127.0f / top : 0.0f;
         for (long k = 0; k < K; k++) {
-            const float v = nearbyintf(w[k] * inv);
+            float v = nearbyintf(w[k] * inv);
+            v = v == v ? v : 0.0f; /* (NaN, or inf times 0: not a number to convert) */
             Wq[n * K + k] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
         }
-        scale[n] = s;
+        scale[n] = nan ? NAN : s;
     }
 }
 
@@ -112,15 +118,22 @@ static inline __m256 widen8(const uint16_t *h)
 }
 
 /* u(x) of M rows (bytes, K apart), s_x and z (above) */
+/* u(x) of M rows (bytes, K apart), s_x and z (above).  A row whose range is below X_TINY (every
+ * |x| under about 1e-28, where 1 / s_x would overflow) is taken as zeros; a row holding NaN or an
+ * infinity gets s_x NaN, so that its outputs are NaN as the bf16 products' are (the search stops
+ * on them). */
+#define X_TINY 0x1p-100f
 static void quantize_x(const uint16_t *x, long x_row, long M, long K, uint8_t *u, float *s_x, int32_t *z)
 {
     for (long r = 0; r < M; r++) {
         const uint16_t *xr = x + r * x_row;
-        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+        uint8_t *ur = u + r * K;
+        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
         for (long k = 0; k < K; k += 8) {
             const __m256 v = widen8(xr + k);
             lo = _mm256_min_ps(lo, v);
             hi = _mm256_max_ps(hi, v);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
         }
         float l[8], h[8], low = 0.0f, high = 0.0f;
         _mm256_storeu_ps(l, lo);
@@ -129,14 +142,18 @@ static void quantize_x(const uint16_t *x, long x_row, long M, long K, uint8_t *u
             low = l[i] < low ? l[i] : low;
             high = h[i] > high ? h[i] : high;
         }
-        const float s = (high - low) / 127.0f;
+        const float range = (high - low) / 127.0f, s = range >= X_TINY ? range : 0.0f;
+        if (_mm256_movemask_ps(nan) || !(range <= FLT_MAX)) { /* (an infinity: its outputs are not numbers either) */
+            s_x[r] = NAN, z[r] = 0;
+            memset(ur, 0, (size_t)K);
+            continue;
+        }
         const float inv = s > 0.0f ? 1.0f / s : 0.0f;
         const float zero = s > 0.0f ? nearbyintf(-low * inv) : 0.0f;
         s_x[r] = s;
         z[r] = (int32_t)zero;
         const __m256 vinv = _mm256_set1_ps(inv), vz = _mm256_set1_ps(zero);
         const __m256 top = _mm256_set1_ps(127.0f), bottom = _mm256_setzero_ps();
-        uint8_t *ur = u + r * K;
         for (long k = 0; k < K; k += 8) {
             __m256 v = _mm256_add_ps(_mm256_round_ps(_mm256_mul_ps(widen8(xr + k), vinv),
                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), vz);
@@ -228,6 +245,8 @@ static void finish(long R, __m256i sums[][2], const float *s_x, const int32_t *z
 static int linear_i8(const uint16_t *x, long x_row, long M, long N, long K, const void *Q, const uint16_t *b,
                      int act, uint16_t *y, float *y32, long y_row)
 {
+    if (M <= 0)
+        return 0;
     const long NB = blocks16(N);
     const float *s_w = Q;
     const int32_t *c = (const int32_t *)(s_w + NB * 16);
