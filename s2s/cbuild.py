@@ -7,7 +7,8 @@ sources, the compilers and their flags, what else it depends on (torch's version
 first) and the CPU (``-march=native``), so that a new source, compiler or CPU builds afresh.
 ``$S2S_MARCH`` names another target than ``native`` (``x86-64-v3``: AVX2 and FMA alone, as
 benchmarks/decode_speed.py ``--isa avx2`` measures a CPU without AVX-512 on one that has it); the
-kernels then run what that target has (s2s.native_search asks the library, not the CPU's flags).
+kernels then run what that target has: s2s.native_search picks its products by the CPU's flags
+and leaves a command to torch's route where the library lacks them.
 
 This module imports no torch.
 """

@@ -359,7 +359,8 @@ def _decode_command(name: str, defaults: dict):
                  "int8 matrices with avx512_bf16+avx512_vnni and no AMX or with avx2 and no AVX-512, "
                  "else bf16 where native, else fp32; with fp32 where bf16 is native, a beam search's "
                  "self-attention K/V in bf16. A plain search in auto or bf16 on a CPU with amx_bf16 or "
-                 "avx512_bf16 runs without torch, in bf16 (s2s.native_search).")] = "fp32",
+                 "avx512_bf16 runs without torch, in bf16; in auto on one with avx2 and no AVX-512, "
+                 "without torch in int8 (s2s.native_search).")] = "fp32",
         compile: Annotated[bool, typer.Option(
             "--compile", help="torch.compile the decoder step (cached on disk; decode.compile).")] = False,
         shortlist: Annotated[bool, typer.Option(
@@ -367,7 +368,8 @@ def _decode_command(name: str, defaults: dict):
                                 "from `s2s shortlist`; decode.shortlist).")] = False,
         quantize: Annotated[Optional[str], typer.Option(
             help="int8: int8 copies of the linear layers and the output projection, used where "
-                 "they are faster (CPU).")] = None,
+                 "they are faster (CPU); a plain search with fp32 on a CPU with avx2 runs without "
+                 "torch, every product in int8 (s2s.native_search).")] = None,
         unbuffered: Annotated[bool, typer.Option("--unbuffered", help="Translate and flush line by line.")] = False,
         split_sentences: Annotated[bool, typer.Option(
             "--split-sentences",

@@ -194,12 +194,15 @@ def products_for(precision: str, quantize: Optional[str],
     """The products this route runs for ``--precision`` and ``--quantize`` on a CPU with ``flags``
     (this one's by default), and why: ("bf16" or "int8", why), or (None, why not).  bf16 for auto
     or bf16 where the CPU has bf16 products (amx_bf16 or avx512_bf16); int8 for ``--quantize
-    int8`` (fp32 or auto) on a CPU with AVX2, and for auto on one with AVX2 and neither bf16
-    products nor AVX-512, where s2s.precision.auto_arithmetic picks int8 matrices too."""
+    int8`` with fp32 on a CPU with AVX2, and for auto on one with AVX2 and neither bf16 products
+    nor AVX-512, where s2s.precision.auto_arithmetic picks int8 matrices too.  (``--quantize int8``
+    with auto or bf16 is torch's to decide: it refuses it where auto picks bf16.)  The flags are the
+    CPU's; a library built for less (``$S2S_MARCH``) without the products picked sends the command
+    to torch's route (:func:`has_products`)."""
     flags = cbuild.cpu_flags() if flags is None else flags
     if quantize == "int8":
-        if precision == "bf16":
-            return None, "--precision bf16 --quantize int8"  # (torch's route refuses it)
+        if precision != "fp32":
+            return None, f"--precision {precision} --quantize int8"  # (torch's route refuses it, or not)
         if not INT8_FLAGS <= flags:
             return None, "--quantize int8 without avx2 and fma (the route's int8 products)"
         return "int8", "--quantize int8"
