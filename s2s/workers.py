@@ -268,7 +268,8 @@ def translate_stream(spec: TranslatorSpec, lines: Iterable[str], out: TextIO, wo
     ``workers`` 0 (auto): one single-thread worker per core on the CPU (see
     :func:`auto_workers`), but one process for an input of at most MIN_PARALLEL_LINES lines.
     ``line_by_line`` (--unbuffered) always runs in this one process.  A plain greedy or beam search
-    on a CPU with AMX runs in this process without torch (s2s.native_search), each of its threads
+    the torch-free route takes (s2s.native_search: bf16 products on AMX or AVX512-BF16, int8 on
+    AVX2) runs in this process without torch, each of its threads
     searching a batch on one core: as many threads as the workers' threads together.
     ``first_line_no``: the number of the first line (n-best rows, messages) when ``lines``
     continue an input; ``on_chunk(n_lines)`` is called after each chunk of ``chunk_lines``
@@ -286,7 +287,7 @@ def translate_stream(spec: TranslatorSpec, lines: Iterable[str], out: TextIO, wo
     from s2s.native_search import engine_for
 
     engine = engine_for(spec, prefixes is not None)
-    if engine is not None:  # a plain search on a CPU with AMX: no torch, threads of this process
+    if engine is not None:  # a plain search the torch-free route takes: no torch, threads of this process
         workerserver.release_early()
         threads = n * threads_per_worker(n, cores, spec.threads)  # the cores torch's route would take
         engine.translate_stream(items, threads, 1 if line_by_line else chunk_lines, first_line_no,
