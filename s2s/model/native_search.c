@@ -1,6 +1,6 @@
 /* Greedy and beam search of an encoder-decoder transformer in C, without torch: s2s.native_search
- * compiles this file with native_attention.c, native_linear.c and native_int8.c (cc -O3
- * -march=native) into a library of its own, loaded through ctypes, and ``s2s translate`` decodes
+ * compiles this file with native_attention.c, native_linear.c, native_int8.c and native_thread.c
+ * (cc -O3 -march=native) into a library of its own, loaded through ctypes, and ``s2s translate`` decodes
  * plain searches with it on a CPU with AMX or AVX512-BF16 (bf16 products) or with AVX2 (int8
  * products), where importing torch took longer than a greedy search.
  *
@@ -557,8 +557,8 @@ static void block_specials(const s2s_model *m, float *z, long t, long min_len)
  * sums it: each step's log_softmax over the whole vocabulary, taken before the rules block
  * tokens (at max_len, </s>'s own log p, 0 where it is blocked).
  * Returns 0; -1 where memory cannot be allocated, -2 where there is no kernel for the model's
- * products (bf16's or int8's, in this library or this process), -3 where a step's scores hold NaN, -4 where a kernel failed (its scratch
- * could not be allocated). */
+ * products (bf16's or int8's, in this library or this process), -3 where a step's scores hold
+ * NaN, -4 where a kernel failed (its scratch could not be allocated). */
 int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, const long *src_len,
                const long *max_len, long min_len, int32_t *out, long out_stride, long *out_len, float *out_logp)
 {
