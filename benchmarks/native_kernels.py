@@ -95,11 +95,6 @@ def time_products(rounds: int) -> None:
     lib = native_search.library()
     if lib is None:
         sys.exit("native_kernels: the search's library is not built here")
-    lib.s2s_bf16_linear.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
-                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_long]
-    lib.s2s_i8_linear.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
-                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                  ctypes.c_long]
     rng = random.Random(0)
     result = {}
     print(f"{'kernel':<14} {'rows x K x N':>16} {'us':>9} {'GMAC/s':>8}")

@@ -132,6 +132,12 @@ def library() -> Optional[ctypes.CDLL]:
                                 ctypes.c_void_p]
     lib.s2s_pack_rows_i8.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
                                      ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    # the products themselves (the search calls them in C; tests and benchmarks/native_kernels.py here)
+    lib.s2s_bf16_linear.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_long]
+    lib.s2s_i8_linear.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                  ctypes.c_long]
     if not lib.s2s_bf16_linear_isa() and not lib.s2s_i8_linear_available():
         log.debug("native search unavailable: no kernel for its products (this library or this process)")
         return None
@@ -260,13 +266,12 @@ class SearchModel:
             if weight not in weights:
                 return Linear()
             N, K = weights[weight][0]
+            P = self._packed(N, K)
+            self._keep.append(P)
             if self.int8:
-                P = buffer(ctypes.c_uint8, lib.s2s_i8_packed_bytes(N, K))
                 lib.s2s_i8_pack(*quantized(weight, N, K), None, N, K, P)
-            else:
-                P = buffer(ctypes.c_uint16, -(-N // 16) * (K // 32) * 512)
-                if lib.s2s_pack_f32(f32(weight, keep=False), N, K, P):
-                    raise MemoryError("packing the weights")
+            elif lib.s2s_pack_f32(f32(weight, keep=False), N, K, P):
+                raise MemoryError("packing the weights")
             return Linear(ctypes.addressof(P), bf16(bias, N) if bias in weights else None, N, K, self.int8)
 
         def projection(prefix: str) -> Linear:
@@ -363,6 +368,13 @@ class SearchModel:
             found.append(hyps)
         return found
 
+    def _packed(self, N: int, K: int) -> Any:
+        """A buffer for W (N, K) packed for this model's products: AMX's tiles of bf16
+        (s2s_bf16_pack, 16 x 32 elements a tile), or native_int8.c's layout."""
+        if self.int8:
+            return (ctypes.c_uint8 * self.lib.s2s_i8_packed_bytes(N, K))()
+        return (ctypes.c_uint16 * (-(-N // 16) * (K // 32) * 512))()
+
     def _shortlisted(self, src) -> tuple[Any, Any]:
         """The model of a batch of source ids ``src`` (padding included: the pad's list is the
         frequent pieces', as in torch's route) whose outputs are its shortlist's ids (s2s.shortlist:
@@ -373,13 +385,11 @@ class SearchModel:
         mark, ids = (ctypes.c_ubyte * V)(), (ctypes.c_int32 * V)()
         n = lib.s2s_shortlist_subset(top, k, src, len(src), frequent, F, self.always, len(self.always), V, mark, ids)
         b = (ctypes.c_uint16 * n)() if self.b_u16 is not None else None
+        P = self._packed(n, d)
         if self.int8:
-            P = (ctypes.c_uint8 * lib.s2s_i8_packed_bytes(n, d))()
             lib.s2s_pack_rows_i8(*self.w_uq, d, ids, n, self.b_u16, P, b)
-        else:
-            P = (ctypes.c_uint16 * (-(-n // 16) * (d // 32) * 512))()
-            if lib.s2s_pack_rows(self.w_u16, d, ids, n, self.b_u16, P, b):
-                raise MemoryError("packing the shortlist's rows")
+        elif lib.s2s_pack_rows(self.w_u16, d, ids, n, self.b_u16, P, b):
+            raise MemoryError("packing the shortlist's rows")
         model = Model.from_buffer_copy(self.model)
         position = {v: i for i, v in enumerate(ids[:n])}
         model.vocab, model.tgt_ids = n, ctypes.addressof(ids)

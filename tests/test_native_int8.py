@@ -7,7 +7,6 @@ packed rows are the packed subset."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 
 import pytest
@@ -24,10 +23,6 @@ ACT_RELU = 1
 
 @pytest.fixture(scope="module")
 def lib():
-    LIB.s2s_i8_linear.restype = ctypes.c_int
-    LIB.s2s_i8_linear.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
-                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                  ctypes.c_long]
     return LIB
 
 
