@@ -60,11 +60,14 @@ steady state), "memory_ratio", and under "models" every model's every row.
     python benchmarks/decode_speed.py --model exp/qs --device cuda
     python benchmarks/decode_speed.py --model exp/qs --configs s2s_fp32_2x1,ct2_fp32_2x1   # only these rows
     python benchmarks/decode_speed.py --model exp/qs --isa avx2     # as a CPU with AVX2 alone would
+    python benchmarks/decode_speed.py --model exp/qs --isa avx512   # as one with AVX-512 and no bf16
 
 ``--isa avx2`` measures, on a CPU with AVX-512, what a CPU with AVX2 and FMA alone (AMD's Zen 2
 and 3, Intel's Haswell to Comet Lake) runs: every engine capped to those instructions
-(:data:`AVX2_ONLY`: CTranslate2's, oneDNN's and torch's own switches; s2s's kernels compiled for
-x86-64-v3), and no bf16 rows.  The cores' speed is still this CPU's.
+(:data:`ISA_CAPS`: CTranslate2's, oneDNN's and torch's own switches; s2s's kernels compiled for
+x86-64-v3), and no bf16 rows.  ``--isa avx512`` likewise measures a CPU with AVX-512 and VNNI but
+no bf16 products (Intel's Cascade Lake and Ice Lake; :data:`ISA_CAPS`).  The cores' speed is still
+this CPU's.
 """
 
 from __future__ import annotations
@@ -84,8 +87,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "ddtp-en-de"
 SEARCHES = (("beam5", 5), ("greedy", 1))
-AVX2_ONLY = {"CT2_FORCE_CPU_ISA": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2",
-             "ATEN_CPU_CAPABILITY": "avx2", "S2S_MARCH": "x86-64-v3"}  # --isa avx2's environment
+ISA_CAPS = {  # --isa's environments: CTranslate2's, oneDNN's and torch's caps, s2s's -march
+    "avx2": {"CT2_FORCE_CPU_ISA": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2",
+             "ATEN_CPU_CAPABILITY": "avx2", "S2S_MARCH": "x86-64-v3"},
+    "avx512": {"CT2_FORCE_CPU_ISA": "AVX512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI",
+               "DNNL_MAX_CPU_ISA": "AVX512_CORE_VNNI", "ATEN_CPU_CAPABILITY": "avx512", "S2S_MARCH": "cascadelake"}}
 
 CT2_SCRIPT = """
 import json, sys, time, ctranslate2, sentencepiece as spm
@@ -191,8 +197,8 @@ def splits(cores: int) -> list[tuple[int, int]]:
 
 
 def cpu_has_bf16() -> bool:
-    """Native bf16 matmuls: the CPU flags avx512_bf16 or amx_bf16 (and no ``--isa avx2``)."""
-    if os.environ.get("S2S_MARCH") == AVX2_ONLY["S2S_MARCH"]:
+    """Native bf16 matmuls: the CPU flags avx512_bf16 or amx_bf16 (and no ``--isa`` cap)."""
+    if any(os.environ.get("S2S_MARCH") == cap["S2S_MARCH"] for cap in ISA_CAPS.values()):
         return False
     try:
         flags = Path("/proc/cpuinfo").read_text()
@@ -483,11 +489,12 @@ def main() -> None:
                     help="only these configurations, comma-separated (e.g. s2s_fp32_2x1,ct2_int8_2x1)")
     ap.add_argument("--memory-lines", type=int, default=200_000,
                     help="lines of the memory check's big input (0: no memory check)")
-    ap.add_argument("--isa", choices=("native", "avx2"), default="native",
-                    help="avx2: every engine capped to AVX2 and FMA, as on a CPU without AVX-512 (see above)")
+    ap.add_argument("--isa", choices=("native", *ISA_CAPS), default="native",
+                    help="avx2: every engine capped to AVX2 and FMA, as on a CPU without AVX-512; avx512: to "
+                         "AVX-512 with VNNI and no bf16 (see above)")
     args = ap.parse_args()
-    if args.isa == "avx2":
-        os.environ.update(AVX2_ONLY)
+    if args.isa != "native":
+        os.environ.update(ISA_CAPS[args.isa])
     if not set(args.engines.split(",")) <= {"s2s", "ct2", "hf"}:
         ap.error(f"--engines: {args.engines!r} is not a subset of s2s,ct2,hf")
     for model in args.model:
@@ -522,8 +529,8 @@ def main() -> None:
         memory = memory_check(args.model[0], args, work, src) if args.memory_lines else {}
 
     where = cpu_name() if args.device == "cpu" else torch.cuda.get_device_name(0)
-    if args.isa == "avx2":
-        where += ", every engine capped to AVX2 (--isa avx2)"
+    if args.isa != "native":
+        where += f", every engine capped to {args.isa.upper()} (--isa {args.isa})"
     print(f"# {where}; {args.cores} cores; {n} sentences; {args.rounds} round(s); batch {args.batch}; "
           f"sentences/s median [min-max]")
     for m in models:

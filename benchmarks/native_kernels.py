@@ -2,7 +2,8 @@
 
 ``s2s translate``'s torch-free route (s2s.native_search) multiplies with one of the kernels of
 s2s/model/native_linear.c, AMX's tiles (amx_bf16) or AVX512-BF16's vdpbf16ps (avx512_bf16), or
-with s2s/model/native_int8.c's int8 products on AVX2 (int8_avx2, ``--quantize int8``).  This
+with s2s/model/native_int8.c's int8 products (int8, ``--quantize int8``: VNNI's vpdpbusd where the
+CPU has it, else AVX2's vpmaddubsw; the products' rows name which).  This
 script times each kernel this CPU has (an Intel Xeon with AMX has all three) on the same model and
 sentences, steady state (the model loaded, translation alone), one thread, greedy and beam 5, and
 CTranslate2 int8 and fp32 in the same rounds, on the instructions it picks and, with
@@ -35,7 +36,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "ddtp-en-de"
-KERNELS = {"amx_bf16": 1, "avx512_bf16": 2, "int8_avx2": 0}  # native_linear.c's ISA_*; 0: native_int8.c's
+KERNELS = {"amx_bf16": 1, "avx512_bf16": 2, "int8": 0}  # native_linear.c's ISA_*; 0: native_int8.c's
 PRODUCT_SHAPES = ((1, 256, 768), (8, 256, 768), (64, 256, 256), (64, 256, 768), (64, 1024, 256), (64, 256, 1024),
                   (64, 192, 4000), (320, 256, 8000))  # rows x depth (K) x columns (N)
 
@@ -101,6 +102,8 @@ def time_products(rounds: int) -> None:
     for kernel, isa in KERNELS.items():
         if isa and lib.s2s_bf16_linear_use(isa) != isa or not isa and not lib.s2s_i8_linear_available():
             continue
+        if not isa:  # (which instructions: native_int8.c's s2s_i8_linear_available)
+            kernel = {1: "int8_avx2", 2: "int8_vnni"}[lib.s2s_i8_linear_available()]
         for M, K, N in PRODUCT_SHAPES:
             copies = max(1, (64 << 20) // (N * K))  # (W's copies rotated: 64 MiB of fp32 W, past the caches)
             W, Ws = array("f", (rng.gauss(0, 0.05) for _ in range(N * K))), []

@@ -1,5 +1,5 @@
 """Greedy and beam search without torch: ``s2s translate``'s route for a plain search on a CPU with
-bf16 products (AMX, or AVX512-BF16 without it), or with int8 products on AVX2.
+bf16 products (AMX, or AVX512-BF16 without it), or with int8 products on AVX2 (VNNI where there).
 
 On a 2-core Intel Xeon with AMX, a greedy ``s2s translate`` of 1,000 lines spent 0.85 s
 importing torch (in the workers' server) before its first line, and 0.6 s decoding them
@@ -7,7 +7,7 @@ importing torch (in the workers' server) before its first line, and 0.6 s decodi
 ``native_attention.c`` and ``native_linear.c``, the kernels the torch route calls as operators)
 runs a whole batch's encoder and greedy or beam search in one C call, its products on AMX (or
 AVX512-BF16's vdpbf16ps on a CPU without AMX, as AMD's Zen 4 and 5) with each W packed once,
-or int8 products on AVX2 (``native_int8.c``: W quantized once row by row, x per call),
+or int8 products on AVX2 or VNNI (``native_int8.c``: W quantized once row by row, x per call),
 the residual stream, the softmax and the scores in fp32, each thread's buffers kept from batch
 to batch (s2s/model/native_search.c); with ``decode.shortlist`` each batch's output projection
 over its shortlist alone (s2s.shortlist: the table read here without torch, the subset computed
@@ -18,9 +18,9 @@ them. The C call releases the GIL, so that N threads of this one process decode 
 once (``--workers N``: threads, not processes, here).
 
 :func:`engine_for` takes the route only where it computes what the torch route would
-(:func:`products_for`: ``--precision auto`` or bf16 on a CPU with amx_bf16 or avx512_bf16, in
-bf16; ``--quantize int8``, and ``--precision auto`` where that picks int8 matrices (AVX2 without
-AVX-512), in int8, on a CPU with AVX2; greedy or beam
+(:func:`products_for`: ``--precision bf16`` on a CPU with amx_bf16 or avx512_bf16, and auto on
+AMX, in bf16; ``--quantize int8``, and ``--precision auto`` on the other CPUs with AVX2, in int8;
+greedy or beam
 search with none of the search's options this file does not implement, its output as
 s2s.output writes it: text rows, with their confidence (--scores), n-best rows of a beam search
 (--nbest) or JSON lines; a single
@@ -59,6 +59,7 @@ DISABLE = "S2S_NATIVE_SEARCH"  # =0: torch's route
 ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}  # native_search.c's ACT_*
 LENGTH_PENALTIES = {"gnmt": 0, "power": 1, "none": 2}  # its LP_*
 KERNELS = {1: "AMX", 2: "AVX512-BF16 (vdpbf16ps)"}  # native_linear.c's ISA_*
+I8_KERNELS = {1: "AVX2 (vpmaddubsw)", 2: "VNNI (vpdpbusd)"}  # native_int8.c's s2s_i8_linear_available
 BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})  # a CPU with bf16 products
 INT8_FLAGS = frozenset({"avx2", "fma"})  # one with native_int8.c's
 ERRORS = {-1: "out of memory", -2: "no kernel for the model's products in this process",
@@ -198,13 +199,14 @@ def spec_why_not(spec, prefixes: bool) -> Optional[str]:
 def products_for(precision: str, quantize: Optional[str],
                  flags: Optional[frozenset[str]] = None) -> tuple[Optional[str], str]:
     """The products this route runs for ``--precision`` and ``--quantize`` on a CPU with ``flags``
-    (this one's by default), and why: ("bf16" or "int8", why), or (None, why not).  bf16 for auto
-    or bf16 where the CPU has bf16 products (amx_bf16 or avx512_bf16); int8 for ``--quantize
-    int8`` with fp32 on a CPU with AVX2, and for auto on one with AVX2 and neither bf16 products
-    nor AVX-512, where s2s.precision.auto_arithmetic picks int8 matrices too.  (``--quantize int8``
-    with auto or bf16 is torch's to decide: it refuses it where auto picks bf16.)  The flags are the
-    CPU's; a library built for less (``$S2S_MARCH``) without the products picked sends the command
-    to torch's route (:func:`has_products`)."""
+    (this one's by default), and why: ("bf16" or "int8", why), or (None, why not).  For auto, the
+    faster as measured (README): bf16 on AMX's tiles (amx_bf16), else int8 on any CPU with AVX2
+    (with VNNI's vpdpbusd, 1.3x bf16's vdpbf16ps on AMD's Zen 4; 3-4x torch's fp32 on AVX-512
+    without bf16 and on AVX2 alone).  bf16 for bf16 where the CPU has bf16 products (amx_bf16 or
+    avx512_bf16); int8 for ``--quantize int8`` with fp32 on a CPU with AVX2.  (``--quantize int8``
+    with auto or bf16 is torch's to decide: it refuses it where auto picks bf16.)  The flags are
+    the CPU's; a library built for less (``$S2S_MARCH``) without the products picked sends the
+    command to torch's route (:func:`has_products`)."""
     flags = cbuild.cpu_flags() if flags is None else flags
     if quantize == "int8":
         if precision != "fp32":
@@ -214,10 +216,10 @@ def products_for(precision: str, quantize: Optional[str],
         return "int8", "--quantize int8"
     if quantize or precision not in ("auto", "bf16"):
         return None, f"--precision {precision}" + (f" --quantize {quantize}" if quantize else "")
+    if precision == "auto" and "amx_bf16" not in flags and INT8_FLAGS <= flags:
+        return "int8", "--precision auto: int8 products on a CPU with AVX2 and no AMX"
     if flags & BF16_FLAGS:
         return "bf16", f"--precision {precision}, CPU flags {' '.join(sorted(flags & BF16_FLAGS))}"
-    if precision == "auto" and INT8_FLAGS <= flags and "avx512f" not in flags:
-        return "int8", "--precision auto: int8 matrices on AVX2 without AVX-512"
     return None, f"--precision {precision} and no amx_bf16 or avx512_bf16 (the route's bf16 products)"
 
 
@@ -586,6 +588,6 @@ def _load(spec) -> NativeSearch:
     cap, max_input = output_cap(cfg.model, decode), input_cap(cfg.model, decode)
     shortlist = _shortlist(d, weights) if decode.shortlist else None
     model = SearchModel(cfg, weights, tok, max(max_input, cap) + 1, shortlist, products)
-    log.debug("search without torch: %s", "int8 products on AVX2 (vpmaddubsw)" if products == "int8" else
-              f"bf16 products on {KERNELS.get(library().s2s_bf16_linear_isa(), '?')}")
+    log.debug("search without torch: %s", f"int8 products on {I8_KERNELS.get(library().s2s_i8_linear_available(), '?')}"
+              if products == "int8" else f"bf16 products on {KERNELS.get(library().s2s_bf16_linear_isa(), '?')}")
     return NativeSearch(model, tok, decode, lang, cfg.data.max_src_tokens, max_input, cap, fmt)

@@ -8,8 +8,8 @@ where the hardware multiplies bf16 natively and fp32 elsewhere:
             torch.cpu._is_avx512_bf16_supported / _is_amx_tile_supported), else fp32
 
 and, decoding only (:func:`auto_arithmetic`), takes fp32 weights with int8 matrices
-(s2s.model.int8) instead on the CPUs where those were measured faster: AVX2 without AVX-512,
-and AVX-512 BF16 with VNNI but without AMX.
+(s2s.model.int8) instead on the CPUs where those were measured faster: every CPU with AVX2
+but not AMX.
 
 oneDNN "supports" bf16 on plain AVX-512 too (torch.ops.mkldnn._is_mkldnn_bf16_supported()
 is true there) by converting to fp32, many times slower than fp32 itself: that check
@@ -76,29 +76,27 @@ def auto_arithmetic(device: torch.device, flags: Optional[set[str] | frozenset[s
     copies where a product is large enough, s2s.model.int8) or bf16, whichever decoded faster:
 
         amx_bf16                              bf16 (Intel Xeon with AMX)
-        avx512_bf16 and avx512_vnni, no AMX   fp32 + int8 (AMD EPYC Zen 5: int8 beat bf16)
+        avx512_bf16, no AMX                   fp32 + int8 (AMD EPYC Zen 5: int8 beat bf16)
         avx2 without avx512f                  fp32 + int8 (AMD EPYC Zen 2)
-        avx512f without bf16                  fp32 (int8 unmeasured there)
+        avx512f without bf16                  fp32 + int8 (1.5-1.9x fp32: a Zen 4 capped to
+                                              AVX-512 with VNNI, as Cascade Lake has)
 
     Anything else, and other devices, take :func:`auto_precision`'s choice.  (This is torch's
-    route: a plain search with ``--precision auto`` on a CPU with amx_bf16 or avx512_bf16 runs
-    in s2s.native_search without torch, in bf16, which beat int8 through torch on the Zen 4 too;
-    on AVX2 without AVX-512, and with ``--quantize int8`` on any CPU with AVX2, it runs there
-    with int8 products of its own: s2s.native_search.products_for.)"""
+    route: a plain search with ``--precision auto`` runs in s2s.native_search without torch, in
+    bf16 on AMX and in int8 products of its own on the other CPUs with AVX2, as with ``--quantize
+    int8`` there: s2s.native_search.products_for.)"""
     precision, why = auto_precision(device, flags)
     if device.type != "cpu":
         return precision, False, why
     native = native_bf16_cpu(flags)
     flags = cpu_flags() if flags is None else frozenset(flags)
-    if precision == "bf16":
-        if "amx_bf16" in native or "avx512_vnni" not in flags:
-            return "bf16", False, why
-        return "fp32", True, why + " but no amx_bf16, and avx512_vnni: int8 matrices (faster than bf16 there)"
+    if "amx_bf16" in native:
+        return precision, False, why
     if "avx2" not in flags:
-        return "fp32", False, why + "; no avx2 for int8"
-    if "avx512f" in flags:
-        return "fp32", False, why + "; int8 unmeasured with AVX-512"
-    return "fp32", True, why + "; int8 matrices where they are faster (avx2, no avx512f)"
+        return precision, False, why + "; no avx2 for int8"
+    if precision == "bf16":
+        return "fp32", True, why + " but no amx_bf16: int8 matrices (faster than bf16 there)"
+    return "fp32", True, why + "; int8 matrices where they are faster (avx2, no AMX)"
 
 
 def beam_slot_dtype(device: torch.device, precision: str,

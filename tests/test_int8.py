@@ -181,31 +181,31 @@ def test_quantizing_draws_nothing_from_torchs_generator():
     assert torch.equal(after, torch.rand(3))
 
 
-def test_auto_arithmetic_adds_int8_on_avx2_without_avx512():
+def test_auto_arithmetic_adds_int8_on_avx2_without_amx():
+    """fp32 weights with int8 matrices on every CPU with AVX2 but not AMX: AVX2 alone (Zen 2) and
+    AVX-512 without bf16 (a Zen 4 capped to Cascade Lake's instructions), README's figures."""
     from s2s.precision import auto_arithmetic
 
     cpu = torch.device("cpu")
     none = "no avx512_bf16/amx_bf16 among the CPU flags"
-    assert auto_arithmetic(cpu, {"fma", "avx", "avx2"}) == (
-        "fp32", True, none + "; int8 matrices where they are faster (avx2, no avx512f)")
-    assert auto_arithmetic(cpu, {"avx2", "avx512f", "avx512bw"}) == (
-        "fp32", False, none + "; int8 unmeasured with AVX-512")
+    for flags in ({"fma", "avx", "avx2"}, {"avx2", "avx512f", "avx512bw"}, {"avx2", "avx512f", "avx512_vnni"}):
+        assert auto_arithmetic(cpu, flags) == ("fp32", True, none + "; int8 matrices where they are faster "
+                                                                   "(avx2, no AMX)")
     assert auto_arithmetic(cpu, {"sse4_2", "avx"}) == ("fp32", False, none + "; no avx2 for int8")
-    assert auto_arithmetic(cpu, {"avx2", "avx512f", "avx512_bf16"})[:2] == ("bf16", False)
 
 
 def test_auto_arithmetic_takes_int8_over_bf16_without_amx():
-    """AVX-512 BF16 with VNNI but no AMX (AMD EPYC Zen 5): int8 decoded faster than bf16 there;
+    """AVX-512 BF16 but no AMX (AMD EPYC Zen 4 and 5): int8 decoded faster than bf16 there;
     with AMX (Intel Xeon) bf16 did."""
     from s2s.precision import auto_arithmetic
 
     cpu = torch.device("cpu")
     zen5 = {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni"}
     assert auto_arithmetic(cpu, zen5) == (
-        "fp32", True, "CPU flags avx512_bf16 but no amx_bf16, and avx512_vnni: int8 matrices "
-        "(faster than bf16 there)")
+        "fp32", True, "CPU flags avx512_bf16 but no amx_bf16: int8 matrices (faster than bf16 there)")
     assert auto_arithmetic(cpu, zen5 | {"amx_bf16", "amx_int8"}) == (
         "bf16", False, "CPU flags amx_bf16 avx512_bf16")
+    assert auto_arithmetic(cpu, {"avx512f", "avx512_bf16"})[:2] == ("bf16", False)  # (no avx2: none seen)
 
 
 @pytest.mark.parametrize("avx2", [True, False])

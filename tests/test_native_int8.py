@@ -1,4 +1,4 @@
-"""native_int8.c: the int8 products of the torch-free search on a CPU with AVX2.
+"""native_int8.c: the int8 products of the torch-free search on a CPU with AVX2 (VNNI where there).
 
 W quantized row by row to 8 bits, x row by row to 7 bits over its range, the sums exact: each
 product is test_native_search.int8_product's (the same arithmetic in torch, exact integers in
@@ -63,10 +63,11 @@ def test_the_quantization_of_a_worked_example(lib):
     assert y[0, 0].item() == pytest.approx(-0.50394, abs=1e-5) and y[0, 1:].tolist() == [0.0, 0.0]
 
 
-@pytest.mark.parametrize("M,N,K", [(1, 16, 32), (3, 40, 64), (4, 256, 256), (7, 100, 96), (13, 33, 1024),
-                                   (64, 768, 256), (320, 500, 192)])
+@pytest.mark.parametrize("M,N,K", [(1, 16, 32), (3, 40, 64), (4, 256, 256), (6, 48, 128), (7, 100, 96),
+                                   (10, 17, 64), (13, 33, 1024), (64, 768, 256), (320, 500, 192)])
 def test_products_are_the_emulated_arithmetic(lib, M, N, K):
-    """Every shape (partial blocks of 4 rows and 16 columns, chunks of W's columns): the fp32
+    """Every shape (partial blocks of 4 or 8 rows, as built, and 16 columns; chunks of W's
+    columns), on VNNI's instructions or AVX2's, whichever the library was built with: the fp32
     output is int8_product's but for the last bit of its rounding (1e-6), the bf16 output (that
     rounded to nearest, ties to even) the same bits, ReLU's too; with and without a bias."""
     g = torch.Generator().manual_seed(M * N + K)
@@ -139,3 +140,12 @@ def test_a_depth_not_in_eights_is_refused(lib):
     x, Q = torch.zeros(1, 12, dtype=torch.bfloat16), torch.zeros(lib.s2s_i8_packed_bytes(16, 12), dtype=torch.uint8)
     y = torch.zeros(1, 16, dtype=torch.bfloat16)
     assert lib.s2s_i8_linear(x.data_ptr(), 12, 1, 16, 12, Q.data_ptr(), None, 0, y.data_ptr(), None, 16) == -2
+
+
+@pytest.mark.skipif(bool(os.environ.get("S2S_MARCH")), reason="built for another CPU than this one ($S2S_MARCH)")
+def test_vnni_is_taken_where_the_cpu_has_it(lib):
+    """Built for this CPU, the kernel runs vpdpbusd (2) where it has VNNI (avx512_vnni with
+    avx512vl, or avx_vnni), else AVX2's vpmaddubsw (1)."""
+    flags = native_search.cbuild.cpu_flags()
+    vnni = {"avx512_vnni", "avx512vl"} <= flags or "avx_vnni" in flags
+    assert lib.s2s_i8_linear_available() == (2 if vnni else 1)

@@ -400,22 +400,24 @@ def test_settings_left_to_torch(kw, why, monkeypatch):
 
 
 AVX2 = {"avx", "avx2", "fma"}
-AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512_vnni"}
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}  # Intel's Cascade Lake, Ice Lake
+ZEN4 = AVX512 | {"avx512_bf16"}  # AMD's Zen 4 and 5
+AMX = ZEN4 | {"amx_bf16", "amx_int8", "amx_tile"}  # Intel's Xeons since Sapphire Rapids
 
 
 @pytest.mark.parametrize("flags,precision,quantize,want", [
-    (AVX512 | {"avx512_bf16"}, "auto", None, "bf16"), (AVX512 | {"amx_bf16", "avx512_bf16"}, "bf16", None, "bf16"),
-    (AVX512 | {"avx512_bf16"}, "auto", "int8", None), (AVX512 | {"avx512_bf16"}, "fp32", "int8", "int8"),
-    (AVX2, "auto", None, "int8"), (AVX2, "fp32", "int8", "int8"), (AVX2, "bf16", None, None),
-    (AVX2, "fp32", None, None), (AVX512, "auto", None, None), (AVX512, "fp32", "int8", "int8"),
-    ({"avx"}, "auto", None, None), ({"avx"}, "fp32", "int8", None), (AVX2, "bf16", "int8", None)])
+    (ZEN4, "auto", None, "int8"), (ZEN4, "bf16", None, "bf16"), (AMX, "auto", None, "bf16"),
+    (AMX, "bf16", None, "bf16"), (ZEN4, "auto", "int8", None), (ZEN4, "fp32", "int8", "int8"),
+    (AMX, "fp32", "int8", "int8"), (AVX2, "auto", None, "int8"), (AVX2, "fp32", "int8", "int8"),
+    (AVX2, "bf16", None, None), (AVX2, "fp32", None, None), (AVX512, "auto", None, "int8"),
+    (AVX512, "bf16", None, None), (AVX512, "fp32", "int8", "int8"), ({"avx"}, "auto", None, None),
+    ({"avx"}, "fp32", "int8", None), (AVX2, "bf16", "int8", None), (ZEN4, "fp16", None, None)])
 def test_the_products_follow_the_cpu_and_the_precision(flags, precision, quantize, want):
-    """bf16 products where the CPU has them (AMX or AVX512-BF16: Intel's Xeons since Sapphire Rapids,
-    AMD's Zen 4 and 5) for --precision auto or bf16; int8 products on AVX2 for --quantize int8 (with
-    fp32: with auto, torch's route decides, and refuses it where auto is bf16), and
-    for --precision auto on a CPU with AVX2 and no AVX-512 (Zen 2 and 3, Intel's Haswell to Comet
-    Lake), where torch's route picks int8 matrices too (s2s.precision.auto_arithmetic); AVX-512
-    without bf16 keeps torch's fp32 for auto (int8 unmeasured there), and fp32 is torch's."""
+    """--precision auto: bf16 products on AMX's tiles, int8 on every other CPU with AVX2 (VNNI's
+    vpdpbusd beat vdpbf16ps on the Zen 4; README), as torch's route picks int8 matrices there too
+    (s2s.precision.auto_arithmetic); --precision bf16: bf16 where the CPU has bf16 products (AMX
+    or AVX512-BF16); --quantize int8 with fp32: int8 on AVX2 (with auto, torch's route decides,
+    and refuses it where auto is bf16); fp32 and fp16 are torch's, as is any CPU without AVX2."""
     got, why = native_search.products_for(precision, quantize, frozenset(flags))
     assert got == want, why
     if want is None:
@@ -424,12 +426,13 @@ def test_the_products_follow_the_cpu_and_the_precision(flags, precision, quantiz
 
 def test_auto_picks_int8_where_torchs_auto_does():
     """products_for's int8 for --precision auto is where s2s.precision.auto_arithmetic picks
-    int8 matrices among the CPUs without bf16 products."""
+    int8 matrices, and its bf16 where that picks bf16."""
     from s2s.precision import auto_arithmetic
 
-    for flags in (AVX2, AVX512, {"avx"}):
-        int8 = auto_arithmetic(torch.device("cpu"), set(flags))[1]
-        assert (native_search.products_for("auto", None, frozenset(flags))[0] == "int8") == int8, flags
+    for flags in (AVX2, AVX512, ZEN4, AMX, {"avx"}):
+        precision, int8, _ = auto_arithmetic(torch.device("cpu"), set(flags))
+        got = native_search.products_for("auto", None, frozenset(flags))[0]
+        assert (got == "int8") == int8 and (got == "bf16") == (precision == "bf16"), flags
 
 
 @pytest.mark.parametrize("model,decode,why", [

@@ -1,7 +1,7 @@
 /* y = act(x W^T + b) with int8 products, for the torch-free search (native_search.c): its
- * ``--precision auto`` on a CPU with AVX2 and no AVX-512 (AMD's Zen 2 and 3, Intel's Haswell to
- * Comet Lake), and ``--quantize int8`` on any CPU with AVX2.  x and y are bf16, as native_linear.c's products
- * take and give them, so that the search runs either.
+ * ``--precision auto`` on CPUs with AVX2 but not AMX (s2s.native_search.products_for), and
+ * ``--quantize int8`` on any CPU with AVX2.  x and y are bf16, as native_linear.c's products take
+ * and give them, so that the search runs either.
  *
  * W is quantized once, row by row (symmetric, 8 bits), and each call quantizes x row by row
  * (asymmetric, 7 bits: a ReLU's outputs and a norm's use the whole range):
@@ -14,16 +14,19 @@
  * the sums exact in int32 (K < 133,000).  AVX2's vpmaddubsw multiplies unsigned bytes by signed
  * bytes and adds each two products into 16 bits with saturation; 7-bit u keeps two products
  * within 2 x 127 x 127 = 32,258, so nothing saturates (the reason torch's fbgemm quantizes x to
- * 7 bits on x86 too); vpmaddwd by ones adds the 16-bit pairs into int32.  W is packed
+ * 7 bits on x86 too); vpmaddwd by ones adds the 16-bit pairs into int32.  Where the CPU has VNNI
+ * (AVX512-VNNI, AVX-VNNI), one vpdpbusd adds each 4 products into int32 instead: the same sums,
+ * so that a model translates alike on either (u stays 7-bit there too).  W is packed
  *
  *   Q[nb][k4][h][n][j] = q(W)[16 nb + 8 h + n][4 k4 + j],   h < 2, n < 8, j < 4  (zeros past N),
  *
  * so that one 32-byte load holds 4 depths of 8 columns and a row's 4 bytes broadcast meet them;
- * s_W and c precede it.  A block of ROWS rows x 16 columns keeps its sums in registers for the
- * whole depth, W's columns in chunks of CHUNK_BYTES multiplied by every block of rows while they
- * are in the core's second cache.  (README: 76-99 GMAC/s from 64 rows up on one core of an AMD
- * EPYC Zen 4 built for AVX2 alone, x's quantization and the store included, W rotated past the
- * caches; vdpbf16ps 89-103 in the same run: benchmarks/native_kernels.py --products.)
+ * s_W and c precede it.  A block of ROWS rows x 16 columns (8 rows with AVX-512's 32 registers, 4
+ * with AVX2's 16) keeps its sums in registers for the whole depth, W's columns in chunks of
+ * CHUNK_BYTES multiplied by every block of rows while they are in the core's second cache.
+ * (README, one core of an AMD EPYC Zen 4, x's quantization and the store included, W rotated past
+ * the caches, benchmarks/native_kernels.py --products: from 64 rows up 80-97 GMAC/s built for AVX2
+ * alone, 130-180 with vpdpbusd on 8 rows; vdpbf16ps 90-105.)
  */
 #include <float.h>
 #include <math.h>
@@ -40,18 +43,25 @@
 void *s2s_thread_block(int which, size_t bytes); /* native_thread.c */
 enum { S2S_BLOCK_PRODUCTS = 1 };                  /* its block for the products' quantized rows */
 
-#ifndef I8_ROWS
-#define I8_ROWS 4 /* rows of a block: 2 x ROWS sums, two columns' halves, a row's bytes and the ones in registers */
+#ifndef I8_ROWS /* rows of a block: 2 x ROWS sums, two columns' halves and a row's bytes in registers */
+#ifdef __AVX512VL__
+#define I8_ROWS 8 /* (AVX-512's 32 vector registers) */
+#else
+#define I8_ROWS 4 /* (AVX2's 16) */
+#endif
 #endif
 #ifndef I8_CHUNK_BYTES
 #define I8_CHUNK_BYTES (128 * 1024)
 #endif
 enum { ACT_NONE = 0, ACT_RELU = 1 };
 
-/* 1 where this library has the kernel (it was built for a CPU with AVX2 and FMA), else 0 */
+/* which instructions this library's kernel runs: 2 VNNI's vpdpbusd, 1 AVX2's (it was built for a
+ * CPU with AVX2 and FMA, no VNNI), 0 none (no kernel) */
 int s2s_i8_linear_available(void)
 {
-#ifdef S2S_I8_AVX2
+#if defined(S2S_I8_AVX2) && (defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__))
+    return 2;
+#elif defined(S2S_I8_AVX2)
     return 1;
 #else
     return 0;
@@ -177,12 +187,22 @@ static inline __m128i round8(__m256 v)
     return _mm256_castsi256_si128(packed);
 }
 
+/* acc + the sums of each 4 products of unsigned u and signed q bytes, lane by lane: one vpdpbusd
+ * where the CPU has VNNI (AVX512-VNNI with VL, or AVX-VNNI), else AVX2's vpmaddubsw (pairs into 16
+ * bits, exact for 7-bit u) and vpmaddwd by ones (pairs of those into 32) -- the same int32 sums */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPBUSD(acc, u, q) _mm256_dpbusd_epi32(acc, u, q)
+#elif defined(__AVXVNNI__)
+#define DPBUSD(acc, u, q) _mm256_dpbusd_avx_epi32(acc, u, q)
+#else
+#define DPBUSD(acc, u, q) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1)))
+#endif
+
 /* sums[r][0 .. 16) = sum_k u[r][k] q[n][k] for R rows of u (K apart) and one block of 16 columns */
 static inline __attribute__((always_inline)) void i8_block(const int R, const uint8_t *u, long K, const int8_t *q,
                                                            __m256i sums[][2])
 {
     __m256i acc[I8_ROWS][2];
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < R; r++)
         acc[r][0] = acc[r][1] = _mm256_setzero_si256();
     for (long k4 = 0; k4 < K / 4; k4++) {
@@ -192,8 +212,8 @@ static inline __attribute__((always_inline)) void i8_block(const int R, const ui
             int32_t quad;
             memcpy(&quad, u + r * K + 4 * k4, sizeof quad);
             const __m256i xr = _mm256_set1_epi32(quad);
-            acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(xr, w0), ones));
-            acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(xr, w1), ones));
+            acc[r][0] = DPBUSD(acc[r][0], xr, w0);
+            acc[r][1] = DPBUSD(acc[r][1], xr, w1);
         }
     }
     for (int r = 0; r < R; r++)
