@@ -78,7 +78,7 @@ def auto_arithmetic(device: torch.device, flags: Optional[set[str] | frozenset[s
         amx_bf16                              bf16 (Intel Xeon with AMX)
         avx512_bf16, no AMX                   fp32 + int8 (AMD EPYC Zen 5: int8 beat bf16)
         avx2 without avx512f                  fp32 + int8 (AMD EPYC Zen 2)
-        avx512f without bf16                  fp32 + int8 (1.5-1.9x fp32: a Zen 4 capped to
+        avx512f without bf16                  fp32 + int8 (1.46-1.94x fp32: a Zen 4 capped to
                                               AVX-512 with VNNI, as Cascade Lake has)
 
     Anything else, and other devices, take :func:`auto_precision`'s choice.  (This is torch's
