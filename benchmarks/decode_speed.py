@@ -10,11 +10,12 @@ the median with min and max is kept:
 * s2s ``{fp32,int8,bf16,auto,shortlist,int8shortlist,bf16shortlist,autoshortlist}_{W}x{T}``:
   ``s2s translate --workers W --threads T`` for every split W x T of the cores (int8 on
   the CPU only; bf16 where the CPU has native bf16 matmuls, AVX-512 BF16 or AMX, or on a
-  GPU; auto, ``--precision auto``, on a CPU with native bf16, where it adds bf16 beam
-  slots to what it picks; shortlist is fp32 with ``--shortlist`` where the model directory
-  has one, ``s2s shortlist CONFIG -m MODEL``; int8shortlist is ``--quantize int8
-  --shortlist`` on the CPU, bf16shortlist ``--precision bf16 --shortlist`` where bf16 runs,
-  autoshortlist ``--precision auto --shortlist`` where auto runs).
+  GPU; auto, ``--precision auto``, on a CPU with native bf16: the torch-free search's bf16
+  products on AMX, its int8 ones on the others, the int8 row's route on a CPU without bf16;
+  shortlist is fp32 with ``--shortlist`` where the model directory has one, ``s2s shortlist
+  CONFIG -m MODEL``; int8shortlist is ``--quantize int8 --shortlist`` on the CPU,
+  bf16shortlist ``--precision bf16 --shortlist`` where bf16 runs, autoshortlist
+  ``--precision auto --shortlist`` where auto runs).
 * ct2 ``{fp32,int8}_{I}x{J}``: CTranslate2 with ``inter_threads`` I x
   ``intra_threads`` J, every split (on a GPU: float32, float16, bfloat16, 1x1).
 * hf: ``s2s export hf`` run by ``generate`` (an architecture no Hugging Face
@@ -60,14 +61,15 @@ steady state), "memory_ratio", and under "models" every model's every row.
     python benchmarks/decode_speed.py --model exp/qs --device cuda
     python benchmarks/decode_speed.py --model exp/qs --configs s2s_fp32_2x1,ct2_fp32_2x1   # only these rows
     python benchmarks/decode_speed.py --model exp/qs --isa avx2     # as a CPU with AVX2 alone would
-    python benchmarks/decode_speed.py --model exp/qs --isa avx512   # as one with AVX-512 and no bf16
+    python benchmarks/decode_speed.py --model exp/qs --isa avx512_vnni   # as Cascade Lake would
 
 ``--isa avx2`` measures, on a CPU with AVX-512, what a CPU with AVX2 and FMA alone (AMD's Zen 2
 and 3, Intel's Haswell to Comet Lake) runs: every engine capped to those instructions
 (:data:`ISA_CAPS`: CTranslate2's, oneDNN's and torch's own switches; s2s's kernels compiled for
-x86-64-v3), and no bf16 rows.  ``--isa avx512`` likewise measures a CPU with AVX-512 and VNNI but
-no bf16 products (Intel's Cascade Lake and Ice Lake; :data:`ISA_CAPS`).  The cores' speed is still
-this CPU's.
+x86-64-v3), and no bf16 rows.  ``--isa avx512_vnni`` likewise measures a CPU with AVX-512 and VNNI
+but no bf16 products (Intel's Cascade Lake and Ice Lake), ``--isa avx512`` one with AVX-512 alone
+(Skylake-SP).  The cores' speed is still this CPU's, and torch's fbgemm (its int8 matrices) and
+MKL take no cap.
 """
 
 from __future__ import annotations
@@ -90,8 +92,11 @@ SEARCHES = (("beam5", 5), ("greedy", 1))
 ISA_CAPS = {  # --isa's environments: CTranslate2's, oneDNN's and torch's caps, s2s's -march
     "avx2": {"CT2_FORCE_CPU_ISA": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2",
              "ATEN_CPU_CAPABILITY": "avx2", "S2S_MARCH": "x86-64-v3"},
-    "avx512": {"CT2_FORCE_CPU_ISA": "AVX512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI",
-               "DNNL_MAX_CPU_ISA": "AVX512_CORE_VNNI", "ATEN_CPU_CAPABILITY": "avx512", "S2S_MARCH": "cascadelake"}}
+    "avx512": {"CT2_FORCE_CPU_ISA": "AVX512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "DNNL_MAX_CPU_ISA": "AVX512_CORE",
+               "ATEN_CPU_CAPABILITY": "avx512", "S2S_MARCH": "skylake-avx512"},
+    "avx512_vnni": {"CT2_FORCE_CPU_ISA": "AVX512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI",
+                    "DNNL_MAX_CPU_ISA": "AVX512_CORE_VNNI", "ATEN_CPU_CAPABILITY": "avx512",
+                    "S2S_MARCH": "cascadelake"}}
 
 CT2_SCRIPT = """
 import json, sys, time, ctranslate2, sentencepiece as spm
@@ -491,7 +496,7 @@ def main() -> None:
                     help="lines of the memory check's big input (0: no memory check)")
     ap.add_argument("--isa", choices=("native", *ISA_CAPS), default="native",
                     help="avx2: every engine capped to AVX2 and FMA, as on a CPU without AVX-512; avx512: to "
-                         "AVX-512 with VNNI and no bf16 (see above)")
+                         "AVX-512 alone (Skylake-SP); avx512_vnni: with VNNI (Cascade Lake; see above)")
     args = ap.parse_args()
     if args.isa != "native":
         os.environ.update(ISA_CAPS[args.isa])

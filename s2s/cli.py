@@ -356,10 +356,11 @@ def _decode_command(name: str, defaults: dict):
         precision: Annotated[str, typer.Option(
             help="fp32; bf16 (weights converted; fast only with native bf16 matmuls); "
                  "auto: what was measured fastest on this kind of CPU: bf16 with amx_bf16, else fp32 "
-                 "with int8 matrices with avx2, else bf16 where native, else fp32; with fp32 where bf16 "
-                 "is native, a beam search's self-attention K/V in bf16. A plain search in auto runs "
-                 "without torch, in bf16 with amx_bf16 and in int8 on the other CPUs with avx2; in bf16 "
-                 "with amx_bf16 or avx512_bf16 (s2s.native_search).")] = "fp32",
+                 "with int8 matrices with avx2 (and avx512_vnni with AVX-512), else bf16 where native, "
+                 "else fp32; with fp32 where bf16 is native, a beam search's self-attention K/V in bf16. "
+                 "A plain search runs without torch (s2s.native_search): in auto, in bf16 with "
+                 "amx_bf16 and in int8 on the other CPUs with avx2; in bf16, with amx_bf16 or "
+                 "avx512_bf16.")] = "fp32",
         compile: Annotated[bool, typer.Option(
             "--compile", help="torch.compile the decoder step (cached on disk; decode.compile).")] = False,
         shortlist: Annotated[bool, typer.Option(

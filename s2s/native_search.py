@@ -201,14 +201,18 @@ def products_for(precision: str, quantize: Optional[str],
     """The products this route runs for ``--precision`` and ``--quantize`` on a CPU with ``flags``
     (this one's by default), and why: ("bf16" or "int8", why), or (None, why not).  For auto, the
     faster as measured (README): bf16 on AMX's tiles (amx_bf16), else int8 on any CPU with AVX2
-    (with VNNI's vpdpbusd, 1.3x bf16's vdpbf16ps on AMD's Zen 4; 3-4x torch's fp32 on AVX-512
-    without bf16 and on AVX2 alone).  bf16 for bf16 where the CPU has bf16 products (amx_bf16 or
-    avx512_bf16); int8 for ``--quantize int8`` with fp32 on a CPU with AVX2.  (``--quantize int8``
-    with auto or bf16 is torch's to decide: it refuses it where auto picks bf16.)  The flags are
-    the CPU's; a library built for less (``$S2S_MARCH``) without the products picked sends the
-    command to torch's route (:func:`has_products`)."""
+    (with VNNI's vpdpbusd 1.17-1.31x bf16's vdpbf16ps on AMD's Zen 4; 3.1-4.2x torch's fp32 on a
+    Zen 4 capped to Cascade Lake's instructions, 2.3-3.1x capped to Skylake-SP's; 1.5-2.1x
+    CTranslate2 int8 capped to AVX2).  bf16
+    for bf16 where the CPU has bf16 products (amx_bf16 or avx512_bf16); int8 for ``--quantize
+    int8`` with fp32 on a CPU with AVX2, and with auto where auto is int8 (on AMX, where auto is
+    bf16, torch's route refuses it).  The flags are the CPU's; a library built for less
+    (``$S2S_MARCH``) without the products picked sends the command to torch's route
+    (:func:`has_products`)."""
     flags = cbuild.cpu_flags() if flags is None else flags
     if quantize == "int8":
+        if precision == "auto" and products_for("auto", None, flags)[0] == "int8":
+            return "int8", "--precision auto --quantize int8"
         if precision != "fp32":
             return None, f"--precision {precision} --quantize int8"  # (torch's route refuses it, or not)
         if not INT8_FLAGS <= flags:

@@ -9,7 +9,7 @@ where the hardware multiplies bf16 natively and fp32 elsewhere:
 
 and, decoding only (:func:`auto_arithmetic`), takes fp32 weights with int8 matrices
 (s2s.model.int8) instead on the CPUs where those were measured faster: every CPU with AVX2
-but not AMX.
+but not AMX, but for AVX-512 without VNNI (unmeasured there).
 
 oneDNN "supports" bf16 on plain AVX-512 too (torch.ops.mkldnn._is_mkldnn_bf16_supported()
 is true there) by converting to fp32, many times slower than fp32 itself: that check
@@ -76,10 +76,11 @@ def auto_arithmetic(device: torch.device, flags: Optional[set[str] | frozenset[s
     copies where a product is large enough, s2s.model.int8) or bf16, whichever decoded faster:
 
         amx_bf16                              bf16 (Intel Xeon with AMX)
-        avx512_bf16, no AMX                   fp32 + int8 (AMD EPYC Zen 5: int8 beat bf16)
+        avx512_bf16, avx512_vnni, no AMX      fp32 + int8 (AMD EPYC Zen 5: int8 beat bf16)
         avx2 without avx512f                  fp32 + int8 (AMD EPYC Zen 2)
-        avx512f without bf16                  fp32 + int8 (1.46-1.94x fp32: a Zen 4 capped to
-                                              AVX-512 with VNNI, as Cascade Lake has)
+        avx512f and avx512_vnni, no bf16      fp32 + int8 (1.46-1.94x fp32: a Zen 4 capped to
+                                              Cascade Lake's instructions)
+        avx512f without avx512_vnni           fp32 (int8 unmeasured there: Skylake-SP)
 
     Anything else, and other devices, take :func:`auto_precision`'s choice.  (This is torch's
     route: a plain search with ``--precision auto`` runs in s2s.native_search without torch, in
@@ -94,6 +95,8 @@ def auto_arithmetic(device: torch.device, flags: Optional[set[str] | frozenset[s
         return precision, False, why
     if "avx2" not in flags:
         return precision, False, why + "; no avx2 for int8"
+    if "avx512f" in flags and "avx512_vnni" not in flags:
+        return precision, False, why + "; int8 unmeasured with AVX-512 without avx512_vnni"
     if precision == "bf16":
         return "fp32", True, why + " but no amx_bf16: int8 matrices (faster than bf16 there)"
     return "fp32", True, why + "; int8 matrices where they are faster (avx2, no AMX)"

@@ -403,11 +403,13 @@ AVX2 = {"avx", "avx2", "fma"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}  # Intel's Cascade Lake, Ice Lake
 ZEN4 = AVX512 | {"avx512_bf16"}  # AMD's Zen 4 and 5
 AMX = ZEN4 | {"amx_bf16", "amx_int8", "amx_tile"}  # Intel's Xeons since Sapphire Rapids
+SKYLAKE = AVX512 - {"avx512_vnni"}  # Intel's Skylake-SP
 
 
 @pytest.mark.parametrize("flags,precision,quantize,want", [
     (ZEN4, "auto", None, "int8"), (ZEN4, "bf16", None, "bf16"), (AMX, "auto", None, "bf16"),
-    (AMX, "bf16", None, "bf16"), (ZEN4, "auto", "int8", None), (ZEN4, "fp32", "int8", "int8"),
+    (AMX, "bf16", None, "bf16"), (ZEN4, "auto", "int8", "int8"), (AMX, "auto", "int8", None),
+    (ZEN4, "bf16", "int8", None), (ZEN4, "fp32", "int8", "int8"), (SKYLAKE, "auto", None, "int8"),
     (AMX, "fp32", "int8", "int8"), (AVX2, "auto", None, "int8"), (AVX2, "fp32", "int8", "int8"),
     (AVX2, "bf16", None, None), (AVX2, "fp32", None, None), (AVX512, "auto", None, "int8"),
     (AVX512, "bf16", None, None), (AVX512, "fp32", "int8", "int8"), ({"avx"}, "auto", None, None),
@@ -416,8 +418,8 @@ def test_the_products_follow_the_cpu_and_the_precision(flags, precision, quantiz
     """--precision auto: bf16 products on AMX's tiles, int8 on every other CPU with AVX2 (VNNI's
     vpdpbusd beat vdpbf16ps on the Zen 4; README), as torch's route picks int8 matrices there too
     (s2s.precision.auto_arithmetic); --precision bf16: bf16 where the CPU has bf16 products (AMX
-    or AVX512-BF16); --quantize int8 with fp32: int8 on AVX2 (with auto, torch's route decides,
-    and refuses it where auto is bf16); fp32 and fp16 are torch's, as is any CPU without AVX2."""
+    or AVX512-BF16); --quantize int8 with fp32 on AVX2, and with auto where auto is int8 (on AMX
+    torch's route refuses it); fp32 and fp16 are torch's, as is any CPU without AVX2."""
     got, why = native_search.products_for(precision, quantize, frozenset(flags))
     assert got == want, why
     if want is None:
@@ -426,12 +428,17 @@ def test_the_products_follow_the_cpu_and_the_precision(flags, precision, quantiz
 
 def test_auto_picks_int8_where_torchs_auto_does():
     """products_for's int8 for --precision auto is where s2s.precision.auto_arithmetic picks
-    int8 matrices, and its bf16 where that picks bf16."""
+    int8 matrices, and its bf16 where that picks bf16; but for AVX-512 without VNNI, where the
+    int8 products of this route were measured (a Zen 4 capped to Skylake-SP's instructions) and
+    torch's int8 matrices were not, so torch's route keeps fp32."""
     from s2s.precision import auto_arithmetic
 
-    for flags in (AVX2, AVX512, ZEN4, AMX, {"avx"}):
+    for flags in (AVX2, AVX512, ZEN4, AMX, {"avx"}, SKYLAKE):
         precision, int8, _ = auto_arithmetic(torch.device("cpu"), set(flags))
         got = native_search.products_for("auto", None, frozenset(flags))[0]
+        if flags == SKYLAKE:
+            assert (got, precision, int8) == ("int8", "fp32", False)
+            continue
         assert (got == "int8") == int8 and (got == "bf16") == (precision == "bf16"), flags
 
 

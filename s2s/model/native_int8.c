@@ -25,8 +25,8 @@
  * with AVX2's 16) keeps its sums in registers for the whole depth, W's columns in chunks of
  * CHUNK_BYTES multiplied by every block of rows while they are in the core's second cache.
  * (README, one core of an AMD EPYC Zen 4, x's quantization and the store included, W rotated past
- * the caches, benchmarks/native_kernels.py --products: from 64 rows up 80-97 GMAC/s built for AVX2
- * alone, 130-180 with vpdpbusd on 8 rows; vdpbf16ps 90-105.)
+ * the caches, benchmarks/native_kernels.py --products: from 64 rows up 79-97 GMAC/s built for AVX2
+ * alone, 130-180 with vpdpbusd on 8 rows; vdpbf16ps 90-104.)
  */
 #include <float.h>
 #include <math.h>
@@ -50,6 +50,7 @@ enum { S2S_BLOCK_PRODUCTS = 1 };                  /* its block for the products'
 #define I8_ROWS 4 /* (AVX2's 16) */
 #endif
 #endif
+_Static_assert(I8_ROWS >= 4 && I8_ROWS <= 8, "I8_ROWS: linear_i8's cases cover blocks of 4 to 8 rows");
 #ifndef I8_CHUNK_BYTES
 #define I8_CHUNK_BYTES (128 * 1024)
 #endif

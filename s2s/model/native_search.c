@@ -278,7 +278,7 @@ static int mul(const s2s_linear *L, const uint16_t *x, long rows, int relu, uint
     return mul_into(L, x, rows, relu, y, NULL);
 }
 
-/* 1 where this process has the kernel of the model's products (bf16's, or int8's) */
+/* nonzero where this process has the kernel of the model's products (bf16's, or int8's) */
 static int has_kernel(const s2s_model *m)
 {
     return m->output.int8 ? s2s_i8_linear_available() : s2s_bf16_linear_isa() != 0;
