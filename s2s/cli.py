@@ -26,6 +26,7 @@ from typer.core import TyperCommand, TyperGroup
 from s2s import __version__
 from s2s.config import decode_overrides, load_config, load_training_config
 from s2s.errors import Interrupted, S2SError
+from s2s.launch import DEFAULT_PRECISION
 
 # --------------------------------------------------------------------------- #
 # Help as people read it: CONFIG, not {config}; no <bool> on flags; <path> for a
@@ -360,7 +361,7 @@ def _decode_command(name: str, defaults: dict):
                  "else fp32; with fp32 where bf16 is native, a beam search's self-attention K/V in bf16. "
                  "A plain search runs without torch (s2s.native_search): in auto, in bf16 with "
                  "amx_bf16 and in int8 on the other CPUs with avx2; in bf16, with amx_bf16 or "
-                 "avx512_bf16.")] = "fp32",
+                 "avx512_bf16.")] = DEFAULT_PRECISION,
         compile: Annotated[bool, typer.Option(
             "--compile", help="torch.compile the decoder step (cached on disk; decode.compile).")] = False,
         shortlist: Annotated[bool, typer.Option(

@@ -5,7 +5,10 @@ a ``translate`` or ``summarize`` that looks like it will decode in worker proces
 for the workers' server (:func:`s2s.workerserver.start_early`), so that the server's import
 of torch, the longest part of the start, runs beside the parsing.  The guess reads the
 words alone; it decides only when the server is asked for, never what runs: a server not
-used is killed, and one not asked for early is asked for when the workers start.
+used is killed, and one not asked for early is asked for when the workers start.  A command
+whose words pick the torch-free search (:func:`searches_without_torch`) decodes in threads of
+this process, and asks for no server: starting one and importing torch there cost that route
+about 0.05 s of a 2-core machine's start.
 
 A ``train`` or ``pretrain`` first starts itself again, at once, with the allocator that suits
 training (:func:`s2s.allocator.training_environ`: mimalloc, or glibc's malloc in huge pages),
@@ -22,6 +25,9 @@ from typing import Optional
 DECODE_COMMANDS = ("translate", "summarize")
 TRAIN_COMMANDS = ("train", "pretrain")
 GLOBAL_FLAGS = ("--debug", "--quiet", "-q")  # the options s2s takes before its command
+DEFAULT_PRECISION = "fp32"  # translate's and summarize's --precision (s2s.cli)
+TORCH_ROUTE_WORDS = ("--sampling", "--alignments", "--compile", "--prefix-file", "--glossary", "--split-sentences",
+                     "--markup", "--coverage-penalty", "--ensemble-weights")  # options the torch-free search lacks
 
 
 def option_value(args: list[str], name: str) -> Optional[str]:
@@ -88,6 +94,24 @@ def decodes_in_workers(argv: list[str], cores: int, gpu_driver: bool) -> bool:
     return cores > 1 and (device == "cpu" or (device == "auto" and not gpu_driver))
 
 
+def searches_without_torch(argv: list[str], flags: Optional[frozenset[str]] = None) -> bool:
+    """Whether ``s2s ARGV`` (a translate or summarize) looks like a search the torch-free route
+    takes on a CPU with ``flags`` (this one's by default): its ``--precision`` and ``--quantize``
+    give that route products (s2s.native_search.products_for), no word names an option it lacks
+    (:data:`TORCH_ROUTE_WORDS`, or a second ``-m``), and ``$S2S_NATIVE_SEARCH`` is not 0.  The
+    words cannot tell a model or a decode setting the route does not take; its workers' server is
+    then asked for when the workers start."""
+    from s2s import native_search
+
+    _, args = command_of(argv)
+    if os.environ.get(native_search.DISABLE, "1") == "0" or any(a.split("=")[0] in TORCH_ROUTE_WORDS for a in args):
+        return False
+    if sum(a in ("-m", "--model") or a.startswith("--model=") for a in args) > 1:
+        return False
+    precision = option_value(args, "--precision") or DEFAULT_PRECISION
+    return native_search.products_for(precision, option_value(args, "--quantize"), flags)[0] is not None
+
+
 def _terminated(signum: int, frame) -> None:
     print(f"s2s: terminated by {signal.Signals(signum).name}", file=sys.stderr)
     sys.exit(128 + signum)  # an exit, not the signal's default death: atexit kills the early server
@@ -97,7 +121,8 @@ def main() -> None:
     restart_for_training(sys.argv[1:])
     from s2s.workerserver import gpu_driver_present, start_early, usable_cores
 
-    early = decodes_in_workers(sys.argv[1:], usable_cores(), gpu_driver_present())
+    early = decodes_in_workers(sys.argv[1:], usable_cores(), gpu_driver_present()) and not searches_without_torch(
+        sys.argv[1:])
     # until the command line installs its own handlers (s2s.cli, over SIG_DFL only), SIGTERM
     # and SIGHUP exit through atexit, which kills the server started early
     caught = [s for s in (signal.SIGTERM, signal.SIGHUP) if early and signal.getsignal(s) == signal.SIG_DFL]

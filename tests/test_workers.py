@@ -419,6 +419,32 @@ def test_launch_guesses_from_the_words_whether_workers_will_decode(argv, cores, 
     assert decodes_in_workers(argv, cores, gpu) is want
 
 
+ZEN4 = frozenset({"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"})
+
+
+@pytest.mark.parametrize("argv, flags, want", [
+    (["translate", "-m", "M", "--precision", "auto"], ZEN4, True),
+    (["-q", "summarize", "-m", "M", "--precision=bf16"], ZEN4, True),
+    (["translate", "-m", "M", "--quantize", "int8"], frozenset({"avx2", "fma"}), True),
+    (["translate", "-m", "M"], ZEN4, False),  # fp32, the default: torch's
+    (["translate", "-m", "M", "--precision", "auto"], frozenset({"avx", "sse4_2"}), False),  # no products
+    (["translate", "-m", "M", "--precision", "auto", "--sampling"], ZEN4, False),
+    (["translate", "-m", "M", "--precision", "auto", "--glossary=g.tsv"], ZEN4, False),
+    (["translate", "-m", "A", "-m", "B", "--precision", "auto"], ZEN4, False),  # an ensemble
+])
+def test_launch_asks_no_server_for_the_torch_free_search(argv, flags, want, monkeypatch):
+    """A translate whose words pick the torch-free search decodes in threads of its own process:
+    s2s.launch starts no workers' server for it; any word naming an option that search lacks, or
+    S2S_NATIVE_SEARCH=0, leaves the guess to decodes_in_workers."""
+    from s2s import native_search
+    from s2s.launch import searches_without_torch
+
+    monkeypatch.delenv(native_search.DISABLE, raising=False)
+    assert searches_without_torch(argv, flags) is want
+    monkeypatch.setenv(native_search.DISABLE, "0")
+    assert searches_without_torch(argv, flags) is False
+
+
 def early_server_head(model_dir) -> str:
     """A fresh interpreter's set-up for the early-server probes: workerserver, a TranslatorSpec
     ``spec`` of the test model and translate_stream at hand; no forkserver: prints so and ends."""
