@@ -8,7 +8,7 @@ words alone; it decides only when the server is asked for, never what runs: a se
 used is killed, and one not asked for early is asked for when the workers start.  A command
 whose words pick the torch-free search (:func:`searches_without_torch`) decodes in threads of
 this process, and asks for no server: starting one and importing torch there cost that route
-about 0.05 s of a 2-core machine's start.
+0.05-0.09 s of a 2-core machine's start (README).
 
 A ``train`` or ``pretrain`` first starts itself again, at once, with the allocator that suits
 training (:func:`s2s.allocator.training_environ`: mimalloc, or glibc's malloc in huge pages),
