@@ -524,7 +524,8 @@ def main() -> None:
         from s2s import native_search  # s2s's first command: else the first round's first process of
         from s2s.model import native  # each route compiles them, seconds in its whole-process time
 
-        native_search.library(), native.library()
+        native_search.library()
+        native.library()
     with tempfile.TemporaryDirectory(prefix="s2s-decode-") as tmp:
         work = Path(tmp)
         src, ref = work / "test.en", work / "test.de"

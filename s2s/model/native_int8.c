@@ -128,7 +128,6 @@ static inline __m256 widen8(const uint16_t *h)
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h)), 16));
 }
 
-/* u(x) of M rows (bytes, K apart), s_x and z (above) */
 /* u(x) of M rows (bytes, K apart), s_x and z (above).  A row whose range is below X_TINY (every
  * |x| under about 1e-28, where 1 / s_x would overflow) is taken as zeros; a row holding NaN or an
  * infinity gets s_x NaN, so that its outputs are NaN as the bf16 products' are (the search stops
