@@ -95,6 +95,11 @@ def recorded_sha256(directory: Path) -> str:
     return read_meta(directory).get("sha256")
 
 
+def on_cuda(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s parameters are on a GPU (whose random states a checkpoint then keeps)."""
+    return any(p.is_cuda for p in model.parameters())
+
+
 def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     state: TrainState, keep: int) -> Path:
     """Write RUN/checkpoints/step-N atomically (a failed write is ``step-N: write failed (...)``,
@@ -102,7 +107,7 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.opti
     target = run_dir / CHECKPOINTS / f"step-{state.step:08d}"
     opt = optimizer.state_dict()
     tensors = {"rng.torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if on_cuda(model):  # a CPU run on a GPU machine opens no CUDA context
         tensors.update({f"rng.cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     scalars = {}
     for idx, st in opt["state"].items():
@@ -157,8 +162,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     torch.set_rng_state(rng)
     n_cuda = sum(1 for k in tensors if k.startswith("rng.cuda."))
     cuda = [tensors[f"rng.cuda.{i}"] for i in range(n_cuda)]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
+    if cuda and torch.cuda.is_available():  # as many GPUs' as this machine has (resumed on fewer)
+        torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
     return train_state
 
 

@@ -426,7 +426,8 @@ class Trainer:
             total += self.forward_backward(b.to(self.device, non_blocking=True), scale)
         if self.world.size > 1:
             summed = all_reduce_update(self.model.parameters(),
-                                       torch.stack([total, torch.tensor(float(n_tgt)), torch.tensor(float(n_all))]))
+                                       torch.stack([total, total.new_tensor(float(n_tgt)),
+                                                    total.new_tensor(float(n_all))]))
             total, n_tgt, n_all = summed[0], int(summed[1]), int(summed[2])
             for p in self.model.parameters():
                 if p.grad is not None:

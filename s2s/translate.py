@@ -131,8 +131,10 @@ def max_output_lengths(src_lens: torch.Tensor, a: float, b: int, cap: Optional[i
 
 
 def compile_decode_step(model: S2SModel) -> None:
-    """Route ``model.decode_step`` through ``torch.compile`` (Inductor, shapes dynamic;
-    CUDA graphs with ``reduce-overhead`` on a GPU), once per model.  Inductor keeps its
+    """Route ``model.decode_step`` through ``torch.compile`` (Inductor, shapes dynamic), once per
+    model.  Not ``mode="reduce-overhead"`` (CUDA graphs) on a GPU: the step writes into the
+    self-attention cache it is given and returns buffers the next steps read, which a graph's
+    replay would overwrite, and no GPU has run it to show otherwise.  Inductor keeps its
     compiled graphs on disk (TORCHINDUCTOR_CACHE_DIR; fx_graph_cache), so a second
     process loads them instead of compiling.  The first step's time (the compile) is
     logged on its own; where compiling fails the step runs eagerly, with one warning."""
@@ -146,8 +148,7 @@ def compile_decode_step(model: S2SModel) -> None:
 
     inductor_config.fx_graph_cache = True
     eager = model.decode_step
-    mode = "reduce-overhead" if model.device.type == "cuda" else None
-    state = {"step": torch.compile(eager, dynamic=True, mode=mode), "first": True}
+    state = {"step": torch.compile(eager, dynamic=True), "first": True}
 
     def step(*args, **kwargs):
         if state["step"] is eager:

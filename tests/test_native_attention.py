@@ -152,11 +152,13 @@ def kernel_calls(name: str = "s2s::few_query_attention", inputs: int = 6):
     """The calls of operator ``name`` made inside the block (from Python or a scripted step), as
     (input shapes, input dtypes) of its ``inputs`` arguments each (an absent one: [] and ''),
     recorded by torch's profiler.  (A scripted call's record starts with values of the
-    interpreter's stack: the operator's own are the last.)"""
+    interpreter's stack: the operator's own are the last.)  Read from the profiler's own events:
+    torch 2.11's FunctionEvents carry no dtypes."""
     calls: list[tuple[list, list]] = []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         yield calls
-    calls.extend((e.input_shapes[-inputs:], e.input_dtypes[-inputs:]) for e in prof.events() if e.name == name)
+    events = prof.profiler.kineto_results.events()
+    calls.extend((e.shapes()[-inputs:], e.dtypes()[-inputs:]) for e in events if e.name() == name)
 
 
 @needs_kernel

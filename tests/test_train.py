@@ -451,3 +451,29 @@ def test_progress_line_formula():
 
     assert progress_line(7, 100, 65.0, 900.0, 4.25) == "step 7/100 | 0:01:05 used, 0:13:55 left of 0:15:00 | loss 4.250"
     assert progress_line(1, None, 3.0, math.inf, None, "lr 1.00e-03") == "step 1 | 0:00:03 | lr 1.00e-03"
+
+
+def test_gpu_random_states_saved_for_gpu_runs_and_restored_on_fewer_gpus(tmp_path, monkeypatch):
+    """A run on the CPU saves no GPU random state (asking would open a CUDA context on a GPU
+    machine); a GPU run's states are restored for as many GPUs as the resuming machine has."""
+    from s2s import checkpoint
+    from s2s.checkpoint import TrainState, load_checkpoint, save_checkpoint
+
+    def no_gpu_state():
+        raise AssertionError("a CPU run asked for the GPUs' random states")
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", no_gpu_state)
+    save_checkpoint(tmp_path / "cpu", model, opt, TrainState(step=1), keep=5)
+
+    states = [torch.full((8,), i, dtype=torch.uint8) for i in (1, 2)]  # two GPUs' states
+    monkeypatch.setattr(checkpoint, "on_cuda", lambda m: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: states)
+    path = save_checkpoint(tmp_path / "gpu", model, opt, TrainState(step=2), keep=5)
+    restored = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
+    assert load_checkpoint(path, model, opt).step == 2
+    assert len(restored) == 1 and len(restored[0]) == 1 and torch.equal(restored[0][0], states[0])
