@@ -48,6 +48,11 @@ is reported (goal <= 1.5: translation streams).
 s2s's modules are compiled to bytecode first, as ``pip install`` leaves an installed package
 (run from a source tree with PYTHONDONTWRITEBYTECODE set, each s2s process would compile them).
 
+A configuration whose process fails runs no more rounds and its row says why ("failed": the
+error's last line); the run goes on, and exits non-zero at the end if an s2s configuration failed.
+On a GPU, CTranslate2 is first tried on one sentence (:func:`ct2_cuda_environ`: with a CUDA 13
+cuBLAS standing in for the CUDA 12 one its wheels open, where that is what it lacks).
+
 Not a timed test: the machines are shared and noisy; only ratios within one
 run mean something.  Prints one table per model and, last, one JSON line: the
 first ``--model``'s best configurations, "s2s_best_beam5_sent_s",
@@ -115,6 +120,74 @@ with open(out, "w", encoding="utf-8") as f:
         f.write(sp.decode(r.hypotheses[0]) + "\\n")
 print(json.dumps({"steady_s": steady}))
 """
+
+# CTranslate2 on the GPU, one sentence: does it run in this environment?
+CT2_CUDA_PROBE = """
+import sys, ctranslate2
+tr = ctranslate2.Translator(sys.argv[1], device="cuda", compute_type="float16")
+tr.translate_batch([["a"]], max_decoding_length=2)
+"""
+CT2_CUBLAS = "libcublas.so.12"  # the cuBLAS CTranslate2 4.x's wheels dlopen by name (built with CUDA 12)
+
+
+def cublas_libraries(roots: list[Path]) -> list[Path]:
+    """The cuBLAS shared libraries (libcublas.so.N) under ``roots``: the nvidia-* wheels' folders
+    (``nvidia/cublas/lib``, ``nvidia/cu13/lib``) of each site-packages, or a CUDA toolkit's
+    lib64; newest major version first."""
+    found = []
+    for root in roots:
+        for pattern in ("nvidia/*/lib/libcublas.so.*", "libcublas.so.*", "targets/*/lib/libcublas.so.*"):
+            found += [p for p in root.glob(pattern) if p.name.count(".") == 2 and p.name.rsplit(".", 1)[1].isdigit()]
+    return sorted(set(found), key=lambda p: -int(p.name.rsplit(".", 1)[1]))
+
+
+def cublas_roots() -> list[Path]:
+    """Where :func:`cublas_libraries` looks: this interpreter's site-packages, then the CUDA toolkit."""
+    import site
+
+    return [Path(p) for p in [*site.getsitepackages(), *sys.path] if p and Path(p).is_dir()] + \
+        [Path("/usr/local/cuda/lib64"), Path("/usr/local/cuda")]
+
+
+def cublas_link_environ(library: Path, work: Path) -> dict:
+    """An environment in which ``dlopen("libcublas.so.12")`` opens ``library``: its folder in
+    LD_LIBRARY_PATH and, where it is another major version, behind a folder under ``work`` holding
+    a link by that name to it (the link's $ORIGIN does not reach the library's libcublasLt)."""
+    path = [str(library.parent), *filter(None, [os.environ.get("LD_LIBRARY_PATH")])]
+    if library.name != CT2_CUBLAS:
+        links = work / "cublas-link"
+        links.mkdir(exist_ok=True)
+        (links / CT2_CUBLAS).unlink(missing_ok=True)
+        (links / CT2_CUBLAS).symlink_to(library)
+        path.insert(0, str(links))
+    return {"LD_LIBRARY_PATH": os.pathsep.join(path)}
+
+
+def ct2_cuda_environ(ct2_model: Path, work: Path) -> tuple[dict | None, str]:
+    """(extra environment, note) with which CTranslate2 runs ``ct2_model`` on the GPU, or (None, why not).
+
+    CTranslate2 4.x's wheels are built with CUDA 12 and open libcublas.so.12 by name
+    (OpenNMT/CTranslate2#1933 asks for CUDA 13): on a machine with CUDA 13 alone (torch's cu130
+    wheels) that fails.  The nine cuBLAS functions CTranslate2 calls (cublasCreate_v2,
+    cublasGemmEx, cublasGemmStridedBatchedEx, ...) keep their names and signatures in cuBLAS 13,
+    so where the probe fails for want of libcublas.so.12, it runs again with each cuBLAS found
+    (:func:`cublas_libraries`) opened under that name, and the note says which ran."""
+    def probe(extra: dict) -> str:
+        done = subprocess.run([sys.executable, "-c", CT2_CUDA_PROBE, str(ct2_model)], capture_output=True,
+                              text=True, check=False, env={**os.environ, **extra})
+        return "" if done.returncode == 0 else (done.stderr.strip().splitlines() or ["no message"])[-1]
+
+    why = probe({})
+    if not why:
+        return {}, ""
+    if CT2_CUBLAS not in why:
+        return None, why
+    for library in cublas_libraries(cublas_roots()):
+        extra = cublas_link_environ(library, work)
+        if not probe(extra):
+            return extra, f"CTranslate2 ran on {library}" + (f" as {CT2_CUBLAS}" if library.name != CT2_CUBLAS else "")
+    return None, why + " (and no cuBLAS found here stood in for it)"
+
 
 # the steady state of s2s's W workers as `s2s translate --workers W` runs them: W > 1, a TranslatorPool,
 # timed once every worker has loaded its model and a warm-up pass of 64 W lines has run (its batches go
@@ -233,6 +306,7 @@ class Config:
     steady_sent_s: list[float] = field(default_factory=list)
     rss_mib: list[float] = field(default_factory=list)
     bleu: float | None = None
+    failed: str = ""  # why its process failed (it runs no more rounds)
 
 
 def configurations(device: str, cores: int, engines: set[str], has_ct2: bool, has_hf: bool,
@@ -290,15 +364,20 @@ def descendants_peak_rss_mib(root: int) -> float:
     return peak
 
 
-def run(cmd: list[str]) -> tuple[float, float, str]:
-    """Run ``cmd``; return (seconds, peak RSS in MiB of its largest process, its stdout).  The
-    peak is the larger of ru_maxrss (the process and the children it waited for) and the
-    descendants' VmHWM, read every 0.25 s while it runs (see :func:`descendants_peak_rss_mib`)."""
+class RunFailed(Exception):
+    """A configuration's process failed: its row says so, and the other configurations run on."""
+
+
+def run(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
+    """Run ``cmd`` (``env``: variables added to this process's); return (seconds, peak RSS in MiB
+    of its largest process, its stdout).  The peak is the larger of ru_maxrss (the process and the
+    children it waited for) and the descendants' VmHWM, read every 0.25 s while it runs (see
+    :func:`descendants_peak_rss_mib`)."""
     import threading
 
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env={**os.environ, **env} if env else None)
         ended, sampled = threading.Event(), [0.0]
 
         def sample() -> None:
@@ -314,7 +393,7 @@ def run(cmd: list[str]) -> tuple[float, float, str]:
         proc.returncode = os.waitstatus_to_exitcode(status)
         if proc.returncode:
             err.seek(0)
-            sys.exit(f"decode_speed: `{' '.join(cmd)}` failed:\n{err.read().decode()}")
+            raise RunFailed(f"`{' '.join(cmd)}` failed:\n{err.read().decode()}")
         out.seek(0)
         return seconds, max(usage.ru_maxrss / 1024, sampled[0]), out.read().decode()
 
@@ -354,7 +433,7 @@ def s2s_steady_seconds(model: Path, src: Path, c: Config, device: str, flags: di
     p = subprocess.run([sys.executable, "-c", S2S_STEADY_SCRIPT, str(REPO), json.dumps(spec), str(src), str(c.procs)],
                        capture_output=True, text=True, check=False)
     if p.returncode:
-        sys.exit(f"decode_speed: the steady-state s2s process failed:\n{p.stderr}")
+        raise RunFailed(f"the steady-state s2s process failed:\n{p.stderr}")
     return json.loads(p.stdout.strip().splitlines()[-1])["steady_s"]
 
 
@@ -370,6 +449,23 @@ def export_hf(model: Path, out: Path) -> bool:
         why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
         print(f"decode_speed: {model}: no Hugging Face generate rows: {why}", file=sys.stderr)
     return done.returncode == 0
+
+
+def run_config(c: Config, model: Path, src: Path, hyp: Path, beam: int, cap: int, args, work: Path, flags: dict,
+               hf_site_dir: str | None, ct2_env: dict) -> tuple[float, float, float]:
+    """One round of configuration ``c``, its output in ``hyp``: (whole-process seconds, peak RSS in
+    MiB, steady-state seconds); :class:`RunFailed` where one of its processes failed."""
+    if c.engine == "s2s":
+        seconds, rss, _ = run(s2s_command(model, src, hyp, c, args.device, flags))
+        return seconds, rss, s2s_steady_seconds(model, src, c, args.device, flags)
+    if c.engine == "ct2":
+        cmd = [sys.executable, "-c", CT2_SCRIPT, str(work / "ct2"), str(src), str(hyp), str(beam),
+               str(args.batch), str(c.procs), str(c.threads), str(cap), args.device, CT2_COMPUTE[c.precision]]
+    else:
+        cmd = [sys.executable, "-c", HF_SCRIPT, str(work / "hf"), str(model), str(src), str(hyp), str(beam),
+               str(args.batch), str(c.threads), str(cap), str(REPO), hf_site_dir, args.device]
+    seconds, rss, stdout = run(cmd, ct2_env if c.engine == "ct2" else None)
+    return seconds, rss, json.loads(stdout.strip().splitlines()[-1])["steady_s"]
 
 
 def summary(values: list[float]) -> dict:
@@ -388,7 +484,7 @@ def bench_model(model: Path, args, work: Path, src: Path, refs: list[str], n: in
     cap = max(int(decode.max_len_a * len(tok.encode_src([x])[0]) + decode.max_len_b)
               for x in src.read_text(encoding="utf-8").splitlines())
     engines = set(args.engines.split(","))
-    has_ct2 = False
+    has_ct2, ct2_env, ct2_note = False, {}, ""
     if "ct2" in engines:
         try:
             import ctranslate2  # noqa: F401
@@ -398,6 +494,11 @@ def bench_model(model: Path, args, work: Path, src: Path, refs: list[str], n: in
             has_ct2 = done.returncode == 0
             if not has_ct2:
                 print(f"decode_speed: {model}: no CTranslate2 rows: {done.stderr.strip()}", file=sys.stderr)
+            elif args.device == "cuda":
+                ct2_env, ct2_note = ct2_cuda_environ(work / "ct2", work)
+                has_ct2 = ct2_env is not None
+                print(f"decode_speed: {model}: " + (ct2_note if has_ct2 else f"no CTranslate2 rows: {ct2_note}"),
+                      file=sys.stderr)
         except ImportError:
             print("decode_speed: ctranslate2 is not installed; its rows are skipped", file=sys.stderr)
     hf_site_dir = None
@@ -415,6 +516,8 @@ def bench_model(model: Path, args, work: Path, src: Path, refs: list[str], n: in
         print(f"decode_speed: {model}/shortlist.safetensors missing (`s2s shortlist CONFIG -m {model}`); "
               "no s2s shortlist rows", file=sys.stderr)
     result: dict = {"model": str(model), "max_output_tokens": cap, "rows": []}
+    if ct2_note:
+        result["ct2_note"] = ct2_note
     for search, beam in SEARCHES:
         configs = configurations(args.device, args.cores, engines, has_ct2, hf_site_dir is not None,
                                  has_shortlist)
@@ -423,33 +526,32 @@ def bench_model(model: Path, args, work: Path, src: Path, refs: list[str], n: in
         flags = decode_flags(beam, args.batch, cap)
         for rnd in range(args.rounds):
             for c in configs:
+                if c.failed:
+                    continue
                 print(f"decode_speed: {model.name} {search} round {rnd + 1}/{args.rounds}: {c.name}", file=sys.stderr)
                 hyp = work / f"{c.name}-{search}.txt"
-                if c.engine == "s2s":
-                    seconds, rss, _ = run(s2s_command(model, src, hyp, c, args.device, flags))
-                    steady = s2s_steady_seconds(model, src, c, args.device, flags)
-                else:
-                    if c.engine == "ct2":
-                        cmd = [sys.executable, "-c", CT2_SCRIPT, str(work / "ct2"), str(src), str(hyp), str(beam),
-                               str(args.batch), str(c.procs), str(c.threads), str(cap), args.device,
-                               CT2_COMPUTE[c.precision]]
-                    else:
-                        cmd = [sys.executable, "-c", HF_SCRIPT, str(work / "hf"), str(model), str(src), str(hyp),
-                               str(beam), str(args.batch), str(c.threads), str(cap), str(REPO), hf_site_dir,
-                               args.device]
-                    seconds, rss, stdout = run(cmd)
-                    steady = json.loads(stdout.strip().splitlines()[-1])["steady_s"]
+                try:
+                    seconds, rss, steady = run_config(c, model, src, hyp, beam, cap, args, work, flags, hf_site_dir,
+                                                      ct2_env)
+                except RunFailed as e:
+                    c.failed = str(e)
+                    print(f"decode_speed: {c.name} {search}: {e}", file=sys.stderr)
+                    continue
                 c.whole_sent_s.append(n / seconds)
                 c.steady_sent_s.append(n / steady)
                 c.rss_mib.append(rss)
                 if c.bleu is None:
                     c.bleu = sacrebleu.corpus_bleu(hyp.read_text(encoding="utf-8").splitlines(), [refs]).score
         for c in configs:
+            if c.failed:
+                result["rows"].append({"config": c.name, "engine": c.engine, "search": search,
+                                       "failed": c.failed.strip().splitlines()[-1]})
+                continue
             result["rows"].append({"config": c.name, "engine": c.engine, "search": search,
                                    "whole_sent_s": summary(c.whole_sent_s), "steady_sent_s": summary(c.steady_sent_s),
                                    "rss_mib": round(statistics.median(c.rss_mib)), "bleu": round(c.bleu, 2)})
         for engine in ("s2s", "ct2", "hf"):
-            mine = [r for r in result["rows"] if r["engine"] == engine and r["search"] == search]
+            mine = [r for r in result["rows"] if r["engine"] == engine and r["search"] == search and "failed" not in r]
             best = max(mine, key=lambda r: r["whole_sent_s"]["median"], default=None)
             result[f"{engine}_best_{search}_sent_s"] = best and best["whole_sent_s"]["median"]
             result[f"{engine}_best_{search}_steady_sent_s"] = best and best["steady_sent_s"]["median"]
@@ -520,6 +622,8 @@ def main() -> None:
 
     import torch
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device cuda: torch {torch.__version__} sees no CUDA GPU")
     if args.device == "cpu":  # s2s's kernels compiled once here too (its cache), as after an installed
         from s2s import native_search  # s2s's first command: else the first round's first process of
         from s2s.model import native  # each route compiles them, seconds in its whole-process time
@@ -545,9 +649,12 @@ def main() -> None:
     print(f"# {where}; {args.cores} cores; {n} sentences; {args.rounds} round(s); batch {args.batch}; "
           f"sentences/s median [min-max]")
     for m in models:
-        print(f"## {m['model']}")
+        print(f"## {m['model']}" + (f" ({m['ct2_note']})" if "ct2_note" in m else ""))
         print(f"{'config':18s} {'search':7s} {'whole sent/s':>22s} {'steady sent/s':>22s} {'RSS MiB':>8s} {'BLEU':>6s}")
         for r in m["rows"]:
+            if "failed" in r:
+                print(f"{r['config']:18s} {r['search']:7s} failed: {r['failed']}")
+                continue
             w, s = r["whole_sent_s"], r["steady_sent_s"]
             print(f"{r['config']:18s} {r['search']:7s} {w['median']:8.1f} [{w['min']:5.1f}-{w['max']:5.1f}]"
                   f" {s['median']:8.1f} [{s['min']:5.1f}-{s['max']:5.1f}] {r['rss_mib']:8d} {r['bleu']:6.2f}")
@@ -559,7 +666,14 @@ def main() -> None:
     print(json.dumps({**head, **memory, "device": args.device, "cpu_or_gpu": where, "isa": args.isa,
                       "cores": args.cores, "sentences": n, "rounds": args.rounds, "batch": args.batch,
                       "models": models}))
+    failed = [f"{m['model']}: {r['config']} {r['search']}" for m in models for r in m["rows"]
+              if "failed" in r and r["engine"] == "s2s"]
+    if failed:  # the competitors' failures are theirs (their rows say why); s2s's fail the run
+        sys.exit(f"decode_speed: s2s failed in {', '.join(failed)}")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except RunFailed as e:  # the memory check's s2s process
+        sys.exit(f"decode_speed: {e}")

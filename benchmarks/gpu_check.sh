@@ -3,11 +3,16 @@
 #
 #   bash benchmarks/gpu_check.sh               # on a machine with a CUDA GPU
 #   bash benchmarks/gpu_check.sh --cpu-smoke   # the same steps, tiny, on the CPU (.ci/run; a few minutes)
+#   bash benchmarks/gpu_check.sh --fetch-wheels DIR   # only download, for a GPU machine without network,
+#                                              # the wheels its Python lacks (GPU_CHECK_WHEELS below)
 #
-# Steps (each prints a "== gpu_check:" line; the first failure stops the script, exit status non-zero):
+# Steps (each prints a "== gpu_check:" line).  A failed step is reported and the steps that do not need
+# it still run (a GPU machine's minutes are scarce): the exit status is non-zero if any step failed.
 #   1. environment: a virtualenv $GPU_CHECK_VENV (default .venv-gpu) with $TORCH_SPEC, s2s and its test
 #      extras (ctranslate2, transformers); or, with GPU_CHECK_PYTHON=/path/to/python, that interpreter
-#      as it is (nothing installed: for machines without network and for CI, which has .venv already)
+#      as it is (for machines without network and for CI, which has .venv already), with the wheels in
+#      GPU_CHECK_WHEELS=DIR, if given, installed beside it (pip --no-index --target; made where there is
+#      network by --fetch-wheels DIR: ctranslate2 for CPython $GPU_CHECK_WHEELS_PYTHON, default 3.12)
 #   2. tests with S2S_TEST_DEVICE=cuda (tests/conftest.py's `device` fixture: model forward/decode
 #      equality, search on a model, translate --device); $GPU_CHECK_TESTS picks them (default: the
 #      three files that hold device tests on the GPU, one device test in the smoke; "tests": all)
@@ -19,7 +24,8 @@
 #      (6+6, d_model 512, FFN 2048, 8 heads) at 25,000-token batches, s2s bf16 tokens/s and MFU
 #      against the bf16 peak, beside MarianMTModel on the same GPU
 # Everything lands in $GPU_CHECK_OUT (default gpu-check/; smoke: a temporary directory): the logs,
-# decode.json and train-*.json (each benchmark's last line).
+# decode.json and train-*.json (each benchmark's last line); GPU_CHECK_RESULTS=DIR also copies those
+# (not the data and model) there when the script ends, whether it passed or failed.
 #
 # TORCH_SPEC (default "torch==2.13.0") is what pip installs for torch: on the GPU machine it must be
 # a CUDA build, e.g.
@@ -31,25 +37,51 @@ REPO=$PWD
 SMOKE=0
 case "${1:-}" in
   --cpu-smoke) SMOKE=1 ;;
+  --fetch-wheels)
+    [[ -n ${2:-} ]] || { echo "gpu_check: error: --fetch-wheels needs a directory" >&2; exit 2; }
+    # ctranslate2 alone: the GPU machines' image has torch, transformers and s2s's other needs
+    # (numpy, pyyaml and setuptools, ctranslate2's own, among them)
+    exec python3 -m pip download --quiet --no-deps --only-binary=:all: --implementation cp \
+      --python-version "${GPU_CHECK_WHEELS_PYTHON:-3.12}" --platform manylinux_2_27_x86_64 \
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$2" "${CT2_SPEC:-ctranslate2}" ;;
   "") ;;
-  *) echo "gpu_check: error: unknown argument '$1' (only --cpu-smoke)" >&2; exit 2 ;;
+  *) echo "gpu_check: error: unknown argument '$1' (--cpu-smoke or --fetch-wheels DIR)" >&2; exit 2 ;;
 esac
 if [[ $SMOKE == 1 ]]; then DEVICE=cpu; else DEVICE=cuda; fi
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+TMP_OUT=
 if [[ $SMOKE == 1 && -z ${GPU_CHECK_OUT:-} ]]; then
   OUT=$(mktemp -d -t s2s-gpu-check-XXXXXX)
-  trap 'rm -rf "$OUT"' EXIT
+  TMP_OUT=$OUT
 else
   OUT=${GPU_CHECK_OUT:-gpu-check}
   mkdir -p "$OUT"
 fi
 OUT=$(cd "$OUT" && pwd)
+RESULTS=
+if [[ -n ${GPU_CHECK_RESULTS:-} ]]; then
+  mkdir -p "$GPU_CHECK_RESULTS"
+  RESULTS=$(cd "$GPU_CHECK_RESULTS" && pwd)
+fi
+finish() {
+  if [[ -n $RESULTS ]]; then cp "$OUT"/*.log "$OUT"/*.json "$RESULTS"/ 2>/dev/null || true; fi
+  if [[ -n $TMP_OUT ]]; then rm -rf "$TMP_OUT"; fi
+}
+trap finish EXIT
 step() { echo "== gpu_check: $* ($(date -u +%H:%M:%S))"; }
+FAILED=()
+failed() { echo "gpu_check: error: $*" >&2; FAILED+=("$*"); }
 
 # 1. environment ---------------------------------------------------------------------------------
 step "environment"
 if [[ -n ${GPU_CHECK_PYTHON:-} ]]; then
   PY=$GPU_CHECK_PYTHON
+  if [[ -n ${GPU_CHECK_WHEELS:-} ]]; then
+    compgen -G "$GPU_CHECK_WHEELS/*.whl" > /dev/null \
+      || { echo "gpu_check: error: GPU_CHECK_WHEELS=$GPU_CHECK_WHEELS holds no .whl file" >&2; exit 2; }
+    "$PY" -m pip install --quiet --no-index --no-deps --no-compile --target "$OUT/site" "$GPU_CHECK_WHEELS"/*.whl
+    export PYTHONPATH=$OUT/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
 else
   VENV=${GPU_CHECK_VENV:-.venv-gpu}
   [[ -x $VENV/bin/python ]] || python3 -m venv "$VENV"
@@ -66,6 +98,21 @@ if device == "cuda" and not torch.cuda.is_available():
     sys.exit(f"gpu_check: error: torch {torch.__version__} sees no CUDA GPU (CUDA build: {torch.version.cuda}); "
              "set TORCH_SPEC to a CUDA build or run with --cpu-smoke")
 print(f"torch {torch.__version__}, device {torch.cuda.get_device_name(0) if device == 'cuda' else 'cpu'}")
+import importlib
+needs = ("numpy", "sentencepiece", "sacrebleu", "typer", "rich", "yaml", "safetensors", "pytest", "hypothesis")
+missing = []
+for name in needs:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        missing.append(name)
+if missing:  # s2s's needs a bare interpreter (GPU_CHECK_PYTHON) lacks: carry them in GPU_CHECK_WHEELS
+    sys.exit(f"gpu_check: error: {sys.executable} cannot import {', '.join(missing)}")
+try:
+    import ctranslate2
+    print(f"ctranslate2 {ctranslate2.__version__} ({ctranslate2.__file__})")
+except ImportError:
+    print("ctranslate2 is not installed: no CTranslate2 rows")
 EOF
 
 # 2. tests on the device ---------------------------------------------------------------------------
@@ -77,9 +124,11 @@ else
 fi
 step "tests with S2S_TEST_DEVICE=$DEVICE: $TESTS"
 # shellcheck disable=SC2086  # TESTS is a list of pytest arguments
-if ! S2S_TEST_DEVICE=$DEVICE "$PY" -m pytest -q -x $TESTS 2>&1 | tail -n 15 | tee "$OUT/tests.log"; then
-  echo "gpu_check: error: tests failed (see above)" >&2; exit 1
+if ! S2S_TEST_DEVICE=$DEVICE "$PY" -m pytest -q -p no:cacheprovider $TESTS > "$OUT/tests.log" 2>&1; then
+  grep -E "^(FAILED|ERROR) " "$OUT/tests.log" || true
+  failed "tests failed ($OUT/tests.log)"
 fi
+tail -n 1 "$OUT/tests.log"
 
 # 3. a model to decode with ------------------------------------------------------------------------
 if [[ $SMOKE == 1 ]]; then
@@ -119,8 +168,10 @@ else
   MODEL=$OUT/model
   step "model: train $CONFIG into $MODEL"
   rm -rf "$MODEL"
-  "$PY" -m s2s -q train "$CONFIG" -o "$MODEL" "${SETS[@]}" "${TRAIN_SETS[@]}" > "$OUT/train.log" 2>&1 \
-    || { tail -n 20 "$OUT/train.log" >&2; echo "gpu_check: error: training failed" >&2; exit 1; }
+  if ! "$PY" -m s2s -q train "$CONFIG" -o "$MODEL" "${SETS[@]}" "${TRAIN_SETS[@]}" > "$OUT/train.log" 2>&1; then
+    tail -n 20 "$OUT/train.log" >&2
+    failed "training failed ($OUT/train.log)"
+  fi
 fi
 
 # 4. decoding against CTranslate2 ------------------------------------------------------------------
@@ -130,10 +181,16 @@ else
   DECODE=(--sentences 1000 --rounds 1 --batch 64 --memory-lines 0)
 fi
 step "decoding: benchmarks/decode_speed.py --device $DEVICE ${DECODE[*]}"
-"$PY" benchmarks/decode_speed.py --model "$MODEL" --device "$DEVICE" "${DECODE[@]}" > "$OUT/decode.log" \
-  || { echo "gpu_check: error: decode_speed.py failed" >&2; exit 1; }
-grep -v '^{' "$OUT/decode.log"
-tail -n 1 "$OUT/decode.log" > "$OUT/decode.json"
+if [[ ! -f $MODEL/config.yaml ]]; then
+  failed "decoding not run: no model in $MODEL"
+elif "$PY" benchmarks/decode_speed.py --model "$MODEL" --device "$DEVICE" "${DECODE[@]}" > "$OUT/decode.log" \
+    2> "$OUT/decode-stderr.log"; then
+  grep -v '^{' "$OUT/decode.log"
+  tail -n 1 "$OUT/decode.log" > "$OUT/decode.json"
+else
+  tail -n 20 "$OUT/decode-stderr.log" >&2
+  failed "decode_speed.py failed ($OUT/decode-stderr.log)"
+fi
 
 # 5. training speed against MarianMTModel ----------------------------------------------------------
 if [[ $SMOKE == 1 ]]; then
@@ -145,7 +202,11 @@ for shape in config base; do
   step "training speed: benchmarks/gpu_train_speed.py $CONFIG --shape $shape ${TRAIN[*]}"
   if ! "$PY" benchmarks/gpu_train_speed.py "$CONFIG" --shape "$shape" "${TRAIN[@]}" | tail -n 1 \
       | tee "$OUT/train-$shape.json"; then
-    echo "gpu_check: error: gpu_train_speed.py failed" >&2; exit 1
+    failed "gpu_train_speed.py --shape $shape failed"
   fi
 done
+if (( ${#FAILED[@]} )); then
+  step "done, ${#FAILED[@]} step(s) failed: $(IFS=';'; echo "${FAILED[*]}"); results in $OUT"
+  exit 1
+fi
 step "done: results in $OUT"
