@@ -41,7 +41,7 @@ case "${1:-}" in
     [[ -n ${2:-} ]] || { echo "gpu_check: error: --fetch-wheels needs a directory" >&2; exit 2; }
     # ctranslate2 alone: the GPU machines' image has torch, transformers and s2s's other needs
     # (numpy, pyyaml and setuptools, ctranslate2's own, among them)
-    exec python3 -m pip download --quiet --no-deps --only-binary=:all: --implementation cp \
+    exec "${GPU_CHECK_PYTHON:-python3}" -m pip download --quiet --no-deps --only-binary=:all: --implementation cp \
       --python-version "${GPU_CHECK_WHEELS_PYTHON:-3.12}" --platform manylinux_2_27_x86_64 \
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$2" "${CT2_SPEC:-ctranslate2}" ;;
   "") ;;
