@@ -83,6 +83,7 @@ import argparse
 import gzip
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -121,24 +122,30 @@ with open(out, "w", encoding="utf-8") as f:
 print(json.dumps({"steady_s": steady}))
 """
 
-# CTranslate2 on the GPU, one sentence: does it run in this environment?
+# CTranslate2 on the GPU: greedy, float32, the first lines of the test set, and the same on the CPU;
+# prints how many outputs agree (a cuBLAS that loads but computes wrongly shows here)
 CT2_CUDA_PROBE = """
-import sys, ctranslate2
-tr = ctranslate2.Translator(sys.argv[1], device="cuda", compute_type="float16")
-tr.translate_batch([["a"]], max_decoding_length=2)
+import json, sys, ctranslate2, sentencepiece as spm
+model, src, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+sp = spm.SentencePieceProcessor(model_file=model + "/spm.model")
+pieces = [sp.encode(x, out_type=str) for x in open(src, encoding="utf-8").read().splitlines()[:n]]
+outs = [[r.hypotheses[0] for r in ctranslate2.Translator(model, device=device, compute_type="float32")
+         .translate_batch(pieces, beam_size=1, max_decoding_length=64)] for device in ("cuda", "cpu")]
+print(json.dumps({"same": sum(a == b for a, b in zip(*outs)), "of": len(pieces)}))
 """
+PROBE_LINES, PROBE_SECONDS = 8, 300
 CT2_CUBLAS = "libcublas.so.12"  # the cuBLAS CTranslate2 4.x's wheels dlopen by name (built with CUDA 12)
 
 
 def cublas_libraries(roots: list[Path]) -> list[Path]:
     """The cuBLAS shared libraries (libcublas.so.N) under ``roots``: the nvidia-* wheels' folders
     (``nvidia/cublas/lib``, ``nvidia/cu13/lib``) of each site-packages, or a CUDA toolkit's
-    lib64; newest major version first."""
-    found = []
+    lib64: the one CTranslate2 asks for (:data:`CT2_CUBLAS`) first, then newest major version first."""
+    found, name = [], CT2_CUBLAS.rsplit(".", 1)[0] + ".*"  # libcublas.so.*
     for root in roots:
-        for pattern in ("nvidia/*/lib/libcublas.so.*", "libcublas.so.*", "targets/*/lib/libcublas.so.*"):
+        for pattern in (f"nvidia/*/lib/{name}", name, f"targets/*/lib/{name}"):
             found += [p for p in root.glob(pattern) if p.name.count(".") == 2 and p.name.rsplit(".", 1)[1].isdigit()]
-    return sorted(set(found), key=lambda p: -int(p.name.rsplit(".", 1)[1]))
+    return sorted(set(found), key=lambda p: (p.name != CT2_CUBLAS, -int(p.name.rsplit(".", 1)[1])))
 
 
 def cublas_roots() -> list[Path]:
@@ -163,7 +170,7 @@ def cublas_link_environ(library: Path, work: Path) -> dict:
     return {"LD_LIBRARY_PATH": os.pathsep.join(path)}
 
 
-def ct2_cuda_environ(ct2_model: Path, work: Path) -> tuple[dict | None, str]:
+def ct2_cuda_environ(ct2_model: Path, src: Path, work: Path) -> tuple[dict | None, str]:
     """(extra environment, note) with which CTranslate2 runs ``ct2_model`` on the GPU, or (None, why not).
 
     CTranslate2 4.x's wheels are built with CUDA 12 and open libcublas.so.12 by name
@@ -171,22 +178,39 @@ def ct2_cuda_environ(ct2_model: Path, work: Path) -> tuple[dict | None, str]:
     wheels) that fails.  The nine cuBLAS functions CTranslate2 calls (cublasCreate_v2,
     cublasGemmEx, cublasGemmStridedBatchedEx, ...) keep their names and signatures in cuBLAS 13,
     so where the probe fails for want of libcublas.so.12, it runs again with each cuBLAS found
-    (:func:`cublas_libraries`) opened under that name, and the note says which ran."""
+    (:func:`cublas_libraries`) opened under that name, and the note says which ran.  The probe
+    (:data:`CT2_CUDA_PROBE`) decodes ``src``'s first lines on the GPU and on the CPU: fewer than
+    half the outputs alike is a GPU that computes wrongly, and no CTranslate2 rows."""
     def probe(extra: dict) -> str:
-        done = subprocess.run([sys.executable, "-c", CT2_CUDA_PROBE, str(ct2_model)], capture_output=True,
-                              text=True, check=False, env={**os.environ, **extra})
-        return "" if done.returncode == 0 else (done.stderr.strip().splitlines() or ["no message"])[-1]
+        cmd = [sys.executable, "-c", CT2_CUDA_PROBE, str(ct2_model), str(src), str(PROBE_LINES)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False, env={**os.environ, **extra},
+                                  timeout=PROBE_SECONDS)
+        except subprocess.TimeoutExpired:
+            return f"timed out after {PROBE_SECONDS} s"
+        if done.returncode:
+            return (done.stderr.strip().splitlines() or [exit_text(done.returncode)])[-1]
+        agree = json.loads(done.stdout.strip().splitlines()[-1])
+        if 2 * agree["same"] < agree["of"]:
+            return f"its GPU outputs unlike its CPU's ({agree['same']} of {agree['of']} alike)"
+        notes.append(f"{agree['same']} of {agree['of']} greedy outputs as on the CPU")
+        return ""
 
+    notes: list[str] = []
     why = probe({})
     if not why:
-        return {}, ""
+        return {}, f"CTranslate2 on the GPU: {notes[-1]}"
     if CT2_CUBLAS not in why:
         return None, why
+    tries = []
     for library in cublas_libraries(cublas_roots()):
         extra = cublas_link_environ(library, work)
-        if not probe(extra):
-            return extra, f"CTranslate2 ran on {library}" + (f" as {CT2_CUBLAS}" if library.name != CT2_CUBLAS else "")
-    return None, why + " (and no cuBLAS found here stood in for it)"
+        failure = probe(extra)
+        if not failure:
+            return extra, (f"CTranslate2 ran on {library}" + (f" as {CT2_CUBLAS}" if library.name != CT2_CUBLAS else "")
+                           + f"; {notes[-1]}")
+        tries.append(f"{library}: {failure}")
+    return None, why + (f"; in its stead {'; '.join(tries)}" if tries else " (and no cuBLAS found here to stand in)")
 
 
 # the steady state of s2s's W workers as `s2s translate --workers W` runs them: W > 1, a TranslatorPool,
@@ -368,21 +392,35 @@ class RunFailed(Exception):
     """A configuration's process failed: its row says so, and the other configurations run on."""
 
 
-def run(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
-    """Run ``cmd`` (``env``: variables added to this process's); return (seconds, peak RSS in MiB
-    of its largest process, its stdout).  The peak is the larger of ru_maxrss (the process and the
-    children it waited for) and the descendants' VmHWM, read every 0.25 s while it runs (see
-    :func:`descendants_peak_rss_mib`)."""
+def exit_text(returncode: int) -> str:
+    """A process's end as words: "exit status 1", "killed by SIGSEGV"."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
+
+
+def run(cmd: list[str], env: dict | None = None, timeout: float | None = None) -> tuple[float, float, str]:
+    """Run ``cmd`` (``env``: variables added to this process's; killed after ``timeout`` seconds);
+    return (seconds, peak RSS in MiB of its largest process, its stdout).  The peak is the larger
+    of ru_maxrss (the process and the children it waited for) and the descendants' VmHWM, read
+    every 0.25 s while it runs (see :func:`descendants_peak_rss_mib`).  A process that fails or
+    runs out of time is :class:`RunFailed`: how it ended, then its stderr's last lines."""
     import threading
 
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env={**os.environ, **env} if env else None)
-        ended, sampled = threading.Event(), [0.0]
+        ended, sampled, late = threading.Event(), [0.0], threading.Event()
 
         def sample() -> None:
             while not ended.wait(0.25):
                 sampled[0] = max(sampled[0], descendants_peak_rss_mib(proc.pid))
+                if timeout is not None and time.perf_counter() - t0 > timeout and not late.is_set():
+                    late.set()
+                    proc.kill()
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
@@ -393,7 +431,10 @@ def run(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
         proc.returncode = os.waitstatus_to_exitcode(status)
         if proc.returncode:
             err.seek(0)
-            raise RunFailed(f"`{' '.join(cmd)}` failed:\n{err.read().decode()}")
+            shown = " ".join(cmd[:2] + ["SCRIPT"] + cmd[3:] if cmd[1:2] == ["-c"] else cmd)
+            end = f"timed out after {timeout:g} s" if late.is_set() else exit_text(proc.returncode)
+            tail = err.read().decode(errors="replace").strip().splitlines()[-20:]
+            raise RunFailed("\n".join([f"`{shown}`: {end}", *tail]))
         out.seek(0)
         return seconds, max(usage.ru_maxrss / 1024, sampled[0]), out.read().decode()
 
@@ -423,18 +464,17 @@ def s2s_command(model: Path, src: Path, hyp: Path, c: Config, device: str, flags
     return cli
 
 
-def s2s_steady_seconds(model: Path, src: Path, c: Config, device: str, flags: dict) -> float:
+def s2s_steady_seconds(model: Path, src: Path, c: Config, device: str, flags: dict,
+                       timeout: float | None = None) -> float:
     """Steady state of ``c`` as ``s2s translate`` runs it (W > 1: a TranslatorPool of W workers; W = 1:
     one process), the models loaded and warmed up; seconds to translate every line."""
     precision, int8, shortlist = s2s_arithmetic(c)
     overrides = {**flags, "shortlist": True} if shortlist else flags
     spec = {"models": [str(model)], "overrides": overrides, "device": device, "threads": c.threads,
             "precision": precision, "quantize": "int8" if int8 else None}
-    p = subprocess.run([sys.executable, "-c", S2S_STEADY_SCRIPT, str(REPO), json.dumps(spec), str(src), str(c.procs)],
-                       capture_output=True, text=True, check=False)
-    if p.returncode:
-        raise RunFailed(f"the steady-state s2s process failed:\n{p.stderr}")
-    return json.loads(p.stdout.strip().splitlines()[-1])["steady_s"]
+    _, _, stdout = run([sys.executable, "-c", S2S_STEADY_SCRIPT, str(REPO), json.dumps(spec), str(src), str(c.procs)],
+                       timeout=timeout)
+    return json.loads(stdout.strip().splitlines()[-1])["steady_s"]
 
 
 # --------------------------------------------------------------------------- #
@@ -456,15 +496,15 @@ def run_config(c: Config, model: Path, src: Path, hyp: Path, beam: int, cap: int
     """One round of configuration ``c``, its output in ``hyp``: (whole-process seconds, peak RSS in
     MiB, steady-state seconds); :class:`RunFailed` where one of its processes failed."""
     if c.engine == "s2s":
-        seconds, rss, _ = run(s2s_command(model, src, hyp, c, args.device, flags))
-        return seconds, rss, s2s_steady_seconds(model, src, c, args.device, flags)
+        seconds, rss, _ = run(s2s_command(model, src, hyp, c, args.device, flags), timeout=args.process_timeout)
+        return seconds, rss, s2s_steady_seconds(model, src, c, args.device, flags, args.process_timeout)
     if c.engine == "ct2":
         cmd = [sys.executable, "-c", CT2_SCRIPT, str(work / "ct2"), str(src), str(hyp), str(beam),
                str(args.batch), str(c.procs), str(c.threads), str(cap), args.device, CT2_COMPUTE[c.precision]]
     else:
         cmd = [sys.executable, "-c", HF_SCRIPT, str(work / "hf"), str(model), str(src), str(hyp), str(beam),
                str(args.batch), str(c.threads), str(cap), str(REPO), hf_site_dir, args.device]
-    seconds, rss, stdout = run(cmd, ct2_env if c.engine == "ct2" else None)
+    seconds, rss, stdout = run(cmd, ct2_env if c.engine == "ct2" else None, args.process_timeout)
     return seconds, rss, json.loads(stdout.strip().splitlines()[-1])["steady_s"]
 
 
@@ -495,7 +535,7 @@ def bench_model(model: Path, args, work: Path, src: Path, refs: list[str], n: in
             if not has_ct2:
                 print(f"decode_speed: {model}: no CTranslate2 rows: {done.stderr.strip()}", file=sys.stderr)
             elif args.device == "cuda":
-                ct2_env, ct2_note = ct2_cuda_environ(work / "ct2", work)
+                ct2_env, ct2_note = ct2_cuda_environ(work / "ct2", src, work)
                 has_ct2 = ct2_env is not None
                 print(f"decode_speed: {model}: " + (ct2_note if has_ct2 else f"no CTranslate2 rows: {ct2_note}"),
                       file=sys.stderr)
@@ -573,7 +613,7 @@ def memory_check(model: Path, args, work: Path, src: Path) -> dict:
         cmd = [sys.executable, "-m", "s2s", "-q", "translate", "-m", str(model), "--input", str(path),
                "-o", str(work / f"memory-{name}.txt"), "--beam", "1", "--workers", "1", "--threads",
                str(args.cores if args.device == "cpu" else 1), "--device", args.device]
-        rss[name] = run(cmd)[1]
+        rss[name] = run(cmd, timeout=args.process_timeout)[1]
     return {"memory_lines": args.memory_lines, "memory_small_lines": len(lines),
             "memory_rss_small_mib": round(rss["small"]), "memory_rss_big_mib": round(rss["big"]),
             "memory_ratio": round(rss["big"] / rss["small"], 3)}
@@ -596,6 +636,8 @@ def main() -> None:
                     help="only these configurations, comma-separated (e.g. s2s_fp32_2x1,ct2_int8_2x1)")
     ap.add_argument("--memory-lines", type=int, default=200_000,
                     help="lines of the memory check's big input (0: no memory check)")
+    ap.add_argument("--process-timeout", type=float, default=1800,
+                    help="seconds after which a configuration's process is killed (its row says so)")
     ap.add_argument("--isa", choices=("native", *ISA_CAPS), default="native",
                     help="avx2: every engine capped to AVX2 and FMA, as on a CPU without AVX-512; avx512: to "
                          "AVX-512 alone (Skylake-SP); avx512_vnni: with VNNI (Cascade Lake; see above)")
@@ -641,7 +683,11 @@ def main() -> None:
         for i, model in enumerate(args.model):
             (work / str(i)).mkdir()
             models.append(bench_model(model, args, work / str(i), src, refs, n))
-        memory = memory_check(args.model[0], args, work, src) if args.memory_lines else {}
+        try:
+            memory = memory_check(args.model[0], args, work, src) if args.memory_lines else {}
+        except RunFailed as e:
+            print(f"decode_speed: memory check: {e}", file=sys.stderr)
+            memory = {"memory_failed": str(e).splitlines()[-1]}
 
     where = cpu_name() if args.device == "cpu" else torch.cuda.get_device_name(0)
     if args.isa != "native":
@@ -658,7 +704,9 @@ def main() -> None:
             w, s = r["whole_sent_s"], r["steady_sent_s"]
             print(f"{r['config']:18s} {r['search']:7s} {w['median']:8.1f} [{w['min']:5.1f}-{w['max']:5.1f}]"
                   f" {s['median']:8.1f} [{s['min']:5.1f}-{s['max']:5.1f}] {r['rss_mib']:8d} {r['bleu']:6.2f}")
-    if memory:
+    if "memory_failed" in memory:
+        print(f"# memory check failed: {memory['memory_failed']}")
+    elif memory:
         print(f"# memory: peak RSS {memory['memory_rss_big_mib']} MiB on {memory['memory_lines']} lines vs "
               f"{memory['memory_rss_small_mib']} MiB on {memory['memory_small_lines']}: "
               f"ratio {memory['memory_ratio']} (goal <= 1.5)")
@@ -667,13 +715,10 @@ def main() -> None:
                       "cores": args.cores, "sentences": n, "rounds": args.rounds, "batch": args.batch,
                       "models": models}))
     failed = [f"{m['model']}: {r['config']} {r['search']}" for m in models for r in m["rows"]
-              if "failed" in r and r["engine"] == "s2s"]
+              if "failed" in r and r["engine"] == "s2s"] + (["the memory check"] if "memory_failed" in memory else [])
     if failed:  # the competitors' failures are theirs (their rows say why); s2s's fail the run
         sys.exit(f"decode_speed: s2s failed in {', '.join(failed)}")
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except RunFailed as e:  # the memory check's s2s process
-        sys.exit(f"decode_speed: {e}")
+    main()

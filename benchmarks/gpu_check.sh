@@ -25,7 +25,9 @@
 #      against the bf16 peak, beside MarianMTModel on the same GPU
 # Everything lands in $GPU_CHECK_OUT (default gpu-check/; smoke: a temporary directory): the logs,
 # decode.json and train-*.json (each benchmark's last line); GPU_CHECK_RESULTS=DIR also copies those
-# (not the data and model) there when the script ends, whether it passed or failed.
+# (not the data and model) there when the script ends, whether it passed, failed or was stopped by
+# SIGTERM (under a time limit: `timeout -s TERM`, not SIGKILL, which no script outlives).  Relative
+# paths in these variables and --fetch-wheels are the checkout's: the script runs from its root.
 #
 # TORCH_SPEC (default "torch==2.13.0") is what pip installs for torch: on the GPU machine it must be
 # a CUDA build, e.g.
@@ -40,10 +42,11 @@ case "${1:-}" in
   --fetch-wheels)
     [[ -n ${2:-} ]] || { echo "gpu_check: error: --fetch-wheels needs a directory" >&2; exit 2; }
     # ctranslate2 alone: the GPU machines' image has torch, transformers and s2s's other needs
-    # (numpy, pyyaml and setuptools, ctranslate2's own, among them)
+    # (numpy and pyyaml, ctranslate2's own, among them); 4.8.5 is the one whose cuBLAS calls were
+    # checked against CUDA 13's (benchmarks/decode_speed.py, ct2_cuda_environ)
     exec "${GPU_CHECK_PYTHON:-python3}" -m pip download --quiet --no-deps --only-binary=:all: --implementation cp \
       --python-version "${GPU_CHECK_WHEELS_PYTHON:-3.12}" --platform manylinux_2_27_x86_64 \
-      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$2" "${CT2_SPEC:-ctranslate2}" ;;
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$2" "${CT2_SPEC:-ctranslate2==4.8.5}" ;;
   "") ;;
   *) echo "gpu_check: error: unknown argument '$1' (--cpu-smoke or --fetch-wheels DIR)" >&2; exit 2 ;;
 esac
@@ -74,12 +77,20 @@ failed() { echo "gpu_check: error: $*" >&2; FAILED+=("$*"); }
 
 # 1. environment ---------------------------------------------------------------------------------
 step "environment"
+if [[ -n ${GPU_CHECK_WHEELS:-} && -z ${GPU_CHECK_PYTHON:-} ]]; then
+  echo "gpu_check: error: GPU_CHECK_WHEELS is for an interpreter as it is: set GPU_CHECK_PYTHON too" >&2; exit 2
+fi
 if [[ -n ${GPU_CHECK_PYTHON:-} ]]; then
   PY=$GPU_CHECK_PYTHON
   if [[ -n ${GPU_CHECK_WHEELS:-} ]]; then
     compgen -G "$GPU_CHECK_WHEELS/*.whl" > /dev/null \
       || { echo "gpu_check: error: GPU_CHECK_WHEELS=$GPU_CHECK_WHEELS holds no .whl file" >&2; exit 2; }
-    "$PY" -m pip install --quiet --no-index --no-deps --no-compile --target "$OUT/site" "$GPU_CHECK_WHEELS"/*.whl
+    if "$PY" -m pip --version > /dev/null 2>&1; then
+      "$PY" -m pip install --quiet --no-index --no-deps --no-compile --upgrade --target "$OUT/site" \
+        "$GPU_CHECK_WHEELS"/*.whl
+    else  # an interpreter without pip: a wheel is a zip laid out as site-packages
+      for whl in "$GPU_CHECK_WHEELS"/*.whl; do "$PY" -m zipfile -e "$whl" "$OUT/site"; done
+    fi
     export PYTHONPATH=$OUT/site${PYTHONPATH:+:$PYTHONPATH}
   fi
 else
@@ -91,7 +102,8 @@ else
   PY=$VENV/bin/python
 fi
 export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
-"$PY" - "$DEVICE" <<'EOF'
+TESTS_RUN=1
+"$PY" - "$DEVICE" <<'EOF' || { rc=$?; (( rc == 3 )) || exit "$rc"; TESTS_RUN=0; failed "no tests: pytest or hypothesis missing"; }
 import sys, torch
 device = sys.argv[1]
 if device == "cuda" and not torch.cuda.is_available():
@@ -99,20 +111,27 @@ if device == "cuda" and not torch.cuda.is_available():
              "set TORCH_SPEC to a CUDA build or run with --cpu-smoke")
 print(f"torch {torch.__version__}, device {torch.cuda.get_device_name(0) if device == 'cuda' else 'cpu'}")
 import importlib
-needs = ("numpy", "sentencepiece", "sacrebleu", "typer", "rich", "yaml", "safetensors", "pytest", "hypothesis")
-missing = []
-for name in needs:
-    try:
-        importlib.import_module(name)
-    except ImportError:
-        missing.append(name)
-if missing:  # s2s's needs a bare interpreter (GPU_CHECK_PYTHON) lacks: carry them in GPU_CHECK_WHEELS
-    sys.exit(f"gpu_check: error: {sys.executable} cannot import {', '.join(missing)}")
+def missing(names):
+    out = []
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            out.append(name)
+    return out
+# s2s's needs that an interpreter as it is (GPU_CHECK_PYTHON) may lack: carry them in GPU_CHECK_WHEELS
+lacks = missing(("numpy", "sentencepiece", "sacrebleu", "typer", "rich", "yaml", "safetensors"))
+if lacks:
+    sys.exit(f"gpu_check: error: {sys.executable} cannot import {', '.join(lacks)}")
+lacks_for_tests = missing(("pytest", "hypothesis"))
 try:
     import ctranslate2
     print(f"ctranslate2 {ctranslate2.__version__} ({ctranslate2.__file__})")
 except ImportError:
     print("ctranslate2 is not installed: no CTranslate2 rows")
+if lacks_for_tests:  # the other steps can still run
+    print(f"gpu_check: error: {sys.executable} cannot import {', '.join(lacks_for_tests)}", file=sys.stderr)
+    sys.exit(3)
 EOF
 
 # 2. tests on the device ---------------------------------------------------------------------------
@@ -123,12 +142,14 @@ else
   TESTS=${GPU_CHECK_TESTS:-tests/test_model.py tests/test_search.py tests/test_workers.py}
 fi
 step "tests with S2S_TEST_DEVICE=$DEVICE: $TESTS"
-# shellcheck disable=SC2086  # TESTS is a list of pytest arguments
-if ! S2S_TEST_DEVICE=$DEVICE "$PY" -m pytest -q -p no:cacheprovider $TESTS > "$OUT/tests.log" 2>&1; then
-  grep -E "^(FAILED|ERROR) " "$OUT/tests.log" || true
-  failed "tests failed ($OUT/tests.log)"
+if [[ $TESTS_RUN == 1 ]]; then
+  # shellcheck disable=SC2086  # TESTS is a list of pytest arguments
+  if ! S2S_TEST_DEVICE=$DEVICE "$PY" -m pytest -q -p no:cacheprovider $TESTS > "$OUT/tests.log" 2>&1; then
+    grep -E "^(FAILED|ERROR) " "$OUT/tests.log" || true
+    failed "tests failed ($OUT/tests.log)"
+  fi
+  tail -n 1 "$OUT/tests.log"
 fi
-tail -n 1 "$OUT/tests.log"
 
 # 3. a model to decode with ------------------------------------------------------------------------
 if [[ $SMOKE == 1 ]]; then
@@ -178,18 +199,21 @@ fi
 if [[ $SMOKE == 1 ]]; then
   DECODE=(--sentences 20 --rounds 1 --cores 1 --batch 8 --engines s2s,ct2 --memory-lines 60)
 else
-  DECODE=(--sentences 1000 --rounds 1 --batch 64 --memory-lines 0)
+  DECODE=(--sentences 1000 --rounds 1 --batch 64 --memory-lines 0 --process-timeout 240)
 fi
 step "decoding: benchmarks/decode_speed.py --device $DEVICE ${DECODE[*]}"
-if [[ ! -f $MODEL/config.yaml ]]; then
-  failed "decoding not run: no model in $MODEL"
-elif "$PY" benchmarks/decode_speed.py --model "$MODEL" --device "$DEVICE" "${DECODE[@]}" > "$OUT/decode.log" \
-    2> "$OUT/decode-stderr.log"; then
-  grep -v '^{' "$OUT/decode.log"
-  tail -n 1 "$OUT/decode.log" > "$OUT/decode.json"
+if [[ ! -f $MODEL/model.safetensors ]]; then
+  failed "decoding not run: no trained model in $MODEL"
 else
-  tail -n 20 "$OUT/decode-stderr.log" >&2
-  failed "decode_speed.py failed ($OUT/decode-stderr.log)"
+  # its table and JSON line even where an s2s configuration failed (it exits non-zero after them)
+  "$PY" benchmarks/decode_speed.py --model "$MODEL" --device "$DEVICE" "${DECODE[@]}" > "$OUT/decode.log" \
+    2> "$OUT/decode-stderr.log" && decoded=1 || decoded=0
+  grep -v '^{' "$OUT/decode.log" || true
+  if tail -n 1 "$OUT/decode.log" | grep -q '^{'; then tail -n 1 "$OUT/decode.log" > "$OUT/decode.json"; fi
+  if [[ $decoded == 0 ]]; then
+    tail -n 20 "$OUT/decode-stderr.log" >&2
+    failed "decode_speed.py failed ($OUT/decode-stderr.log)"
+  fi
 fi
 
 # 5. training speed against MarianMTModel ----------------------------------------------------------

@@ -162,7 +162,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     torch.set_rng_state(rng)
     n_cuda = sum(1 for k in tensors if k.startswith("rng.cuda."))
     cuda = [tensors[f"rng.cuda.{i}"] for i in range(n_cuda)]
-    if cuda and torch.cuda.is_available():  # as many GPUs' as this machine has (resumed on fewer)
+    if cuda and torch.cuda.is_available() and on_cuda(model):  # as many GPUs' as this machine has
         torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
     return train_state
 

@@ -15,6 +15,19 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "ddtp-en-de"
 
 
+def load_benchmark(name: str, monkeypatch):
+    """benchmarks/NAME.py as a module (registered in sys.modules while the test runs: its
+    dataclasses look their module up)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _head(path: Path, n: int) -> str:
     with gzip.open(path, "rt", encoding="utf-8") as f:
         return "".join(line for _, line in zip(range(n), f))

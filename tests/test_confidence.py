@@ -220,14 +220,11 @@ def test_jsonl_keeps_utf8_and_rows_keep_their_fields():
     assert format_translation(t, OutputFormat(nbest=True, scores=True)) == "2 ||| é 🙂 ||| -1.5000\t-0.5000\n"
 
 
-def test_benchmark_ranks_spearman_and_tenths():
+def test_benchmark_ranks_spearman_and_tenths(monkeypatch):
     """benchmarks/confidence.py's statistics, from their formulas."""
-    import importlib.util
+    from tests.conftest import load_benchmark
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "confidence.py"
-    spec = importlib.util.spec_from_file_location("confidence_benchmark", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("confidence", monkeypatch)
     assert bench.ranks([3.0, 1.0, 3.0, 2.0]) == [3.5, 1.0, 3.5, 2.0]  # the tie shares ranks 3 and 4
     x = [0.1, 0.5, 0.2, 0.9, 0.4]
     assert bench.spearman(x, [v ** 3 for v in x]) == pytest.approx(1.0)  # any increasing map: 1
