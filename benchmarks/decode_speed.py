@@ -48,10 +48,10 @@ is reported (goal <= 1.5: translation streams).
 s2s's modules are compiled to bytecode first, as ``pip install`` leaves an installed package
 (run from a source tree with PYTHONDONTWRITEBYTECODE set, each s2s process would compile them).
 
-A configuration whose process fails runs no more rounds and its row says why ("failed": the
-error's last line); the run goes on, and exits non-zero at the end if an s2s configuration failed.
-On a GPU, CTranslate2 is first tried on one sentence (:func:`ct2_cuda_environ`: with a CUDA 13
-cuBLAS standing in for the CUDA 12 one its wheels open, where that is what it lacks).
+A configuration whose process fails runs no more rounds and its row says why ("failed": how it
+ended and its error's last line); the run goes on, and exits non-zero at the end if an s2s configuration failed.
+On a GPU, CTranslate2 first translates 8 sentences there and on the CPU (:func:`ct2_cuda_environ`:
+with a CUDA 13 cuBLAS standing in for the CUDA 12 one its wheels open, where that is what it lacks).
 
 Not a timed test: the machines are shared and noisy; only ratios within one
 run mean something.  Prints one table per model and, last, one JSON line: the
@@ -389,7 +389,12 @@ def descendants_peak_rss_mib(root: int) -> float:
 
 
 class RunFailed(Exception):
-    """A configuration's process failed: its row says so, and the other configurations run on."""
+    """A configuration's process failed: its row says so (``summary``: how it ended, and its
+    stderr's last line), and the other configurations run on; ``detail``: the command and more."""
+
+    def __init__(self, summary: str, detail: str):
+        super().__init__(summary)
+        self.summary, self.detail = summary, detail
 
 
 def exit_text(returncode: int) -> str:
@@ -434,7 +439,7 @@ def run(cmd: list[str], env: dict | None = None, timeout: float | None = None) -
             shown = " ".join(cmd[:2] + ["SCRIPT"] + cmd[3:] if cmd[1:2] == ["-c"] else cmd)
             end = f"timed out after {timeout:g} s" if late.is_set() else exit_text(proc.returncode)
             tail = err.read().decode(errors="replace").strip().splitlines()[-20:]
-            raise RunFailed("\n".join([f"`{shown}`: {end}", *tail]))
+            raise RunFailed(": ".join([end, *tail[-1:]]), "\n".join([f"`{shown}`: {end}", *tail]))
         out.seek(0)
         return seconds, max(usage.ru_maxrss / 1024, sampled[0]), out.read().decode()
 
@@ -574,8 +579,8 @@ def bench_model(model: Path, args, work: Path, src: Path, refs: list[str], n: in
                     seconds, rss, steady = run_config(c, model, src, hyp, beam, cap, args, work, flags, hf_site_dir,
                                                       ct2_env)
                 except RunFailed as e:
-                    c.failed = str(e)
-                    print(f"decode_speed: {c.name} {search}: {e}", file=sys.stderr)
+                    c.failed = e.summary
+                    print(f"decode_speed: {c.name} {search}: {e.detail}", file=sys.stderr)
                     continue
                 c.whole_sent_s.append(n / seconds)
                 c.steady_sent_s.append(n / steady)
@@ -584,8 +589,7 @@ def bench_model(model: Path, args, work: Path, src: Path, refs: list[str], n: in
                     c.bleu = sacrebleu.corpus_bleu(hyp.read_text(encoding="utf-8").splitlines(), [refs]).score
         for c in configs:
             if c.failed:
-                result["rows"].append({"config": c.name, "engine": c.engine, "search": search,
-                                       "failed": c.failed.strip().splitlines()[-1]})
+                result["rows"].append({"config": c.name, "engine": c.engine, "search": search, "failed": c.failed})
                 continue
             result["rows"].append({"config": c.name, "engine": c.engine, "search": search,
                                    "whole_sent_s": summary(c.whole_sent_s), "steady_sent_s": summary(c.steady_sent_s),
@@ -686,8 +690,8 @@ def main() -> None:
         try:
             memory = memory_check(args.model[0], args, work, src) if args.memory_lines else {}
         except RunFailed as e:
-            print(f"decode_speed: memory check: {e}", file=sys.stderr)
-            memory = {"memory_failed": str(e).splitlines()[-1]}
+            print(f"decode_speed: memory check: {e.detail}", file=sys.stderr)
+            memory = {"memory_failed": e.summary}
 
     where = cpu_name() if args.device == "cpu" else torch.cuda.get_device_name(0)
     if args.isa != "native":

@@ -112,7 +112,31 @@ def test_ct2_on_cuda_without_the_library_or_another_failure_says_why(bench, tmp_
 def test_a_process_that_crashes_or_hangs_is_run_failed(bench):
     with pytest.raises(bench.RunFailed) as e:
         bench.run([sys.executable, "-c", "import os, sys; print('half', file=sys.stderr, flush=True); os.abort()"])
-    assert str(e.value).splitlines() == [f"`{sys.executable} -c SCRIPT`: killed by SIGABRT", "half"]
-    with pytest.raises(bench.RunFailed, match=r"`sleep 30`: timed out after 0.5 s"):
+    assert e.value.summary == "killed by SIGABRT: half"
+    assert e.value.detail.splitlines() == [f"`{sys.executable} -c SCRIPT`: killed by SIGABRT", "half"]
+    with pytest.raises(bench.RunFailed) as e:
         bench.run(["sleep", "30"], timeout=0.5)
+    assert (e.value.summary, e.value.detail) == ("timed out after 0.5 s", "`sleep 30`: timed out after 0.5 s")
     assert bench.run([sys.executable, "-c", "print('out')"], timeout=30)[2] == "out\n"
+
+
+def test_a_failing_s2s_configuration_is_a_row_and_fails_the_run(prepared, tmp_path):
+    """A model whose weights cannot be read: every s2s row says how its process ended, the table
+    and the JSON line are still printed, and the run's exit status is non-zero."""
+    import json
+
+    from tests.conftest import untrained_model_dir
+
+    model = untrained_model_dir(prepared, tmp_path / "model")
+    (model / "model.safetensors").write_bytes(b"not safetensors")
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / "decode_speed.py"),
+                           "--model", str(model), "--engines", "s2s", "--configs", "s2s_fp32_1x1", "--cores", "1",
+                           "--sentences", "4", "--rounds", "1", "--memory-lines", "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (f"decode_speed: s2s failed in {model}: s2s_fp32_1x1 beam5, "
+                                                    f"{model}: s2s_fp32_1x1 greedy")
+    rows = json.loads(done.stdout.strip().splitlines()[-1])["models"][0]["rows"]
+    assert [(r["config"], r["search"]) for r in rows] == [("s2s_fp32_1x1", "beam5"), ("s2s_fp32_1x1", "greedy")]
+    assert all(r["failed"].startswith("exit status 1: ") and "model.safetensors" in r["failed"] for r in rows)
+    assert f"s2s_fp32_1x1       beam5   failed: {rows[0]['failed']}" in done.stdout
