@@ -210,10 +210,13 @@ def _encoding_pool(workers: int, directory: Path, cfg: ExperimentConfig) -> mult
     """``workers`` encoding processes.  They are forked with SIGTERM and SIGHUP blocked, so that
     neither can reach a worker before :func:`_init_worker` has put back the default action (the
     CLI's handler, inherited through fork, would keep a worker alive that Pool.terminate() stops
-    with SIGTERM: a hang); a signal sent meanwhile waits, pending, and is not lost."""
+    with SIGTERM: a hang); a signal sent meanwhile waits, pending, and is not lost.  A process
+    that has used CUDA (a library user's, a GPU test session) is not forked, since CUDA's threads
+    and locks do not survive a fork: its workers start from a forkserver."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     try:
-        return multiprocessing.Pool(workers, _init_worker, (directory, cfg))
+        start = "forkserver" if torch.cuda.is_initialized() else None  # None: the platform's default
+        return multiprocessing.get_context(start).Pool(workers, _init_worker, (directory, cfg))
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 

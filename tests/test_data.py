@@ -254,3 +254,24 @@ def test_encoding_workers_die_on_sigterm_under_the_cli_handler(prepared):
         with _encoding_pool(2, Path(cfg.data.dir), cfg) as pool:
             assert set(pool.map(_stop_signal_dispositions, range(4))) == {(signal.SIG_DFL, signal.SIG_DFL)}
         assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) & {signal.SIGTERM, signal.SIGHUP} == set()
+
+
+def test_prepare_after_cuda_starts_its_workers_from_a_forkserver(prepared, tmp_path, monkeypatch):
+    """A process that has used CUDA cannot be forked safely: prepare's workers then start from a
+    forkserver, and write what one process writes."""
+    import multiprocessing
+
+    import torch
+
+    corpus = Path(prepared).parent
+    outs = {}
+    starts, real_context = [], multiprocessing.get_context
+    monkeypatch.setattr(multiprocessing, "get_context", lambda how=None: starts.append(how) or real_context(how))
+    for name, cuda in (("one", False), ("forkserver", True)):
+        out = outs[name] = tmp_path / name
+        shutil.copytree(corpus / "prep", out, ignore=shutil.ignore_patterns("*.npy", "*.txt", "meta.json"))
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda cuda=cuda: cuda)
+        prepare(load_config(prepared, [f"data.dir={out}"]), workers=1 if name == "one" else 2)
+    assert starts == ["forkserver"]
+    files = sorted(p.name for p in outs["one"].iterdir() if p.suffix in (".npy", ".txt"))
+    assert files and all((outs["one"] / f).read_bytes() == (outs["forkserver"] / f).read_bytes() for f in files)
