@@ -97,7 +97,8 @@ def decodes_in_workers(argv: list[str], cores: int, gpu_driver: bool) -> bool:
 def searches_without_torch(argv: list[str], flags: Optional[frozenset[str]] = None) -> bool:
     """Whether ``s2s ARGV`` (a translate or summarize) looks like a search the torch-free route
     takes on a CPU with ``flags`` (this one's by default): its ``--precision`` and ``--quantize``
-    give that route products (s2s.native_search.products_for), no word names an option it lacks
+    give that route products (s2s.native_search.products_for), its ``--device`` is the CPU
+    (s2s.native_search.device_why_not), no word names an option it lacks
     (:data:`TORCH_ROUTE_WORDS`, or a second ``-m``), and ``$S2S_NATIVE_SEARCH`` is not 0.  The
     words cannot tell a model or a decode setting the route does not take; its workers' server is
     then asked for when the workers start."""
@@ -107,6 +108,8 @@ def searches_without_torch(argv: list[str], flags: Optional[frozenset[str]] = No
     if os.environ.get(native_search.DISABLE, "1") == "0" or any(a.split("=")[0] in TORCH_ROUTE_WORDS for a in args):
         return False
     if sum(a in ("-m", "--model") or a.startswith("--model=") for a in args) > 1:
+        return False
+    if native_search.device_why_not(option_value(args, "--device") or "auto"):
         return False
     precision = option_value(args, "--precision") or DEFAULT_PRECISION
     return native_search.products_for(precision, option_value(args, "--quantize"), flags)[0] is not None

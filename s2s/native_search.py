@@ -179,17 +179,25 @@ def model_why_not(model, decode, lang) -> Optional[str]:
     return None
 
 
+def device_why_not(device: str) -> Optional[str]:
+    """Why ``--device`` keeps a search off this route, which runs on the CPU alone (auto: where
+    the machine has no GPU driver), or None."""
+    from s2s.workerserver import gpu_driver_present
+
+    if device not in ("cpu", "auto") or (device == "auto" and gpu_driver_present()):
+        return f"--device {device}"
+    return None
+
+
 def spec_why_not(spec, prefixes: bool) -> Optional[str]:
     """Why a TranslatorSpec (s2s.workers) is not decoded here, or None where it may be (the
     model's own settings are :func:`model_why_not`'s)."""
-    from s2s.workerserver import gpu_driver_present
-
     if os.environ.get(DISABLE, "1") == "0" or os.environ.get("S2S_NATIVE_ATTENTION", "1") == "0":
         return f"${DISABLE} or $S2S_NATIVE_ATTENTION is 0"
     if len(spec.models) != 1 or spec.weights is not None:
         return "an ensemble"
-    if spec.device not in ("cpu", "auto") or (spec.device == "auto" and gpu_driver_present()):
-        return f"--device {spec.device}"
+    if device_why_not(spec.device):
+        return device_why_not(spec.device)
     if spec.alignments or prefixes:
         return "alignments or a prefix"
     products, why = products_for(spec.precision, spec.quantize)

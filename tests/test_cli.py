@@ -304,12 +304,13 @@ def test_int8_and_bf16_decoding(model_dir, corpus, monkeypatch):
     monkeypatch.undo()
 
     src = (corpus / "dev.en").read_text().splitlines()[:8]
-    ref = s2s("translate", "-m", model_dir, "--beam", "2", input="\n".join(src) + "\n")
+    ref = s2s("translate", "-m", model_dir, "--device", "cpu", "--beam", "2", input="\n".join(src) + "\n")
     assert ref.returncode == 0, ref.stderr
     # through the CLI on torch's route, the same rule: below the threshold every line is fp32's
     with monkeypatch.context() as env:
         env.setenv("S2S_NATIVE_SEARCH", "0")
-        r = s2s("translate", "-m", model_dir, "--beam", "2", "--quantize", "int8", input="\n".join(src) + "\n")
+        r = s2s("translate", "-m", model_dir, "--device", "cpu", "--beam", "2", "--quantize", "int8",
+                input="\n".join(src) + "\n")
     assert r.returncode == 0 and r.stdout == ref.stdout, r.stderr
     # where the torch-free search runs int8 products (a CPU with AVX2), every matrix in int8:
     # close translations of this degenerate model (4 of the 8 identical when written;
@@ -318,7 +319,7 @@ def test_int8_and_bf16_decoding(model_dir, corpus, monkeypatch):
 
     if (os.environ.get(native_search.DISABLE, "1") != "0" and native_search.library() is not None
             and native_search.has_products(native_search.library(), "int8")):
-        r = s2s("--debug", "translate", "-m", model_dir, "--beam", "2", "--quantize", "int8",
+        r = s2s("--debug", "translate", "-m", model_dir, "--device", "cpu", "--beam", "2", "--quantize", "int8",
                 input="\n".join(src) + "\n")
         assert r.returncode == 0 and "search without torch: int8 products" in r.stderr, r.stderr
         assert len(r.stdout.splitlines()) == len(src)
@@ -329,11 +330,12 @@ def test_int8_and_bf16_decoding(model_dir, corpus, monkeypatch):
     # picks one; that rewrites the rest of the (degenerate, repeating) line, so count lines, not
     # BLEU: 7 of the 8 measured identical, the 8th rewritten after an exact tie; 5 once training's
     # decoder ran on the real target positions (fewer dropout draws: another tiny model)
-    r = s2s("translate", "-m", model_dir, "--beam", "2", "--precision", "bf16", input="\n".join(src) + "\n")
+    r = s2s("translate", "-m", model_dir, "--device", "cpu", "--beam", "2", "--precision", "bf16",
+            input="\n".join(src) + "\n")
     assert r.returncode == 0 and len(r.stdout.splitlines()) == len(src), r.stderr
     identical = sum(a == b for a, b in zip(r.stdout.splitlines(), ref.stdout.splitlines()))
     assert identical >= 5, (identical, r.stdout, ref.stdout)
-    r = s2s("translate", "-m", model_dir, "--quantize", "int4", input="x\n")
+    r = s2s("translate", "-m", model_dir, "--device", "cpu", "--quantize", "int4", input="x\n")
     assert r.returncode == 1 and "--quantize: 'int4' is not int8" in r.stderr
 
 

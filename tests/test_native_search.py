@@ -53,8 +53,10 @@ def route_spec(directory: Path, decode: dict, products: Optional[str] = None, **
 
 
 def route_args(products: Optional[str] = None) -> list[str]:
-    """`s2s translate`'s options for ``products`` (default: ROUTE's)."""
-    return [a for key, value in ARITHMETIC[products or ROUTE].items() for a in (f"--{key}", value)]
+    """`s2s translate`'s options for ``products`` (default: ROUTE's), on the CPU (where a GPU
+    driver is, auto is the GPU and torch's route)."""
+    options = [a for key, value in ARITHMETIC[products or ROUTE].items() for a in (f"--{key}", value)]
+    return options + ["--device", "cpu"]
 REPO = Path(__file__).resolve().parents[1]
 
 # model options the C search implements, each variant a few at once

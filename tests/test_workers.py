@@ -431,14 +431,21 @@ ZEN4 = frozenset({"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx5
     (["translate", "-m", "M", "--precision", "auto", "--sampling"], ZEN4, False),
     (["translate", "-m", "M", "--precision", "auto", "--glossary=g.tsv"], ZEN4, False),
     (["translate", "-m", "A", "-m", "B", "--precision", "auto"], ZEN4, False),  # an ensemble
+    (["translate", "-m", "M", "--precision", "auto", "--device", "cuda"], ZEN4, False),
+    (["translate", "-m", "M", "--precision", "auto", "--device=cpu", "gpu driver"], ZEN4, True),
+    (["translate", "-m", "M", "--precision", "auto", "gpu driver"], ZEN4, False),  # auto: the GPU
 ])
 def test_launch_asks_no_server_for_the_torch_free_search(argv, flags, want, monkeypatch):
     """A translate whose words pick the torch-free search decodes in threads of its own process:
-    s2s.launch starts no workers' server for it; any word naming an option that search lacks, or
-    S2S_NATIVE_SEARCH=0, leaves the guess to decodes_in_workers."""
-    from s2s import native_search
+    s2s.launch starts no workers' server for it; any word naming an option that search lacks, a
+    device other than the CPU, or S2S_NATIVE_SEARCH=0, leaves the guess to decodes_in_workers.
+    ("gpu driver": on a machine with one.)"""
+    from s2s import native_search, workerserver
     from s2s.launch import searches_without_torch
 
+    gpu = "gpu driver" in argv
+    argv = [a for a in argv if a != "gpu driver"]
+    monkeypatch.setattr(workerserver, "gpu_driver_present", lambda: gpu)
     monkeypatch.delenv(native_search.DISABLE, raising=False)
     assert searches_without_torch(argv, flags) is want
     monkeypatch.setenv(native_search.DISABLE, "0")
