@@ -54,14 +54,24 @@ def worker_context():
 def sigint_ignored():
     """SIGINT ignored inside (on the main thread; elsewhere signals are not this thread's to
     set).  A process started inside keeps it ignored, a new interpreter too: a Ctrl-C while
-    it imports torch prints no traceback of its own, the parent alone handles it."""
+    it imports torch prints no traceback of its own, the parent alone handles it.  In this
+    process a Ctrl-C that comes inside is not lost: SIGINT is also blocked meanwhile (a blocked
+    signal is kept pending even while ignored), and reaches the handler put back on the way out.
+    (The mask is this thread's: where the process has other threads, a progress display's say,
+    one of them may still take the signal and drop it.)"""
     main = threading.current_thread() is threading.main_thread()
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    if not main:
+        yield
+        return
+    blocks = hasattr(signal, "pthread_sigmask")
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if blocks else None
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
-        if main:
-            signal.signal(signal.SIGINT, old)
+        signal.signal(signal.SIGINT, old)
+        if blocks:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def start_server() -> None:

@@ -580,3 +580,28 @@ def test_help_score_and_info_import_no_torch(tmp_path, model_dir):
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().endswith("no torch")
+
+
+def test_a_ctrl_c_while_the_workers_server_starts_is_kept_for_after():
+    """Inside sigint_ignored (the forkserver's start), a process started keeps SIGINT ignored;
+    a SIGINT that comes meanwhile is not lost: it raises KeyboardInterrupt once the block ends
+    (it was lost before, and a Ctrl-C then let the whole input be translated).  In a fresh
+    interpreter, one thread, as `s2s translate` starts its workers."""
+    script = """
+import os, signal, subprocess, sys
+from s2s.workerserver import sigint_ignored
+probe = "import signal; print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)"
+try:
+    with sigint_ignored():
+        os.kill(os.getpid(), signal.SIGINT)
+        child = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+        print("child ignores:", child.stdout.strip())
+    print("lost")
+except KeyboardInterrupt:
+    print("KeyboardInterrupt after the block;", signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+          signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.stdout.splitlines() == ["child ignores: True", "KeyboardInterrupt after the block; True False"], \
+        done.stderr
