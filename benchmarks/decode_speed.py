@@ -181,34 +181,33 @@ def ct2_cuda_environ(ct2_model: Path, src: Path, work: Path) -> tuple[dict | Non
     (:func:`cublas_libraries`) opened under that name, and the note says which ran.  The probe
     (:data:`CT2_CUDA_PROBE`) decodes ``src``'s first lines on the GPU and on the CPU: fewer than
     half the outputs alike is a GPU that computes wrongly, and no CTranslate2 rows."""
-    def probe(extra: dict) -> str:
+    def probe(extra: dict) -> tuple[str, str]:
+        """(why it failed, or ""; how many outputs agreed)"""
         cmd = [sys.executable, "-c", CT2_CUDA_PROBE, str(ct2_model), str(src), str(PROBE_LINES)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, check=False, env={**os.environ, **extra},
                                   timeout=PROBE_SECONDS)
         except subprocess.TimeoutExpired:
-            return f"timed out after {PROBE_SECONDS} s"
+            return f"timed out after {PROBE_SECONDS} s", ""
         if done.returncode:
-            return (done.stderr.strip().splitlines() or [exit_text(done.returncode)])[-1]
+            return (done.stderr.strip().splitlines() or [exit_text(done.returncode)])[-1], ""
         agree = json.loads(done.stdout.strip().splitlines()[-1])
         if 2 * agree["same"] < agree["of"]:
-            return f"its GPU outputs unlike its CPU's ({agree['same']} of {agree['of']} alike)"
-        notes.append(f"{agree['same']} of {agree['of']} greedy outputs as on the CPU")
-        return ""
+            return f"its GPU outputs unlike its CPU's ({agree['same']} of {agree['of']} alike)", ""
+        return "", f"{agree['same']} of {agree['of']} greedy outputs as on the CPU"
 
-    notes: list[str] = []
-    why = probe({})
+    why, agreed = probe({})
     if not why:
-        return {}, f"CTranslate2 on the GPU: {notes[-1]}"
+        return {}, f"CTranslate2 on the GPU: {agreed}"
     if CT2_CUBLAS not in why:
         return None, why
     tries = []
     for library in cublas_libraries(cublas_roots()):
         extra = cublas_link_environ(library, work)
-        failure = probe(extra)
+        failure, agreed = probe(extra)
         if not failure:
             return extra, (f"CTranslate2 ran on {library}" + (f" as {CT2_CUBLAS}" if library.name != CT2_CUBLAS else "")
-                           + f"; {notes[-1]}")
+                           + f"; {agreed}")
         tries.append(f"{library}: {failure}")
     return None, why + (f"; in its stead {'; '.join(tries)}" if tries else " (and no cuBLAS found here to stand in)")
 

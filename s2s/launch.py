@@ -79,6 +79,8 @@ def decodes_in_workers(argv: list[str], cores: int, gpu_driver: bool) -> bool:
     (``--device cpu``, or auto where there is no GPU driver).  Not with ``--unbuffered``
     (line by line in one process) or ``--help``.  An input of 200 lines or fewer decodes in
     one process too, which the words cannot tell."""
+    from s2s.workerserver import device_is_cpu
+
     command, args = command_of(argv)
     if command not in DECODE_COMMANDS:
         return False
@@ -91,7 +93,7 @@ def decodes_in_workers(argv: list[str], cores: int, gpu_driver: bool) -> bool:
         return False  # an error the command line will report
     if workers:
         return workers > 1
-    return cores > 1 and (device == "cpu" or (device == "auto" and not gpu_driver))
+    return cores > 1 and device_is_cpu(device, gpu_driver)
 
 
 def searches_without_torch(argv: list[str], flags: Optional[frozenset[str]] = None) -> bool:

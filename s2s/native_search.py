@@ -182,11 +182,9 @@ def model_why_not(model, decode, lang) -> Optional[str]:
 def device_why_not(device: str) -> Optional[str]:
     """Why ``--device`` keeps a search off this route, which runs on the CPU alone (auto: where
     the machine has no GPU driver), or None."""
-    from s2s.workerserver import gpu_driver_present
+    from s2s.workerserver import device_is_cpu, gpu_driver_present
 
-    if device not in ("cpu", "auto") or (device == "auto" and gpu_driver_present()):
-        return f"--device {device}"
-    return None
+    return None if device_is_cpu(device, gpu_driver_present()) else f"--device {device}"
 
 
 def spec_why_not(spec, prefixes: bool) -> Optional[str]:
@@ -196,8 +194,8 @@ def spec_why_not(spec, prefixes: bool) -> Optional[str]:
         return f"${DISABLE} or $S2S_NATIVE_ATTENTION is 0"
     if len(spec.models) != 1 or spec.weights is not None:
         return "an ensemble"
-    if device_why_not(spec.device):
-        return device_why_not(spec.device)
+    if why := device_why_not(spec.device):
+        return why
     if spec.alignments or prefixes:
         return "alignments or a prefix"
     products, why = products_for(spec.precision, spec.quantize)

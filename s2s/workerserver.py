@@ -36,6 +36,12 @@ def gpu_driver_present() -> bool:
     return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd"))
 
 
+def device_is_cpu(device: str, gpu_driver: bool) -> bool:
+    """Whether ``--device DEVICE`` is the CPU, told without torch: cpu, or auto on a machine
+    without a GPU driver (``gpu_driver``: :func:`gpu_driver_present`)."""
+    return device == "cpu" or (device == "auto" and not gpu_driver)
+
+
 def worker_context():
     """How the workers start: forked from a server process that imported torch and the decoder
     once (multiprocessing's forkserver, preloading s2s.workerboot: torch through s2s.leantorch,
