@@ -24,8 +24,8 @@
 #      (6+6, d_model 512, FFN 2048, 8 heads) at 25,000-token batches, s2s bf16 tokens/s and MFU
 #      against the bf16 peak, beside MarianMTModel on the same GPU
 # Everything lands in $GPU_CHECK_OUT (default gpu-check/; smoke: a temporary directory): the logs,
-# decode.json and train-*.json (each benchmark's last line); GPU_CHECK_RESULTS=DIR also copies those
-# (not the data and model) there when the script ends, whether it passed, failed or was stopped by
+# decode.json and train-*.json (each benchmark's last line); GPU_CHECK_RESULTS=DIR (new or empty)
+# also copies those (not the data and model) there when the script ends, whether it passed, failed or was stopped by
 # SIGTERM (under a time limit: `timeout -s TERM`, not SIGKILL, which no script outlives).  Relative
 # paths in these variables and --fetch-wheels are the checkout's: the script runs from its root.
 #
@@ -52,6 +52,15 @@ case "${1:-}" in
 esac
 if [[ $SMOKE == 1 ]]; then DEVICE=cpu; else DEVICE=cuda; fi
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+RESULTS=
+if [[ -n ${GPU_CHECK_RESULTS:-} ]]; then
+  if [[ -d $GPU_CHECK_RESULTS && -n $(ls -A "$GPU_CHECK_RESULTS") ]]; then  # never over a user's files
+    echo "gpu_check: error: GPU_CHECK_RESULTS=$GPU_CHECK_RESULTS is not empty (give a new or empty folder)" >&2
+    exit 2
+  fi
+  mkdir -p "$GPU_CHECK_RESULTS"
+  RESULTS=$(cd "$GPU_CHECK_RESULTS" && pwd)
+fi
 TMP_OUT=
 if [[ $SMOKE == 1 && -z ${GPU_CHECK_OUT:-} ]]; then
   OUT=$(mktemp -d -t s2s-gpu-check-XXXXXX)
@@ -61,11 +70,6 @@ else
   mkdir -p "$OUT"
 fi
 OUT=$(cd "$OUT" && pwd)
-RESULTS=
-if [[ -n ${GPU_CHECK_RESULTS:-} ]]; then
-  mkdir -p "$GPU_CHECK_RESULTS"
-  RESULTS=$(cd "$GPU_CHECK_RESULTS" && pwd)
-fi
 finish() {
   if [[ -n $RESULTS ]]; then cp "$OUT"/*.log "$OUT"/*.json "$RESULTS"/ 2>/dev/null || true; fi
   if [[ -n $TMP_OUT ]]; then rm -rf "$TMP_OUT"; fi
