@@ -36,7 +36,7 @@ training run has met its shapes after its first few dozen updates.  With glibc's
 bf16 trainer's memory still grows for about 150 updates after that, and on a virtual machine
 the first touch of each new page is slow; mimalloc, which the s2s engines start with as
 ``s2s train`` does, keeps it flat.  ``--warmup 100`` (the s2s engines alone: ``--engines
-s2s_fp32,s2s_bf16``) times the steady state (README: on an AMD EPYC Zen 5 with mimalloc, bf16
+s2s_fp32,s2s_bf16``) times the steady state (benchmarks/README.md: on an AMD EPYC Zen 5 with mimalloc, bf16
 2.38x fp32 at the default warmup and 2.56x after 100 updates).
 
 Tokens are source + target tokens, padding excluded.  Model FLOPs utilization

@@ -117,7 +117,7 @@ class LabelSmoothedNLL(torch.autograd.Function):
 # while they are in the cache and the whole (n, V) never is.  The backward pass only scales the
 # saved gradients by g.  2 threads of an AMD EPYC (Zen 5, avx512_bf16): the reference model's
 # head and loss, forward + backward, 125 -> 95 ms (3,968 rows); a whole bf16 update 0.953x and
-# 0.948x (paired, README).  fp32, whose products are 4x slower, was level (1.024x, 1.009x) and
+# 0.948x (paired, benchmarks/README.md).  fp32, whose products are 4x slower, was level (1.024x, 1.009x) and
 # keeps the scores.
 
 CHUNK = 512  # rows of h per product (1,024: a bf16 update 0.966x)

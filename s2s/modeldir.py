@@ -108,7 +108,7 @@ def skipped_init():
     initialiser returns its tensor as it is, for a model whose every parameter is loaded right
     after (the weights of a model directory: :func:`load_weights` refuses a file that misses
     one).  Building the reference model took 0.06-0.09 s with its draws, 0.003 s without
-    (README, the AMX Xeon again); each translate worker builds it before its first line.
+    (benchmarks/README.md, the AMX Xeon again); each translate worker builds it before its first line.
     While a block is open the initialisers are swapped for stand-ins that draw as torch's do
     in every other thread, so a model built elsewhere meanwhile is initialised as always."""
     import torch

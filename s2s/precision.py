@@ -72,7 +72,7 @@ def auto_arithmetic(device: torch.device, flags: Optional[set[str] | frozenset[s
                     ) -> tuple[str, bool, str]:
     """What decoding's ``--precision auto`` picks on ``device``: (precision, int8, why).
 
-    Measured on the CPUs seen (README: decode speed), int8 matrices (fp32 weights with int8
+    Measured on the CPUs seen (benchmarks/README.md: decode speed), int8 matrices (fp32 weights with int8
     copies where a product is large enough, s2s.model.int8) or bf16, whichever decoded faster:
 
         amx_bf16                              bf16 (Intel Xeon with AMX)
@@ -108,7 +108,7 @@ def beam_slot_dtype(device: torch.device, precision: str,
     slots in (s2s.model.cache), where not the model's: bf16 for an fp32 model (int8
     matrices or not) on a CPU with native bf16 products (AVX-512 BF16 or AMX-BF16), else
     None.  The beams' attention products then multiply bf16, 1.5-2.7x faster per call
-    there; the outputs move by bf16's rounding (README, bf16 beam slots: 0.87-0.94 of beam
+    there; the outputs move by bf16's rounding (benchmarks/README.md, bf16 beam slots: 0.87-0.94 of beam
     5's time paired on an AMD EPYC Zen 5, BLEU within 0.1)."""
     if device.type != "cpu" or precision != "fp32" or not native_bf16_cpu(flags):
         return None
@@ -123,7 +123,7 @@ def greedy_kv_dtype(device: torch.device, precision: str,
     (int8 matrices or not) on a CPU with native bf16 products, as for :func:`beam_slot_dtype`;
     else None.  A greedy step reads every row's K/V for its one query: half the bytes,
     widened as the kernel reads them (paired on an Intel Xeon with AMX, int8 matrices, one
-    thread, 1,000 lines: 0.90-0.94 of greedy's time, BLEU within 0.1; README, the AMX Xeon
+    thread, 1,000 lines: 0.90-0.94 of greedy's time, BLEU within 0.1; benchmarks/README.md, the AMX Xeon
     again; through torch's bf16 products instead, 1.58x the time on a Zen 5).  Not for a beam
     search: its beams share each sentence's K/V, and widening them cost more than the bytes
     saved (1.01-1.02 of beam 5's time)."""

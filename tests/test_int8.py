@@ -183,7 +183,7 @@ def test_quantizing_draws_nothing_from_torchs_generator():
 
 def test_auto_arithmetic_adds_int8_on_avx2_without_amx():
     """fp32 weights with int8 matrices on every CPU with AVX2 but not AMX: AVX2 alone (Zen 2) and
-    AVX-512 with VNNI but without bf16 (a Zen 4 capped to Cascade Lake's instructions), README's
+    AVX-512 with VNNI but without bf16 (a Zen 4 capped to Cascade Lake's instructions), benchmarks/README.md's
     figures; AVX-512 without VNNI (Skylake-SP) keeps fp32, int8 unmeasured there."""
     from s2s.precision import auto_arithmetic
 

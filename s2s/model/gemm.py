@@ -20,7 +20,7 @@ OpenBLAS's threads and torch's OpenMP threads (which spin between operators) too
 two cores from each other: 1,987 tokens/s against torch's 3,281.  fp32 only: bf16 (numpy
 has no bf16), a GPU, autocast and torch.compile keep torch's matmul (the trainer warns when
 ``openblas`` was asked for and cannot apply).  Decoding keeps
-torch's: its matrices are a few rows, where numpy's per-call cost ate the gain (README).
+torch's: its matrices are a few rows, where numpy's per-call cost ate the gain (benchmarks/README.md).
 """
 
 from __future__ import annotations

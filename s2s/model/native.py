@@ -9,7 +9,7 @@ caches once a batch's sources are long) at a fraction of the memory's speed.
 prefetched while one is read, with K/V in fp32 or in bf16 (a beam search's self-attention
 slots on a CPU with native bf16: widened as they are read, half the bytes).  Measured on 2
 cores of an AMD EPYC (Zen 5), one thread, 64 rows x 4 heads x 64 dims, fp32 K/V out of the
-caches as in a step (microseconds, two runs; README, few-query attention in C):
+caches as in a step (microseconds, two runs; benchmarks/README.md, few-query attention in C):
 
     keys   queries    two bmm       C
       30      1       461-600    244-351

@@ -24,7 +24,7 @@
  * s_W and c precede it.  A block of ROWS rows x 16 columns (8 rows with AVX-512's 32 registers, 4
  * with AVX2's 16) keeps its sums in registers for the whole depth, W's columns in chunks of
  * CHUNK_BYTES multiplied by every block of rows while they are in the core's second cache.
- * (README, one core of an AMD EPYC Zen 4, x's quantization and the store included, W rotated past
+ * (benchmarks/README.md, one core of an AMD EPYC Zen 4, x's quantization and the store included, W rotated past
  * the caches, benchmarks/native_kernels.py --products: from 64 rows up 79-97 GMAC/s built for AVX2
  * alone, 130-180 with vpdpbusd on 8 rows; vdpbf16ps 90-104.)
  */

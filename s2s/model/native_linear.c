@@ -24,7 +24,7 @@
  * kernel this library and this process run.  (A third kernel, for any other CPU, widened each
  * bf16 pair to two fp32 on vectors of 8 floats: 30 GMAC/s on AVX2's registers of a Zen 4, and the
  * torch-free search on it ran at 0.45-0.50x CTranslate2 int8 on the same instructions, so it was
- * not kept: those CPUs take int8 products, native_int8.c.  README.)  (On the AMX Xeon the torch
+ * not kept: those CPUs take int8 products, native_int8.c.  benchmarks/README.md.)  (On the AMX Xeon the torch
  * route's products measured this kernel as fast as oneDNN's greedy and 4% slower at beam 5: that
  * route keeps oneDNN without AMX, s2s.model.gemm.)
  */
