@@ -226,7 +226,7 @@ lines = open(src, encoding="utf-8").read().splitlines()
 out = io.StringIO()
 from s2s.native_search import engine_for
 from s2s.workers import CHUNK_LINES
-engine = engine_for(spec, False)  # a plain search the torch-free route takes: `s2s translate`'s route
+engine = engine_for(spec)  # a plain search the torch-free route takes: `s2s translate`'s route
 if engine is not None:
     def write(text, n_lines, n_tokens):
         out.write(text)

@@ -51,7 +51,7 @@ decode = {"beam": beam, "batch_size": batch, "batch_tokens": 1_000_000, "length_
           "stop": "early", "max_len_a": 0.0, "max_len_b": cap}
 arithmetic = {"precision": "fp32", "quantize": "int8"} if kernel == 0 else {"precision": "bf16"}
 spec = TranslatorSpec(models=(model,), overrides=decode, device="cpu", **arithmetic)
-engine = native_search.engine_for(spec, False)
+engine = native_search.engine_for(spec)
 if engine is None or (kernel and native_search.library().s2s_bf16_linear_use(kernel) != kernel):
     print(json.dumps({"skip": True}))
     sys.exit(0)

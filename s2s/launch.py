@@ -8,7 +8,7 @@ words alone; it decides only when the server is asked for, never what runs: a se
 used is killed, and one not asked for early is asked for when the workers start.  A command
 whose words pick the torch-free search (:func:`searches_without_torch`) decodes in threads of
 this process, and asks for no server: starting one and importing torch there cost that route
-0.05-0.09 s of a 2-core machine's start (README).
+0.05-0.09 s of a 2-core machine's start (benchmarks/README.md).
 
 A ``train`` or ``pretrain`` first starts itself again, at once, with the allocator that suits
 training (:func:`s2s.allocator.training_environ`: mimalloc, or glibc's malloc in huge pages),
@@ -26,8 +26,8 @@ DECODE_COMMANDS = ("translate", "summarize")
 TRAIN_COMMANDS = ("train", "pretrain")
 GLOBAL_FLAGS = ("--debug", "--quiet", "-q")  # the options s2s takes before its command
 DEFAULT_PRECISION = "fp32"  # translate's and summarize's --precision (s2s.cli)
-TORCH_ROUTE_WORDS = ("--sampling", "--alignments", "--compile", "--prefix-file", "--glossary", "--split-sentences",
-                     "--markup", "--coverage-penalty", "--ensemble-weights")  # options the torch-free search lacks
+TORCH_ROUTE_WORDS = ("--sampling", "--alignments", "--compile", "--glossary", "--split-sentences", "--markup",
+                     "--coverage-penalty", "--ensemble-weights")  # options the torch-free search lacks
 
 
 def option_value(args: list[str], name: str) -> Optional[str]:

@@ -3,7 +3,7 @@ bf16 products (AMX, or AVX512-BF16 without it), or with int8 products on AVX2 (V
 
 On a 2-core Intel Xeon with AMX, a greedy ``s2s translate`` of 1,000 lines spent 0.85 s
 importing torch (in the workers' server) before its first line, and 0.6 s decoding them
-(README). This module decodes the same model without torch: ``native_search.c`` (with
+(benchmarks/README.md). This module decodes the same model without torch: ``native_search.c`` (with
 ``native_attention.c`` and ``native_linear.c``, the kernels the torch route calls as operators)
 runs a whole batch's encoder and greedy or beam search in one C call, its products on AMX (or
 AVX512-BF16's vdpbf16ps on a CPU without AMX, as AMD's Zen 4 and 5) with each W packed once,
@@ -103,12 +103,13 @@ def library() -> Optional[ctypes.CDLL]:
         log.debug("native search unavailable (%s)", e)
         return None
     lib.s2s_greedy.restype = ctypes.c_int
+    prefix = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]  # (prefix, its stride, prefix_len)
     lib.s2s_greedy.argtypes = [ctypes.POINTER(Model), ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
-                               ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
-                               ctypes.c_void_p]
+                               ctypes.c_void_p, ctypes.c_long, *prefix, ctypes.c_void_p, ctypes.c_long,
+                               ctypes.c_void_p, ctypes.c_void_p]
     lib.s2s_beam.restype = ctypes.c_int
     lib.s2s_beam.argtypes = [ctypes.POINTER(Model), ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
-                             ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_double,
+                             ctypes.c_void_p, ctypes.c_long, *prefix, ctypes.c_long, ctypes.c_long, ctypes.c_double,
                              ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
                              ctypes.c_void_p, ctypes.c_void_p]
     lib.s2s_pack_f32.restype = ctypes.c_int
@@ -174,8 +175,6 @@ def model_why_not(model, decode, lang) -> Optional[str]:
     for key in ("no_repeat_ngram", "compile", "glossary", "split_sentences", "markup"):
         if getattr(decode, key):
             return f"decode.{key}"
-    if lang.tgt_first:
-        return "a target-language token to force"
     return None
 
 
@@ -187,7 +186,7 @@ def device_why_not(device: str) -> Optional[str]:
     return None if device_is_cpu(device, gpu_driver_present()) else f"--device {device}"
 
 
-def spec_why_not(spec, prefixes: bool) -> Optional[str]:
+def spec_why_not(spec) -> Optional[str]:
     """Why a TranslatorSpec (s2s.workers) is not decoded here, or None where it may be (the
     model's own settings are :func:`model_why_not`'s)."""
     if os.environ.get(DISABLE, "1") == "0" or os.environ.get("S2S_NATIVE_ATTENTION", "1") == "0":
@@ -196,8 +195,8 @@ def spec_why_not(spec, prefixes: bool) -> Optional[str]:
         return "an ensemble"
     if why := device_why_not(spec.device):
         return why
-    if spec.alignments or prefixes:
-        return "alignments or a prefix"
+    if spec.alignments:
+        return "alignments"
     products, why = products_for(spec.precision, spec.quantize)
     return why if products is None else None
 
@@ -206,7 +205,7 @@ def products_for(precision: str, quantize: Optional[str],
                  flags: Optional[frozenset[str]] = None) -> tuple[Optional[str], str]:
     """The products this route runs for ``--precision`` and ``--quantize`` on a CPU with ``flags``
     (this one's by default), and why: ("bf16" or "int8", why), or (None, why not).  For auto, the
-    faster as measured (README): bf16 on AMX's tiles (amx_bf16), else int8 on any CPU with AVX2
+    faster as measured (benchmarks/README.md): bf16 on AMX's tiles (amx_bf16), else int8 on any CPU with AVX2
     (with VNNI's vpdpbusd 1.17-1.31x bf16's vdpbf16ps on AMD's Zen 4; 3.1-4.2x torch's fp32 on a
     Zen 4 capped to Cascade Lake's instructions, 2.3-3.1x capped to Skylake-SP's; 1.5-2.1x
     CTranslate2 int8 capped to AVX2).  bf16
@@ -341,15 +340,17 @@ class SearchModel:
             enc_final_norm=norm("enc_final_norm"), dec_final_norm=norm("dec_final_norm"), output=output,
             enc=self.enc_layers, dec=self.dec_layers)
 
-    def search(self, sources: Sequence[Sequence[int]], max_len: Sequence[int], decode,
-               log_p: bool = False) -> list[list[tuple[list[int], float, float]]]:
+    def search(self, sources: Sequence[Sequence[int]], max_len: Sequence[int], decode, log_p: bool = False,
+               prefixes: Optional[Sequence[Sequence[int]]] = None) -> list[list[tuple[list[int], float, float]]]:
         """The best outputs of each of a batch of sources (each ending in </s>) by greedy search
         (``decode.beam`` 1) or beam search (DecodeConfig; its ``nbest`` best, best first, as
         many as it finished); ``max_len`` each output's longest, </s> included -> each source's
         hypotheses: tokens (</s> not included), score, log p / lp(m) (NaN for a greedy search,
         which ranks by nothing), and log p, </s> included (a greedy search sums it only with
         ``log_p``: NaN without).  A sentence's outputs do not depend on the others in its batch:
-        every row's arithmetic is its own (a shortlist's batch aside: its union is the batch's)."""
+        every row's arithmetic is its own (a shortlist's batch aside: its union is the batch's).
+        ``prefixes``: each output's forced first tokens (target ids; s2s.search.forced_tokens),
+        at the model's log p, each shorter than its ``max_len``."""
         B = len(sources)
         S, T = max(len(s) for s in sources), max(max_len)
         padded = [self.pad_id] * (B * S)
@@ -360,15 +361,17 @@ class SearchModel:
         longest = (ctypes.c_long * B)(*max_len)
         n = decode.nbest if decode.beam > 1 else 1
         out, out_len = (ctypes.c_int32 * (B * n * T))(), (ctypes.c_long * (B * n))()
-        model, ids = (ctypes.byref(self.model), None) if self.shortlist is None else self._shortlisted(src)
+        forced = sorted({v for p in prefixes for v in p}) if prefixes else []
+        model, ids = (ctypes.byref(self.model), None) if self.shortlist is None else self._shortlisted(src, forced)
+        prefix = (None, 0, None) if not forced else self._prefix(prefixes, ids)
         score, logp = ((ctypes.c_float * (B * n))(*[math.nan] * (B * n)) for _ in range(2))
         if decode.beam == 1:
-            rc = self.lib.s2s_greedy(model, B, src, S, src_len, longest, decode.min_len, out, T, out_len,
+            rc = self.lib.s2s_greedy(model, B, src, S, src_len, longest, decode.min_len, *prefix, out, T, out_len,
                                      logp if log_p else None)
         else:
-            rc = self.lib.s2s_beam(model, B, src, S, src_len, longest, decode.min_len, decode.beam, n, decode.alpha,
-                                   LENGTH_PENALTIES[decode.length_penalty], decode.stop == "exact", out, T, out_len,
-                                   score, logp)
+            rc = self.lib.s2s_beam(model, B, src, S, src_len, longest, decode.min_len, *prefix, decode.beam, n,
+                                   decode.alpha, LENGTH_PENALTIES[decode.length_penalty], decode.stop == "exact", out,
+                                   T, out_len, score, logp)
         if rc:
             raise S2SError(f"the native search failed: {ERRORS.get(rc, f'error {rc}')}")
         found: list[list[tuple[list[int], float, float]]] = []
@@ -387,15 +390,27 @@ class SearchModel:
             return (ctypes.c_uint8 * self.lib.s2s_i8_packed_bytes(N, K))()
         return (ctypes.c_uint16 * (-(-N // 16) * (K // 32) * 512))()
 
-    def _shortlisted(self, src) -> tuple[Any, Any]:
+    def _prefix(self, prefixes: Sequence[Sequence[int]], ids: Any) -> tuple[Any, int, Any]:
+        """The forced prefixes as s2s_greedy and s2s_beam take them: (B, P) token ids (with a
+        shortlist, positions among its ``ids``), -1 padded, P, each one's length."""
+        P = max(len(p) for p in prefixes)
+        position = None if ids is None else {v: i for i, v in enumerate(ids)}
+        flat = [-1] * (len(prefixes) * P)
+        for b, p in enumerate(prefixes):
+            flat[b * P:b * P + len(p)] = p if position is None else [position[v] for v in p]
+        return (ctypes.c_int32 * len(flat))(*flat), P, (ctypes.c_long * len(prefixes))(*map(len, prefixes))
+
+    def _shortlisted(self, src, forced: Sequence[int] = ()) -> tuple[Any, Any]:
         """The model of a batch of source ids ``src`` (padding included: the pad's list is the
         frequent pieces', as in torch's route) whose outputs are its shortlist's ids (s2s.shortlist:
-        the union of its source pieces' lists, the frequent pieces and the special ids), W_U's
-        rows for them packed: (a reference to that model, the ids ascending)."""
+        the union of its source pieces' lists, the frequent pieces, the special ids and the ids of
+        ``forced`` prefixes), W_U's rows for them packed: (a reference to that model, the ids
+        ascending)."""
         top, k, frequent, F = self.shortlist
         V, d, lib = self.vocab, self.model.d, self.lib
         mark, ids = (ctypes.c_ubyte * V)(), (ctypes.c_int32 * V)()
-        n = lib.s2s_shortlist_subset(top, k, src, len(src), frequent, F, self.always, len(self.always), V, mark, ids)
+        always = (ctypes.c_int32 * (len(self.always) + len(forced)))(*self.always, *forced)
+        n = lib.s2s_shortlist_subset(top, k, src, len(src), frequent, F, always, len(always), V, mark, ids)
         b = (ctypes.c_uint16 * n)() if self.b_u16 is not None else None
         P = self._packed(n, d)
         if self.int8:
@@ -409,7 +424,7 @@ class SearchModel:
                                                                           self.always[3]))
         model.output = Linear(ctypes.addressof(P), None if b is None else ctypes.addressof(b), n, d, self.int8)
         model._keep = (P, b, ids)  # (what the struct points into, for as long as it lives)
-        return ctypes.byref(model), ids
+        return ctypes.byref(model), ids[:n]
 
 
 def max_output_length(src_len: int, a: float, b: int, cap: int) -> int:
@@ -438,18 +453,24 @@ class NativeSearch:
     cap: int  # the longest output (s2s.modeldir.output_cap)
     fmt: OutputFormat = field(default_factory=OutputFormat)  # what is written of each line
 
-    def translate_lines(self, lines: Sequence[str], line_nos: Sequence[int],
-                        pool: Optional[ThreadPoolExecutor]) -> tuple[list[str], int]:
+    def translate_lines(self, lines: Sequence[str], line_nos: Sequence[int], pool: Optional[ThreadPoolExecutor],
+                        prefixes: Optional[Sequence[str]] = None) -> tuple[list[str], int]:
         """Each line's output as ``fmt`` writes it (s2s.output.format_translation: its text,
         confidence, n-best rows or JSON object; an empty line's too), without the last newline,
         and the output tokens, </s> included: the lines sorted by length into batches
-        (s2s.workers.task_batches), searched by ``pool``'s threads at once (or here)."""
+        (s2s.workers.task_batches), searched by ``pool``'s threads at once (or here).  ``prefixes``
+        (--prefix-file), one per line, are forced as each output's start (an empty one forces
+        nothing), after the target language's token where the model has one to force, as
+        s2s.translate.Translator.translate_sentences forces them."""
         from s2s.output import format_translation
-        from s2s.tokenizer import encode_source_lines
+        from s2s.tokenizer import encode_forced_starts, encode_source_lines
         from s2s.workers import sorted_batches, task_batches
 
         ids = encode_source_lines(self.tok, self.lang, lines, line_nos, self.trained_src_tokens, self.max_input)
         todo = [i for i, x in enumerate(ids) if x is not None]
+        forced = encode_forced_starts(self.tok, self.lang, None if prefixes is None else [prefixes[i] for i in todo],
+                                      [line_nos[i] for i in todo], self.cap)
+        prefix_of = {} if forced is None else dict(zip(todo, forced))
         cut = task_batches if pool is not None else sorted_batches
         batches = [[todo[j] for j in rows] for rows in cut([len(ids[i]) for i in todo], self.decode.batch_size,
                                                            self.decode.batch_tokens)]
@@ -457,8 +478,11 @@ class NativeSearch:
 
         def search(rows: list[int]) -> list[list[tuple[list[int], float, float]]]:
             sources = [ids[i] for i in rows]
-            return self.model.search(sources, [max_output_length(len(s) - 1, d.max_len_a, d.max_len_b, self.cap)
-                                               for s in sources], d, self.fmt.shows_scores)
+            prefixes = [prefix_of.get(i, []) for i in rows]
+            # (room for a prefix and </s>, as torch's route makes it)
+            longest = [max(max_output_length(len(s) - 1, d.max_len_a, d.max_len_b, self.cap), len(p) + 1)
+                       for s, p in zip(sources, prefixes)]
+            return self.model.search(sources, longest, d, self.fmt.shows_scores, prefixes if any(prefixes) else None)
 
         texts, n_tokens = [format_translation(_Line(n, [], []), self.fmt)[:-1] for n in line_nos], 0
         for rows, found in zip(batches, pool.map(search, batches) if pool is not None else map(search, batches)):
@@ -469,29 +493,30 @@ class NativeSearch:
                 n_tokens += len(hyps[0][0]) + 1 if hyps else 0
         return texts, n_tokens
 
-    def translate_stream(self, items: Iterator[str], threads: int, chunk_lines: int, first_line_no: int,
-                         write_chunk: Callable[[str, int, int], None]) -> None:
-        """``items`` translated chunk by chunk of ``chunk_lines`` lines, each chunk written whole
-        by ``write_chunk(text, lines, tokens)`` in input order, with ``threads`` threads."""
+    def translate_stream(self, items: Iterator[Any], threads: int, chunk_lines: int, first_line_no: int,
+                         write_chunk: Callable[[str, int, int], None], paired: bool = False) -> None:
+        """``items`` (lines, or with ``paired`` (line, prefix) pairs: --prefix-file) translated
+        chunk by chunk of ``chunk_lines`` lines, each chunk written whole by ``write_chunk(text,
+        lines, tokens)`` in input order, with ``threads`` threads."""
         from s2s.workers import _chunks
 
         pool = ThreadPoolExecutor(threads, thread_name_prefix="s2s-search") if threads > 1 else None
         try:
-            for line_no, lines, _ in _chunks(items, chunk_lines, False, first_line_no):
-                texts, n_tokens = self.translate_lines(lines, range(line_no, line_no + len(lines)), pool)
+            for line_no, lines, prefixes in _chunks(items, chunk_lines, paired, first_line_no):
+                texts, n_tokens = self.translate_lines(lines, range(line_no, line_no + len(lines)), pool, prefixes)
                 write_chunk("".join(text + "\n" for text in texts), len(lines), n_tokens)
         finally:
             if pool is not None:
                 pool.shutdown(cancel_futures=True)
 
 
-def engine_for(spec, prefixes: bool) -> Optional[NativeSearch]:
+def engine_for(spec) -> Optional[NativeSearch]:
     """The native search of ``spec`` (a TranslatorSpec), or None where torch's route
     decodes it (why: at debug level; a model directory that cannot be read is left to torch's
     route too, which names what is wrong)."""
     from safetensors import SafetensorError
 
-    why = spec_why_not(spec, prefixes)
+    why = spec_why_not(spec)
     if why is None:
         try:
             return _load(spec)

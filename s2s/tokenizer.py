@@ -60,6 +60,28 @@ def encode_source_lines(tok: "Tokenizer", lang: LanguageIds, lines: Sequence[str
     return out
 
 
+def encode_forced_starts(tok: "Tokenizer", lang: LanguageIds, prefixes: Optional[Sequence[str]],
+                        line_nos: Sequence[int], cap: int) -> Optional[list[list[int]]]:
+    """Each output's forced start as a translator's search takes it (s2s.search.forced_tokens), or
+    None (nothing forced): the target language's token where the model has one to force
+    (``lang.tgt_first``), then the line's --prefix-file line as target pieces without </s> (an
+    empty one forces nothing); ``prefixes`` and ``line_nos`` one per input line searched.  A
+    start that leaves no room for </s> within ``cap`` output tokens (s2s.modeldir.output_cap)
+    is an error naming its line."""
+    from s2s.langs import with_forced
+
+    starts = None
+    if prefixes is not None:
+        wanted = [p.strip() for p in prefixes]
+        starts = [x[:-1] if p else [] for x, p in zip(tok.encode_tgt(wanted), wanted)]
+    starts = with_forced(lang.tgt_first, starts, len(line_nos))
+    for n, start in zip(line_nos, starts or []):
+        if len(start) >= cap:
+            raise S2SError(f"--prefix-file: line {n}: its prefix is {len(start)} target tokens, and the model's "
+                           f"outputs stop at {cap} (decode.max_output_tokens, or its position table)")
+    return starts
+
+
 def sentinel(i: int) -> str:
     return f"<extra_id_{i}>"
 

@@ -43,7 +43,7 @@ from s2s.search import (
 )
 from s2s.shortlist import Shortlist, load_shortlist, subset_positions, subset_search_ids
 from s2s.textio import line_numbers
-from s2s.tokenizer import BOS_ID, Tokenizer, encode_source_lines
+from s2s.tokenizer import BOS_ID, Tokenizer, encode_forced_starts, encode_source_lines
 from s2s.workers import (
     PRECISIONS,
     TranslateProgress,  # noqa: F401 (TranslateProgress: re-exported)
@@ -504,11 +504,9 @@ class Translator:
         line_nos = line_numbers(first_line_no, len(lines))
         ids = self.encode_lines(lines, line_nos)
         todo = [i for i, x in enumerate(ids) if x is not None]
-        prefix_ids = None
-        if prefixes is not None:  # target pieces without </s>; an empty prefix forces nothing
-            wanted = [prefixes[i].strip() for i in todo]
-            prefix_ids = [x[:-1] if p else [] for x, p in zip(self.tok.encode_tgt(wanted), wanted)]
-        prefix_ids = with_forced(self.lang.tgt_first, prefix_ids, len(todo))  # a target language's token
+        wanted = None if prefixes is None else [prefixes[i] for i in todo]
+        prefix_ids = encode_forced_starts(self.tok, self.lang, wanted, [line_nos[i] for i in todo],
+                                          self.output_cap(self.decode))  # a target language's token, a prefix
         glossary = glossary if glossary is not None else self.glossary()
         terms, constraint_ids = self.constraint_ids([lines[i] for i in todo], glossary) if glossary else (None, None)
         found = self.search_sorted([ids[i] for i in todo], prefix_ids, constraint_ids)

@@ -286,13 +286,13 @@ def translate_stream(spec: TranslatorSpec, lines: Iterable[str], out: TextIO, wo
     items: Iterator[Any] = iter(lines) if prefixes is None else paired_lines(lines, prefixes, first_line_no)
     from s2s.native_search import engine_for
 
-    engine = engine_for(spec, prefixes is not None)
+    engine = engine_for(spec)
     if engine is not None:  # a plain search the torch-free route takes: no torch, threads of this process
         workerserver.release_early()
         threads = n * threads_per_worker(n, cores, spec.threads)  # the cores torch's route would take
         engine.translate_stream(items, threads, 1 if line_by_line else chunk_lines, first_line_no,
                                 lambda text, n_lines, n_tokens: _write_chunk(out, text, n_lines, n_tokens, progress,
-                                                                             on_chunk))
+                                                                             on_chunk), prefixes is not None)
         return 1
     if n > 1 and not workers:  # auto: a short input is not worth starting processes for
         head = list(itertools.islice(items, MIN_PARALLEL_LINES + 1))

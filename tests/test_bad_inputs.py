@@ -882,3 +882,22 @@ def test_checkpoint_write_failing_inside_safetensors(env, tmp_path, monkeypatch,
         save_checkpoint(run_dir, model, optimizer, TrainState(step=4), keep=5)
     assert str(e.value) == f"{run_dir / 'checkpoints' / 'step-00000004'}: write failed (No space left on device)"
     assert list((run_dir / "checkpoints").iterdir()) == []
+
+
+@pytest.mark.parametrize("route", [["--precision", "fp32"], ["--precision", "auto", "--device", "cpu"]],
+                         ids=["torch", "torch-free where this CPU has it"])
+def test_a_prefix_file_that_does_not_fit_names_its_line(env, tmp_path, capsys, monkeypatch, route):
+    """--prefix-file: one line shorter than the input, or a prefix that leaves no room for </s>
+    within decode.max_output_tokens, is an error naming the line, on either route; the lines
+    before it are written."""
+    src = tmp_path / "in.txt"
+    src.write_text("a\nb\nc\n")
+    short = tmp_path / "short.txt"
+    short.write_text("Das\n\n")
+    args = ["translate", "-m", env["model"], "--input", src, "--beam", "1", "--unbuffered", *route]
+    assert_error(cli(capsys, monkeypatch, *args, "--prefix-file", short), "--prefix-file", "ends at line 2")
+    long = tmp_path / "long.txt"
+    long.write_text("Das\n" + "Paket " * 40 + "\n\n")
+    code, out, err = cli(capsys, monkeypatch, *args, "--prefix-file", long, "--set", "decode.max_output_tokens=20")
+    assert_error((code, out, err), "--prefix-file: line 2: its prefix is", "stop at 20")
+    assert out.splitlines()[0].startswith("Das")  # (line 1, written before line 2 failed)

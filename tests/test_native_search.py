@@ -119,12 +119,14 @@ def int8_product(x: torch.Tensor, q: torch.Tensor, s_w: torch.Tensor, b: Optiona
     return (y + (0 if b is None else b.double())).float()
 
 
-def emulated(directory: Path, lines: list[str], decode: dict, products: str = "bf16") -> list[tuple[str, float]]:
+def emulated(directory: Path, lines: list[str], decode: dict, products: str = "bf16",
+             prefixes: Optional[list[str]] = None, tgt_first: tuple[int, ...] = ()) -> list[tuple[str, float]]:
     """torch's greedy search (s2s.translate.Translator) of the model in ``directory`` with the C
     search's arithmetic: each matrix and bias rounded to bf16, each product's input and output too
     (hooks on every nn.Linear, and the output projection's input), or with ``products`` int8 each
     product native_int8.c's (:func:`int8_product`, its output rounded to bf16), the rest, and the
-    scores, in fp32."""
+    scores, in fp32.  ``prefixes``: --prefix-file's lines; ``tgt_first``: a target language's
+    token(s) to force (as an imported mBART's or M2M100's)."""
     from s2s.modeldir import load_model_dir, model_decode_settings
     from s2s.translate import Translator
 
@@ -160,10 +162,12 @@ def emulated(directory: Path, lines: list[str], decode: dict, products: str = "b
     settings = model_decode_settings(directory, loaded.cfg, decode, {})
     translator = Translator(model, loaded.tokenizer, settings)
     translator.directory = directory  # (its shortlist, where decode asks for one)
-    return [(t.text, t.hypotheses[0].score if t.hypotheses else math.nan) for t in translator.translate_lines(lines)]
+    translator.lang = dataclasses.replace(translator.lang, tgt_first=tgt_first)
+    return [(t.text, t.hypotheses[0].score if t.hypotheses else math.nan)
+            for t in translator.translate_lines(lines, prefixes=prefixes)]
 
 
-def emulated_translations(directory: Path, lines: list[str], decode: dict, products: str = "bf16") -> list:
+def emulated_translations(directory: Path, lines: list[str], decode: dict, products: str = "bf16", **kw) -> list:
     """:func:`emulated`'s s2s.translate.Translation of each line (hypotheses, scores, texts)."""
     from s2s.translate import Translator
 
@@ -176,7 +180,7 @@ def emulated_translations(directory: Path, lines: list[str], decode: dict, produ
 
     Translator.translate_lines = keep
     try:
-        emulated(directory, lines, decode, products)
+        emulated(directory, lines, decode, products, **kw)
     finally:
         Translator.translate_lines = real
     return captured
@@ -186,7 +190,7 @@ def native(directory: Path, lines: list[str], threads: int = 1, decode: Optional
            products: Optional[str] = None) -> list[str]:
     from concurrent.futures import ThreadPoolExecutor
 
-    engine = native_search.engine_for(route_spec(directory, decode or {"beam": 1}, products), False)
+    engine = native_search.engine_for(route_spec(directory, decode or {"beam": 1}, products))
     assert engine is not None
     pool = ThreadPoolExecutor(threads) if threads > 1 else None
     return engine.translate_lines(lines, range(1, len(lines) + 1), pool)[0]
@@ -211,7 +215,7 @@ def native_scores(directory: Path, lines: list[str], decode: dict, products: str
     one batch (a sentence's search does not depend on its batch)."""
     from s2s.tokenizer import encode_source_lines
 
-    engine = native_search.engine_for(route_spec(directory, decode, products), False)
+    engine = native_search.engine_for(route_spec(directory, decode, products))
     ids = encode_source_lines(engine.tok, engine.lang, lines, range(1, len(lines) + 1), 0, engine.max_input)
     todo = [x for x in ids if x is not None]
     d = engine.decode
@@ -323,7 +327,7 @@ def test_a_shortlist_searches_its_ids_alone_as_torch_does(prepared, tmp_path, se
     d = model_dir(prepared, tmp_path / "m")
     save_random_shortlist(d, k=40, same=True)  # (every batch's subset the same: torch's batches are not these)
     decode = {**SEARCHES[search], "shortlist": True}
-    assert native_search.engine_for(route_spec(d, decode, products), False) is not None
+    assert native_search.engine_for(route_spec(d, decode, products)) is not None
     assert_searches_as_torch(d, dev_lines(prepared, 20), decode, products)
     full = native(d, dev_lines(prepared, 20), decode=SEARCHES[search], products=products)
     assert native(d, dev_lines(prepared, 20), decode=decode, products=products) != full  # (a random list)
@@ -333,15 +337,15 @@ def test_a_shortlist_searches_its_ids_alone_as_torch_does(prepared, tmp_path, se
 def test_a_shortlist_that_does_not_fit_is_left_to_torchs_error(prepared, tmp_path):
     d = model_dir(prepared, tmp_path / "m")
     spec = route_spec(d, {"beam": 1, "shortlist": True})
-    assert native_search.engine_for(spec, False) is None  # (none there)
+    assert native_search.engine_for(spec) is None  # (none there)
     (d / "shortlist.safetensors").write_bytes(b"not a table")
-    assert native_search.engine_for(spec, False) is None
+    assert native_search.engine_for(spec) is None
     save_random_shortlist(d)
-    assert native_search.engine_for(spec, False) is not None
+    assert native_search.engine_for(spec) is not None
     from s2s.shortlist import Shortlist, save_shortlist
 
     save_shortlist(Shortlist(torch.full((3, 2), 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), {}), d)
-    assert native_search.engine_for(spec, False) is None  # (3 source rows: not this model's)
+    assert native_search.engine_for(spec) is None  # (3 source rows: not this model's)
 
 
 @needs_route
@@ -394,11 +398,10 @@ def spec(**kw) -> TranslatorSpec:
     (dict(alignments=True), "alignments")])
 def test_settings_left_to_torch(kw, why, monkeypatch):
     monkeypatch.setattr(native_search.cbuild, "cpu_flags", lambda: frozenset({"amx_bf16", "avx2", "fma"}))
-    assert native_search.spec_why_not(spec(), False) is None
-    assert why in native_search.spec_why_not(spec(**kw), False)
-    assert "prefix" in native_search.spec_why_not(spec(), True)
+    assert native_search.spec_why_not(spec()) is None
+    assert why in native_search.spec_why_not(spec(**kw))
     monkeypatch.setenv(native_search.DISABLE, "0")
-    assert "0" in native_search.spec_why_not(spec(), False)
+    assert "0" in native_search.spec_why_not(spec())
 
 
 AVX2 = {"avx", "avx2", "fma"}
@@ -418,7 +421,7 @@ SKYLAKE = AVX512 - {"avx512_vnni"}  # Intel's Skylake-SP
     ({"avx"}, "fp32", "int8", None), (AVX2, "bf16", "int8", None), (ZEN4, "fp16", None, None)])
 def test_the_products_follow_the_cpu_and_the_precision(flags, precision, quantize, want):
     """--precision auto: bf16 products on AMX's tiles, int8 on every other CPU with AVX2 (VNNI's
-    vpdpbusd beat vdpbf16ps on the Zen 4; README), as torch's route picks int8 matrices there too
+    vpdpbusd beat vdpbf16ps on the Zen 4; benchmarks/README.md), as torch's route picks int8 matrices there too
     (s2s.precision.auto_arithmetic); --precision bf16: bf16 where the CPU has bf16 products (AMX
     or AVX512-BF16); --quantize int8 with fp32 on AVX2, and with auto where auto is int8 (on AMX
     torch's route refuses it); fp32 and fp16 are torch's, as is any CPU without AVX2."""
@@ -458,8 +461,24 @@ def test_models_and_searches_left_to_torch(model, decode, why):
 
 
 def test_scores_nbest_rows_and_json_are_written_here():
-    assert native_search.spec_why_not(spec(scores=True, nbest_rows=True), False) is None
-    assert native_search.spec_why_not(spec(output_format="jsonl"), False) is None
+    assert native_search.spec_why_not(spec(scores=True, nbest_rows=True)) is None
+    assert native_search.spec_why_not(spec(output_format="jsonl")) is None
+
+
+def scores_agree(rows: list[str], captured: list) -> int:
+    """How many of the C search's --scores rows (TEXT, TAB, confidence) have the text of torch's
+    route's Translation in ``captured``, each of those with its confidence (within 1e-3 of its size)."""
+    from s2s.output import confidence
+
+    agree = 0
+    for row, t in zip(rows, captured):
+        text, score = row.rsplit("\t", 1)
+        if text != t.text:
+            continue
+        agree += 1
+        want = confidence(t.hypotheses[0] if t.hypotheses else None)
+        assert float(score) == pytest.approx(want, rel=1e-3, abs=1e-4), (text, score, want)
+    return agree
 
 
 @needs_route
@@ -471,23 +490,13 @@ def test_scores_are_the_mean_log_p_torch_gives(prepared, tmp_path, decode):
     counted) to 4 decimals, as torch's route with the C search's arithmetic gives it (within 1e-3
     of its size where the texts agree); an empty line 0.0000.  Greedy too, its log p summed in C
     (outputs cut at max_len: </s>'s own log p there; before min_len a blocked </s>, 0)."""
-    from s2s.output import confidence
-
     d = model_dir(prepared, tmp_path / "m")
     lines = dev_lines(prepared, 20) + [""]
-    engine = native_search.engine_for(route_spec(d, decode, scores=True), False)
+    engine = native_search.engine_for(route_spec(d, decode, scores=True))
     rows = engine.translate_lines(lines, range(1, len(lines) + 1), None)[0]
     assert rows[-1] == "\t0.0000" and all(row.count("\t") == 1 for row in rows)
     captured = emulated_translations(d, lines, decode, ROUTE)
-    agree = 0
-    for row, t in zip(rows, captured):
-        text, score = row.rsplit("\t", 1)
-        if text != t.text:
-            continue
-        agree += 1
-        want = confidence(t.hypotheses[0] if t.hypotheses else None)
-        assert float(score) == pytest.approx(want, rel=1e-3, abs=1e-4), (text, score, want)
-    assert agree >= len(lines) - 2
+    assert scores_agree(rows, captured) >= len(lines) - 2
 
 
 @needs_route
@@ -501,10 +510,10 @@ def test_nbest_rows_are_torchs(prepared, tmp_path, decode, scores, rows):
 
     d = model_dir(prepared, tmp_path / "m")
     lines = dev_lines(prepared, 20) + [""]
-    engine = native_search.engine_for(route_spec(d, decode, scores=scores, nbest_rows=rows), False)
+    engine = native_search.engine_for(route_spec(d, decode, scores=scores, nbest_rows=rows))
     got = engine.translate_lines(lines, range(1, len(lines) + 1), None)[0]
     greedy_rows = route_spec(d, {"beam": 1}, nbest_rows=True)
-    assert native_search.engine_for(greedy_rows, False) is None  # (a greedy search's SEARCH_SCORE: torch's)
+    assert native_search.engine_for(greedy_rows) is None  # (a greedy search's SEARCH_SCORE: torch's)
     captured = emulated_translations(d, lines, decode, ROUTE)
     fmt = OutputFormat(nbest=True, scores=scores)
     want = [format_translation(t, fmt).rstrip("\n") for t in captured]
@@ -534,7 +543,7 @@ def test_json_lines_are_torchs(prepared, tmp_path, decode):
 
     d = model_dir(prepared, tmp_path / "m")
     lines = dev_lines(prepared, 20) + [""]
-    engine = native_search.engine_for(route_spec(d, decode, output_format="jsonl"), False)
+    engine = native_search.engine_for(route_spec(d, decode, output_format="jsonl"))
     got = [json.loads(x) for x in engine.translate_lines(lines, range(1, len(lines) + 1), None)[0]]
     captured = emulated_translations(d, lines, decode, ROUTE)
     fmt = OutputFormat(nbest=decode.get("nbest", 1) > 1, format="jsonl")
@@ -547,9 +556,66 @@ def test_json_lines_are_torchs(prepared, tmp_path, decode):
         assert g.keys() == w.keys() and g["score"] == pytest.approx(w["score"], rel=1e-3, abs=2e-4)
 
 
-def test_a_forced_target_language_is_torchs_route():
+def test_a_forced_target_language_is_searched_here():
     lang = LanguageIds(tgt_first=(7,))
-    assert "target-language" in native_search.model_why_not(ModelConfig(), DecodeConfig(beam=1), lang)
+    assert native_search.model_why_not(ModelConfig(), DecodeConfig(beam=1), lang) is None
+
+
+def prefix_lines(prepared: Path, n: int) -> list[str]:
+    """--prefix-file lines for the first n dev lines: the first one to three words of each line's
+    reference translation, every fifth one empty (it forces nothing)."""
+    refs = (prepared.parent / "dev.de").read_text(encoding="utf-8").splitlines()[:n]
+    return ["" if i % 5 == 4 else " ".join(ref.split()[:1 + i % 3]) for i, ref in enumerate(refs)]
+
+
+@pytest.mark.parametrize("products", ["bf16", "int8"])
+@pytest.mark.parametrize("search", ["greedy", "beam 4", "beam 3, power, early stop, min_len"])
+@pytest.mark.parametrize("shortlist", [False, True], ids=["", "shortlist"])
+def test_a_forced_prefix_is_torchs(prepared, tmp_path, search, products, shortlist):
+    """--prefix-file: each output starts with its line's prefix, the forced tokens scored at the
+    model's log p before the search's rules (s2s.search.constrain), an empty prefix forcing
+    nothing, room made for a prefix longer than max_len; with a shortlist the prefix's ids join
+    the batch's.  As torch's route with the C search's arithmetic: texts (greedy: every one; beam
+    search: but for a line or two) and --scores' confidences."""
+    needs(products)
+    d = model_dir(prepared, tmp_path / "m")
+    decode = {**SEARCHES[search], "max_len_a": 0.0, "max_len_b": 6}  # (the longest prefixes need room)
+    if shortlist:
+        save_random_shortlist(d, k=3, same=True)  # (few ids: most of the prefixes' are not among them)
+        decode["shortlist"] = True
+    lines = dev_lines(prepared, 20) + ["", "x"]
+    prefixes = prefix_lines(prepared, 20) + ["Paket", "Diese Bibliothek enthält die Dateien für die Entwicklung"]
+    engine = native_search.engine_for(route_spec(d, decode, products, scores=True))
+    rows = engine.translate_lines(lines, range(1, len(lines) + 1), None, prefixes)[0]
+    texts = [row.rsplit("\t", 1)[0] for row in rows]
+    for text, prefix in zip(texts[:20] + texts[21:], prefixes[:20] + prefixes[21:]):
+        assert text.startswith(prefix), (text, prefix)
+    assert rows[20] == "\t0.0000"  # (an empty line: its prefix is not used)
+    assert texts != native(d, lines, decode=decode, products=products)
+    captured = emulated_translations(d, lines, decode, products, prefixes=prefixes)
+    agree = scores_agree(rows, captured)
+    assert agree == len(lines) if decode["beam"] == 1 else agree >= len(lines) - 2
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam 4"])
+def test_a_target_languages_token_is_forced_as_torch_forces_it(prepared, tmp_path, search):
+    """A model whose outputs start with their language's token (an imported mBART's or M2M100's:
+    LanguageIds.tgt_first) is searched here, that token forced first and then any prefix, as
+    torch's route forces them (s2s.langs.with_forced)."""
+    needs(ROUTE)
+    d = model_dir(prepared, tmp_path / "m")
+    lines = dev_lines(prepared, 12)
+    engine = native_search.engine_for(route_spec(d, SEARCHES[search]))
+    plain = engine.translate_lines(lines, range(1, len(lines) + 1), None)[0]
+    first = (engine.tok.encode_tgt(["Paket"])[0][0],)  # (a target piece: as a language token would be)
+    start = engine.tok.decode_tgt(list(first))
+    engine.lang = dataclasses.replace(engine.lang, tgt_first=first)
+    for prefixes in (None, prefix_lines(prepared, 12)):
+        got = engine.translate_lines(lines, range(1, len(lines) + 1), None, prefixes)[0]
+        want = [text for text, _ in emulated(d, lines, SEARCHES[search], ROUTE, prefixes=prefixes, tgt_first=first)]
+        assert start and all(text.startswith(start) for text in got) and got != plain
+        differ = sum(g != w for g, w in zip(got, want))
+        assert differ == 0 if search == "greedy" else differ <= 2
 
 
 @pytest.mark.parametrize("n,a,b,cap,want", [(10, 1.5, 10, 1024, 25), (0, 1.5, 10, 1024, 10), (3, 0.0, 1, 1024, 1),
@@ -566,5 +632,5 @@ def test_max_output_length_is_the_translators(n, a, b, cap, want):
 def test_a_beam_wider_than_the_vocabulary_is_left_to_torchs_error(prepared, tmp_path):
     d = model_dir(prepared, tmp_path / "m")
     spec = route_spec(d, {"beam": 301})
-    assert native_search.engine_for(spec, False) is None
-    assert native_search.engine_for(dataclasses.replace(spec, overrides={"beam": 300}), False) is not None
+    assert native_search.engine_for(spec) is None
+    assert native_search.engine_for(dataclasses.replace(spec, overrides={"beam": 300})) is not None

@@ -16,7 +16,8 @@
  * (post-norm: x <- Norm(x + Sublayer(x)) and no final norms), searched greedily (y_t+1 = argmax_v
  * z_t[v]) or by beam search over log p = log_softmax(z_t) (s2s.search.beam_search), with the
  * search's rules (s2s.search.constrain): pad and <s> never chosen, </s> blocked while t < min_len
- * and the only choice at t = max_len - 1.  Every product is s2s_bf16_linear's (W packed once into
+ * and the only choice at t = max_len - 1; a forced prefix's token (--prefix-file, a target
+ * language's token) the only choice at its step, at the model's log p, before every rule.  Every product is s2s_bf16_linear's (W packed once into
  * AMX's tile layout, run on AMX or vdpbf16ps, x rounded to bf16, sums in fp32, y rounded to bf16)
  * or, for a model packed for int8, s2s_i8_linear's (W quantized once row by row, x row by row per
  * call, sums exact in int32, y rounded to bf16); with a shortlist, the output projection over the
@@ -550,8 +551,16 @@ static void block_specials(const s2s_model *m, float *z, long t, long min_len)
         z[m->eos_id] = -INFINITY;
 }
 
+/* The token sentence b is forced to take at step t (s2s.search.forced_tokens), or -1: prefix (B,
+ * prefix_stride), prefix_len[b] of them; prefix NULL: none */
+static inline int32_t forced_token(const int32_t *prefix, long prefix_stride, const long *prefix_len, long b, long t)
+{
+    return prefix && t < prefix_len[b] ? prefix[b * prefix_stride + t] : -1;
+}
+
 /* Greedy search of B sources: src (B, src_stride) token ids, sentence b's src_len[b] of them (its
- * </s> included, at least 1); max_len[b] >= 1 its longest output (</s> included).  out (B,
+ * </s> included, at least 1); max_len[b] >= 1 its longest output (</s> included), more than
+ * prefix_len[b]; prefix (NULL: none) each output's forced first tokens (forced_token).  out (B,
  * out_stride >= max_len[b]) gets each output's tokens, out_len[b] of them (</s> not included);
  * out_logp (NULL: not computed) each output's log p, </s> included, as s2s.search.greedy_search
  * sums it: each step's log_softmax over the whole vocabulary, taken before the rules block
@@ -560,7 +569,8 @@ static void block_specials(const s2s_model *m, float *z, long t, long min_len)
  * products (bf16's or int8's, in this library or this process), -3 where a step's scores hold
  * NaN, -4 where a kernel failed (its scratch could not be allocated). */
 int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, const long *src_len,
-               const long *max_len, long min_len, int32_t *out, long out_stride, long *out_len, float *out_logp)
+               const long *max_len, long min_len, const int32_t *prefix, long prefix_stride, const long *prefix_len,
+               int32_t *out, long out_stride, long *out_len, float *out_logp)
 {
     if (!has_kernel(m))
         return -2;
@@ -569,13 +579,14 @@ int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, 
         T_max = max_len[b] > T_max ? max_len[b] : T_max;
     batch s;
     long *live, *slot;
-    float *best, *shift, *logp, *block_top;
+    float *best, *shift, *logp, *block_top, *forced_z;
     int64_t *choice;
     carver c = {NULL, 0};
     for (int pass = 0; pass < 2; pass++) { /* count, then carve the thread's block */
         lay_out_batch(m, &s, &c, B, src_len, B, B, T_max);
         CARVE(&c, live, B), CARVE(&c, slot, B), CARVE(&c, best, B), CARVE(&c, choice, B);
         CARVE(&c, shift, B), CARVE(&c, logp, B), CARVE(&c, block_top, m->vocab / SHIFT_BLOCK + 1);
+        CARVE(&c, forced_z, B);
         if (!pass && !(c.base = thread_block(c.used)))
             return -1;
         c.used = 0;
@@ -600,8 +611,11 @@ int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, 
             if (shift[i] != shift[i])
                 rc = -3;
         }
-        for (long i = 0; i < N; i++)
+        for (long i = 0; i < N; i++) { /* a forced token's z, before the rules */
+            const int32_t f = forced_token(prefix, prefix_stride, prefix_len, live[i], t);
+            forced_z[i] = f >= 0 ? s.z[i * m->vocab + f] : 0.0f;
             block_specials(m, s.z + i * m->vocab, t, min_len);
+        }
         if (rc || s2s_argmax_rows_f32(s.z, m->vocab, N, m->vocab, best, choice)) {
             rc = -3;
             break;
@@ -609,9 +623,10 @@ int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, 
         long kept = 0; /* a sentence's row leaves once it has chosen </s> */
         for (long i = 0; i < N; i++) {
             const long b = live[i];
-            const int32_t y = max_len[b] <= t + 1 ? m->eos_id : (int32_t)choice[i];
+            const int32_t f = forced_token(prefix, prefix_stride, prefix_len, b, t);
+            const int32_t y = f >= 0 ? f : max_len[b] <= t + 1 ? m->eos_id : (int32_t)choice[i];
             if (out_logp) { /* at max_len </s> alone, at its own log p (0 where it is blocked) */
-                const float z = y == choice[i] ? best[i] : s.z[i * m->vocab + m->eos_id];
+                const float z = f >= 0 ? forced_z[i] : y == choice[i] ? best[i] : s.z[i * m->vocab + m->eos_id];
                 logp[b] += isinf(z) ? 0.0f : z - shift[i];
             }
             if (y == m->eos_id) {
@@ -665,10 +680,12 @@ static void keep_best(candidate *c, long n, long *have, float score, long index)
  * at max_len.  Beams keep their self-attention K/V in slots, K per position, each beam reading
  * its own ancestors' (no copies when beams are reordered).  Sentence b's n-th best hypothesis
  * (n < nbest) goes to out[(b nbest + n) out_stride ...], out_len[b nbest + n] tokens (-1: none),
- * its score and log p to score[b nbest + n], logp[...].  Returns as s2s_greedy. */
+ * its score and log p to score[b nbest + n], logp[...].  A forced token (prefix, as s2s_greedy's) is
+ * each beam's only continuation at its step.  Returns as s2s_greedy. */
 int s2s_beam(const s2s_model *m, long B, const int32_t *src, long src_stride, const long *src_len,
-             const long *max_len, long min_len, long K, long nbest, double alpha, int lp_kind, int exact,
-             int32_t *out, long out_stride, long *out_len, float *out_score, float *out_logp)
+             const long *max_len, long min_len, const int32_t *prefix, long prefix_stride, const long *prefix_len,
+             long K, long nbest, double alpha, int lp_kind, int exact, int32_t *out, long out_stride, long *out_len,
+             float *out_score, float *out_logp)
 {
     if (!has_kernel(m))
         return -2;
@@ -725,6 +742,7 @@ int s2s_beam(const s2s_model *m, long B, const int32_t *src, long src_stride, co
         const double lp = length_penalty((double)m_len, alpha, lp_kind);
         for (long i0 = 0; i0 < N;) { /* one sentence's rows i0 .. i1 - 1 */
             const long b = sent[i0];
+            const int32_t forced = forced_token(prefix, prefix_stride, prefix_len, b, t);
             long i1 = i0;
             while (i1 < N && sent[i1] == b)
                 i1++;
@@ -740,6 +758,10 @@ int s2s_beam(const s2s_model *m, long B, const int32_t *src, long src_stride, co
                     goto done;
                 }
                 const float base = score[r];
+                if (forced >= 0) { /* its one continuation, at the model's log p */
+                    keep_best(cand, 2 * K, &have, base + (zi[forced] - shift), k * V + forced);
+                    continue;
+                }
                 if (max_len[b] <= m_len) {
                     float eos = zi[m->eos_id] - shift;
                     if (t < min_len || isinf(eos))
