@@ -44,11 +44,11 @@ from difflib import SequenceMatcher
 from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 from s2s.errors import S2SError
-from s2s.search import Hypothesis, length_penalty
+from s2s.hypotheses import Hypothesis, Translation, length_penalty
 from s2s.textio import line_numbers
 
 if TYPE_CHECKING:
-    from s2s.translate import Translation, Translator
+    from s2s.translate import Translator
 
 log = logging.getLogger("s2s")
 
@@ -427,8 +427,6 @@ def join_paragraph(translator: "Translator", p: Paragraph, sentences: Sequence["
     counted: score = Σ log p / lp(Σ m); its alignment indexes the sentences' source and target tokens
     one after another.  With markup, the tags are projected through that alignment
     (:func:`project_markup`) into each hypothesis's text."""
-    from s2s.translate import Translation
-
     if not sentences and not p.elements:
         return Translation(p.line_no, [], [])
     if len(sentences) == 1 and not p.elements:

@@ -48,7 +48,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from s2s import cbuild
 from s2s.errors import S2SError
+from s2s.hypotheses import Hypothesis, Translation
 from s2s.output import OutputFormat
+from s2s.textio import line_numbers
 
 log = logging.getLogger("s2s")
 
@@ -172,7 +174,7 @@ def model_why_not(model, decode, lang) -> Optional[str]:
         return "sampling or a coverage penalty"
     if decode.length_penalty not in LENGTH_PENALTIES or decode.stop not in ("exact", "early"):
         return f"decode.length_penalty {decode.length_penalty} or decode.stop {decode.stop}"
-    for key in ("no_repeat_ngram", "compile", "glossary", "split_sentences", "markup"):
+    for key in ("no_repeat_ngram", "compile", "glossary", "markup"):
         if getattr(decode, key):
             return f"decode.{key}"
     return None
@@ -442,7 +444,8 @@ def max_output_length(src_len: int, a: float, b: int, cap: int) -> int:
 
 @dataclass
 class NativeSearch:
-    """A model directory's search without torch, with what translating lines needs."""
+    """A model directory's search without torch, with what translating lines needs (and what
+    s2s.documents reads of a translator to split lines into sentences and join them)."""
 
     model: SearchModel
     tok: Any  # s2s.tokenizer.Tokenizer
@@ -452,25 +455,28 @@ class NativeSearch:
     max_input: int
     cap: int  # the longest output (s2s.modeldir.output_cap)
     fmt: OutputFormat = field(default_factory=OutputFormat)  # what is written of each line
+    languages: tuple[str, str] = ("src", "tgt")  # data.src_lang, data.tgt_lang (s2s.documents)
+    alignments: bool = False  # (s2s.documents reads it: alignments are torch's route's)
+    pool: Optional[ThreadPoolExecutor] = None  # the threads translate_sentences searches with
 
-    def translate_lines(self, lines: Sequence[str], line_nos: Sequence[int], pool: Optional[ThreadPoolExecutor],
-                        prefixes: Optional[Sequence[str]] = None) -> tuple[list[str], int]:
-        """Each line's output as ``fmt`` writes it (s2s.output.format_translation: its text,
-        confidence, n-best rows or JSON object; an empty line's too), without the last newline,
-        and the output tokens, </s> included: the lines sorted by length into batches
-        (s2s.workers.task_batches), searched by ``pool``'s threads at once (or here).  ``prefixes``
-        (--prefix-file), one per line, are forced as each output's start (an empty one forces
-        nothing), after the target language's token where the model has one to force, as
-        s2s.translate.Translator.translate_sentences forces them."""
-        from s2s.output import format_translation
+    def translate_sentences(self, lines: Sequence[str], first_line_no: int | Sequence[int] = 1,
+                            prefixes: Optional[Sequence[str]] = None) -> list[Translation]:
+        """One Translation per line, each line one input of the model (``first_line_no``: the first
+        line's number, or each line's), as s2s.translate.Translator.translate_sentences gives it:
+        the lines sorted by length into batches (s2s.workers.task_batches), searched by
+        :attr:`pool`'s threads at once (or here).  ``prefixes`` (--prefix-file), one per line, are
+        forced as each output's start (an empty one forces nothing), after the target language's
+        token where the model has one to force."""
         from s2s.tokenizer import encode_forced_starts, encode_source_lines
         from s2s.workers import sorted_batches, task_batches
 
+        line_nos = line_numbers(first_line_no, len(lines))
         ids = encode_source_lines(self.tok, self.lang, lines, line_nos, self.trained_src_tokens, self.max_input)
         todo = [i for i, x in enumerate(ids) if x is not None]
         forced = encode_forced_starts(self.tok, self.lang, None if prefixes is None else [prefixes[i] for i in todo],
                                       [line_nos[i] for i in todo], self.cap)
         prefix_of = {} if forced is None else dict(zip(todo, forced))
+        pool = self.pool
         cut = task_batches if pool is not None else sorted_batches
         batches = [[todo[j] for j in rows] for rows in cut([len(ids[i]) for i in todo], self.decode.batch_size,
                                                            self.decode.batch_tokens)]
@@ -484,14 +490,34 @@ class NativeSearch:
                        for s, p in zip(sources, prefixes)]
             return self.model.search(sources, longest, d, self.fmt.shows_scores, prefixes if any(prefixes) else None)
 
-        texts, n_tokens = [format_translation(_Line(n, [], []), self.fmt)[:-1] for n in line_nos], 0
+        out = [Translation(n, [], []) for n in line_nos]
         for rows, found in zip(batches, pool.map(search, batches) if pool is not None else map(search, batches)):
             for i, hyps in zip(rows, found):
-                line = _Line(line_nos[i], [_Hypothesis(tokens, score, log_p) for tokens, score, log_p in hyps],
-                             [self.tok.decode_tgt(tokens) for tokens, _, _ in hyps])
-                texts[i] = format_translation(line, self.fmt)[:-1]  # (its rows; the stream ends the last)
-                n_tokens += len(hyps[0][0]) + 1 if hyps else 0
-        return texts, n_tokens
+                out[i] = Translation(line_nos[i], [Hypothesis(tokens, score, log_p) for tokens, score, log_p in hyps],
+                                     [self.tok.decode_tgt(tokens) for tokens, _, _ in hyps])
+        return out
+
+    def translate_lines(self, lines: Sequence[str], line_nos: Sequence[int], pool: Optional[ThreadPoolExecutor],
+                        prefixes: Optional[Sequence[str]] = None) -> tuple[list[str], int]:
+        """Each line's output as ``fmt`` writes it (s2s.output.format_translation: its text,
+        confidence, n-best rows or JSON object; an empty line's too), without the last newline,
+        and the output tokens, </s> included: :meth:`translate_sentences` with ``pool``'s threads,
+        or with decode.split_sentences each line's sentences searched and joined as
+        s2s.documents.translate_paragraphs does it for torch's route."""
+        from s2s.output import format_translation
+        from s2s.workers import output_tokens
+
+        self.pool = pool
+        try:
+            if self.decode.split_sentences:
+                from s2s.documents import translate_paragraphs
+
+                found = translate_paragraphs(self, lines, list(line_nos), prefixes)
+            else:
+                found = self.translate_sentences(lines, list(line_nos), prefixes)
+        finally:
+            self.pool = None
+        return [format_translation(t, self.fmt)[:-1] for t in found], sum(output_tokens(t) for t in found)
 
     def translate_stream(self, items: Iterator[Any], threads: int, chunk_lines: int, first_line_no: int,
                          write_chunk: Callable[[str, int, int], None], paired: bool = False) -> None:
@@ -526,30 +552,6 @@ def engine_for(spec) -> Optional[NativeSearch]:
             why = f"the model directory ({e})"
     log.debug("search through torch: %s", why)
     return None
-
-
-@dataclass
-class _Hypothesis:
-    """What s2s.output reads of an s2s.search.Hypothesis (which lives with torch)."""
-
-    tokens: list[int]
-    score: float  # log p / lp(m)
-    log_prob: float  # </s> included
-    alignment: None = None
-    m: None = None
-
-
-@dataclass
-class _Line:
-    """What s2s.output reads of an s2s.translate.Translation."""
-
-    line_no: int
-    hypotheses: list[_Hypothesis]
-    texts: list[str]
-
-    @property
-    def text(self) -> str:
-        return self.texts[0] if self.texts else ""
 
 
 class _NotHere(Exception):
@@ -606,6 +608,10 @@ def _load(spec) -> NativeSearch:
     why = model_why_not(cfg.model, decode, lang)
     if why is not None:
         raise _NotHere(why)
+    if decode.split_sentences:
+        from s2s.documents import require_splitter
+
+        require_splitter()  # (torch's route names what is missing)
     fmt = spec.output_format_for(decode.nbest, alignments=False)  # (alignments: torch's route)
     if fmt.nbest and decode.beam == 1:
         raise _NotHere("n-best rows of a greedy search (its search score, log p / lp(m), is not computed here)")
@@ -625,4 +631,5 @@ def _load(spec) -> NativeSearch:
     model = SearchModel(cfg, weights, tok, max(max_input, cap) + 1, shortlist, products)
     log.debug("search without torch: %s", f"int8 products on {I8_KERNELS.get(library().s2s_i8_linear_available(), '?')}"
               if products == "int8" else f"bf16 products on {KERNELS.get(library().s2s_bf16_linear_isa(), '?')}")
-    return NativeSearch(model, tok, decode, lang, cfg.data.max_src_tokens, max_input, cap, fmt)
+    return NativeSearch(model, tok, decode, lang, cfg.data.max_src_tokens, max_input, cap, fmt,
+                        (cfg.data.src_lang, cfg.data.tgt_lang))

@@ -31,8 +31,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from s2s.errors import S2SError
 
 if TYPE_CHECKING:
-    from s2s.search import Hypothesis
-    from s2s.translate import Translation
+    from s2s.hypotheses import Hypothesis, Translation
 
 FORMATS = ("text", "jsonl")
 SCORE_DECIMALS = 4  # scores are written to 4 decimals: the digits after those change with a line's batch

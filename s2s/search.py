@@ -36,26 +36,11 @@ import torch
 from torch import Tensor
 
 from s2s.config import DecodeConfig
+from s2s.hypotheses import Hypothesis, length_penalty  # noqa: F401 (importable from here too)
 from s2s.model.cache import sentence_rows
 from s2s.model.interface import S2SModel
 
 NEG_INF = float("-inf")
-
-
-def length_penalty(m, alpha: float, kind: str = "gnmt"):
-    """lp(m) = ((5 + m) / 6)^alpha   (gnmt, the default; Wu et al. 2016; docs/model.md (31))
-    lp(m) = m^alpha                 (power: fairseq, Hugging Face, CTranslate2)
-    lp(m) = 1                       (none)
-
-    ``m`` may be a number or a tensor.
-    """
-    if kind == "gnmt":
-        return ((5.0 + m) / 6.0) ** alpha
-    if kind == "power":
-        return m ** alpha
-    if kind == "none":
-        return m * 0 + 1.0 if isinstance(m, Tensor) else 1.0
-    raise ValueError(f"unknown length penalty {kind!r}")
 
 
 def best_tokens(logp: Tensor) -> tuple[Tensor, Tensor]:
@@ -121,15 +106,6 @@ def largest_k(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     j_in = torch.where(in_groups, j, 0)
     index = torch.div(j_in, k, rounding_mode="floor") * G + best_groups.gather(1, j_in % k)
     return values, torch.where(in_groups, index, j - c * k + G * c)
-
-
-@dataclass
-class Hypothesis:
-    tokens: list[int]  # y_1..y_{m-1}, without the final </s>
-    score: float  # length-normalized: log_prob / lp(m)
-    log_prob: float  # sum of log p over the m tokens, </s> included
-    alignment: Optional[list[tuple[int, int]]] = None  # (source index, target index) pairs, on request
-    m: Optional[int] = None  # tokens scored, if not len(tokens) + 1 (a line joined from sentences: one </s> each)
 
 
 @dataclass(frozen=True)

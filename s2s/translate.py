@@ -23,6 +23,7 @@ from s2s.constraints import pad_constraints, room_for_constraints, unmet_constra
 from s2s.data import pad_sequences, teacher_forcing_input, tokenizer_fingerprint
 from s2s.errors import S2SError
 from s2s.glossary import Glossary, load_glossary
+from s2s.hypotheses import Hypothesis, Translation
 from s2s.langs import language_ids, with_forced
 from s2s.leantorch import complete_torch
 from s2s.model import S2SModel, Seq2SeqTransformer
@@ -30,11 +31,10 @@ from s2s.model.gemm import use_packed_bf16
 from s2s.model.native import available as available_native_attention
 from s2s.model.native import use_native_attention
 from s2s.modeldir import input_cap, model_decode_settings, output_cap, warn_past_output_cap
-from s2s.output import OutputFormat, confidence, format_translation
+from s2s.output import OutputFormat, format_translation
 from s2s.precision import auto_arithmetic, auto_precision, beam_slot_dtype, greedy_kv_dtype, resolve_precision  # noqa: F401 (auto_precision: importable from here too)
 from s2s.search import (
     EnsembleDecoder,
-    Hypothesis,
     ModelDecoder,
     SpecialIds,
     ensemble_log_weights,
@@ -53,22 +53,6 @@ from s2s.workers import (
 )
 
 log = logging.getLogger("s2s")
-
-
-@dataclass
-class Translation:
-    line_no: int  # 1-based line number in the input
-    hypotheses: list[Hypothesis]  # best first; empty for an empty input line
-    texts: list[str]  # detokenized hypotheses
-
-    @property
-    def text(self) -> str:
-        return self.texts[0] if self.texts else ""
-
-    @property
-    def confidence(self) -> float:
-        """The best hypothesis's confidence, the score ``--scores`` prints (s2s.output.confidence)."""
-        return confidence(self.hypotheses[0] if self.hypotheses else None)
 
 
 @torch.inference_mode()

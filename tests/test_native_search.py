@@ -453,7 +453,8 @@ def test_auto_picks_int8_where_torchs_auto_does():
     ({}, dict(beam=5), None), ({}, dict(sampling=True), "sampling"), ({}, dict(coverage_penalty=0.2), "coverage"),
     ({}, dict(beam=5, nbest=2), None),
     ({}, dict(no_repeat_ngram=3), "no_repeat_ngram"), ({}, dict(shortlist=True), None),
-    ({}, dict(glossary="g.tsv"), "glossary"), ({}, dict(split_sentences=True), "split_sentences")])
+    ({}, dict(glossary="g.tsv"), "glossary"), ({}, dict(split_sentences=True), None),
+    ({}, dict(markup=True), "markup")])
 def test_models_and_searches_left_to_torch(model, decode, why):
     m = ModelConfig(**{"d_model": 64, "heads": 2, "d_ff": 128, **model})
     got = native_search.model_why_not(m, DecodeConfig(**{"beam": 1, **decode}), LanguageIds())
@@ -595,6 +596,30 @@ def test_a_forced_prefix_is_torchs(prepared, tmp_path, search, products, shortli
     captured = emulated_translations(d, lines, decode, products, prefixes=prefixes)
     agree = scores_agree(rows, captured)
     assert agree == len(lines) if decode["beam"] == 1 else agree >= len(lines) - 2
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam 4"])
+def test_split_sentences_are_searched_and_joined_as_torchs(prepared, tmp_path, search):
+    """--split-sentences: each line's sentences searched here (s2s.documents splits them and joins
+    their outputs, as for torch's route), a prefix forcing the start of a line's first sentence;
+    texts and --scores' confidences (a joined line: its sentences' log p over lp of all their
+    tokens) as torch's route gives them with the C search's arithmetic."""
+    pytest.importorskip("sentencex")
+    needs(ROUTE)
+    d = model_dir(prepared, tmp_path / "m")
+    dev = [line.rstrip(".") + "." for line in dev_lines(prepared, 18)]
+    lines = [" ".join(dev[i:i + 1 + (i // 3) % 3]) for i in range(0, 18, 3)] + ["", dev[0]]  # 1-3 sentences
+    prefixes = ["Das", "", "Paket", "", "", "Ein", "", ""]
+    decode = {**SEARCHES[search], "split_sentences": True}
+    engine = native_search.engine_for(route_spec(d, decode, scores=True))
+    assert engine is not None
+    rows = engine.translate_lines(lines, range(1, len(lines) + 1), None, prefixes)[0]
+    assert rows[6] == "\t0.0000" and rows[0].startswith("Das") and rows[2].startswith("Paket")
+    captured = emulated_translations(d, lines, decode, ROUTE, prefixes=prefixes)
+    agree = scores_agree(rows, captured)
+    assert agree == len(lines) if search == "greedy" else agree >= len(lines) - 2
+    whole = native(d, lines, decode=SEARCHES[search])  # (each line one input: another output)
+    assert [row.rsplit("\t", 1)[0] for row in rows][:6] != whole[:6]
 
 
 @pytest.mark.parametrize("search", ["greedy", "beam 4"])

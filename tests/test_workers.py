@@ -431,6 +431,8 @@ ZEN4 = frozenset({"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx5
     (["translate", "-m", "M", "--precision", "auto", "--sampling"], ZEN4, False),
     (["translate", "-m", "M", "--precision", "auto", "--glossary=g.tsv"], ZEN4, False),
     (["translate", "-m", "M", "--precision", "auto", "--prefix-file", "p.txt"], ZEN4, True),  # (it forces them)
+    (["translate", "-m", "M", "--precision", "auto", "--split-sentences"], ZEN4, True),
+    (["translate", "-m", "M", "--precision", "auto", "--markup"], ZEN4, False),
     (["translate", "-m", "A", "-m", "B", "--precision", "auto"], ZEN4, False),  # an ensemble
     (["translate", "-m", "M", "--precision", "auto", "--device", "cuda"], ZEN4, False),
     (["translate", "-m", "M", "--precision", "auto", "--device=cpu", "gpu driver"], ZEN4, True),
