@@ -26,7 +26,7 @@ DECODE_COMMANDS = ("translate", "summarize")
 TRAIN_COMMANDS = ("train", "pretrain")
 GLOBAL_FLAGS = ("--debug", "--quiet", "-q")  # the options s2s takes before its command
 DEFAULT_PRECISION = "fp32"  # translate's and summarize's --precision (s2s.cli)
-TORCH_ROUTE_WORDS = ("--sampling", "--alignments", "--compile", "--glossary", "--markup", "--coverage-penalty",
+TORCH_ROUTE_WORDS = ("--alignments", "--compile", "--glossary", "--markup", "--coverage-penalty",
                      "--ensemble-weights")  # options the torch-free search lacks
 
 

@@ -21,10 +21,12 @@ once (``--workers N``: threads, not processes, here).
 (:func:`products_for`: ``--precision bf16`` on a CPU with amx_bf16 or avx512_bf16, and auto on
 AMX, in bf16; ``--quantize int8``, and ``--precision auto`` on the other CPUs with AVX2, in int8;
 greedy or beam
-search with none of the search's options this file does not implement, its output as
-s2s.output writes it: text rows, with their confidence (--scores), n-best rows of a beam search
-(--nbest) or JSON lines; a single
-encoder-decoder model of sinusoidal or learned positions) and where the library compiled;
+search, or sampling (its draws seeded per line: :func:`sample_seed`), with forced prefixes
+(--prefix-file, a target language's token) and --split-sentences (s2s.documents) but none of
+the options this file does not implement (:func:`model_why_not`, :func:`spec_why_not`), its
+output as s2s.output writes it: text rows, with their confidence (--scores), n-best rows of a
+beam search or of samples (--nbest) or JSON lines; a single encoder-decoder model of
+sinusoidal or learned positions) and where the library compiled;
 anything else, and ``S2S_NATIVE_SEARCH=0``, takes torch's route, with the reason at debug level.  The
 outputs are not bit for bit torch's: the residual stream and the scores stay in fp32 here,
 where torch's bf16 model rounds them to bf16, and int8 products quantize x row by row and W
@@ -36,11 +38,13 @@ This module imports no torch.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 import math
 import os
 import subprocess
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +52,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from s2s import cbuild
 from s2s.errors import S2SError
-from s2s.hypotheses import Hypothesis, Translation
+from s2s.hypotheses import Hypothesis, Translation, length_penalty
 from s2s.output import OutputFormat
 from s2s.textio import line_numbers
 
@@ -64,6 +68,7 @@ KERNELS = {1: "AMX", 2: "AVX512-BF16 (vdpbf16ps)"}  # native_linear.c's ISA_*
 I8_KERNELS = {1: "AVX2 (vpmaddubsw)", 2: "VNNI (vpdpbusd)"}  # native_int8.c's s2s_i8_linear_available
 BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})  # a CPU with bf16 products
 INT8_FLAGS = frozenset({"avx2", "fma"})  # one with native_int8.c's
+MASK64 = (1 << 64) - 1
 ERRORS = {-1: "out of memory", -2: "no kernel for the model's products in this process",
           -3: "a step's scores hold NaN", -4: "a kernel ran out of memory"}
 
@@ -106,8 +111,9 @@ def library() -> Optional[ctypes.CDLL]:
         return None
     lib.s2s_greedy.restype = ctypes.c_int
     prefix = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]  # (prefix, its stride, prefix_len)
+    sampling = [ctypes.c_void_p, ctypes.c_float, ctypes.c_long, ctypes.c_float]  # (seeds, temperature, top_k, top_p)
     lib.s2s_greedy.argtypes = [ctypes.POINTER(Model), ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
-                               ctypes.c_void_p, ctypes.c_long, *prefix, ctypes.c_void_p, ctypes.c_long,
+                               ctypes.c_void_p, ctypes.c_long, *prefix, *sampling, ctypes.c_void_p, ctypes.c_long,
                                ctypes.c_void_p, ctypes.c_void_p]
     lib.s2s_beam.restype = ctypes.c_int
     lib.s2s_beam.argtypes = [ctypes.POINTER(Model), ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
@@ -170,8 +176,8 @@ def model_why_not(model, decode, lang) -> Optional[str]:
                        ("d_ff", model.d_ff)):
         if size % 32:
             return f"{name} {size} is not whole tiles of 32"
-    if decode.sampling or decode.coverage_penalty:
-        return "sampling or a coverage penalty"
+    if decode.coverage_penalty:
+        return "a coverage penalty"
     if decode.length_penalty not in LENGTH_PENALTIES or decode.stop not in ("exact", "early"):
         return f"decode.length_penalty {decode.length_penalty} or decode.stop {decode.stop}"
     for key in ("no_repeat_ngram", "compile", "glossary", "markup"):
@@ -343,7 +349,8 @@ class SearchModel:
             enc=self.enc_layers, dec=self.dec_layers)
 
     def search(self, sources: Sequence[Sequence[int]], max_len: Sequence[int], decode, log_p: bool = False,
-               prefixes: Optional[Sequence[Sequence[int]]] = None) -> list[list[tuple[list[int], float, float]]]:
+               prefixes: Optional[Sequence[Sequence[int]]] = None,
+               seeds: Optional[Sequence[int]] = None) -> list[list[tuple[list[int], float, float]]]:
         """The best outputs of each of a batch of sources (each ending in </s>) by greedy search
         (``decode.beam`` 1) or beam search (DecodeConfig; its ``nbest`` best, best first, as
         many as it finished); ``max_len`` each output's longest, </s> included -> each source's
@@ -352,7 +359,18 @@ class SearchModel:
         ``log_p``: NaN without).  A sentence's outputs do not depend on the others in its batch:
         every row's arithmetic is its own (a shortlist's batch aside: its union is the batch's).
         ``prefixes``: each output's forced first tokens (target ids; s2s.search.forced_tokens),
-        at the model's log p, each shorter than its ``max_len``."""
+        at the model's log p, each shorter than its ``max_len``.  With ``decode.sampling``, its
+        ``nbest`` samples of each source, best score first, drawn from q (s2s.search.
+        sampling_distribution) by random numbers seeded with ``seeds`` (one per source and sample,
+        source b's sample k at b nbest + k: :func:`sample_seed`)."""
+        if decode.sampling:  # each sample a row of its own
+            K = decode.nbest
+            found = self.search([x for x in sources for _ in range(K)], [n for n in max_len for _ in range(K)],
+                                dataclasses.replace(decode, nbest=1, sampling=False), True,
+                                None if prefixes is None else [p for p in prefixes for _ in range(K)], seeds)
+            lp = [length_penalty(len(hyps[0][0]) + 1, decode.alpha, decode.length_penalty) for hyps in found]
+            samples = [(hyps[0][0], hyps[0][2] / norm, hyps[0][2]) for hyps, norm in zip(found, lp)]
+            return [sorted(samples[b * K:(b + 1) * K], key=lambda h: -h[1]) for b in range(len(sources))]
         B = len(sources)
         S, T = max(len(s) for s in sources), max(max_len)
         padded = [self.pad_id] * (B * S)
@@ -368,8 +386,10 @@ class SearchModel:
         prefix = (None, 0, None) if not forced else self._prefix(prefixes, ids)
         score, logp = ((ctypes.c_float * (B * n))(*[math.nan] * (B * n)) for _ in range(2))
         if decode.beam == 1:
-            rc = self.lib.s2s_greedy(model, B, src, S, src_len, longest, decode.min_len, *prefix, out, T, out_len,
-                                     logp if log_p else None)
+            draws = (None, 1.0, 0, 1.0) if seeds is None else (
+                (ctypes.c_uint64 * B)(*seeds), decode.temperature, decode.top_k, decode.top_p)
+            rc = self.lib.s2s_greedy(model, B, src, S, src_len, longest, decode.min_len, *prefix, *draws, out, T,
+                                     out_len, logp if log_p else None)
         else:
             rc = self.lib.s2s_beam(model, B, src, S, src_len, longest, decode.min_len, *prefix, decode.beam, n,
                                    decode.alpha, LENGTH_PENALTIES[decode.length_penalty], decode.stop == "exact", out,
@@ -429,6 +449,19 @@ class SearchModel:
         return ctypes.byref(model), ids[:n]
 
 
+def sample_seed(seed: int, line_no: int, sentence: int, k: int) -> int:
+    """The random state that draws the tokens of sample k of a line's sentence (its first: 0; a
+    --split-sentences line has more) with decode.seed ``seed``: splitmix64 over the four, so
+    that a line's draws are the same in any batch, chunk, worker or thread."""
+    x = 0
+    for part in (seed, line_no, sentence, k):
+        x = (x ^ part) + 0x9E3779B97F4A7C15 & MASK64
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & MASK64
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & MASK64
+        x ^= x >> 31
+    return x
+
+
 def max_output_length(src_len: int, a: float, b: int, cap: int) -> int:
     """max_len(x) = floor(a |x| + b), at least 1 and at most ``cap``, each step rounded to fp32 as
     s2s.translate.max_output_lengths computes it (a = 2.1, |x| = 30: 63, where doubles give 64)."""
@@ -482,13 +515,21 @@ class NativeSearch:
                                                            self.decode.batch_tokens)]
         d = self.decode
 
+        sentence, seen = [], Counter()  # each sentence's place in its line (--split-sentences: each draws anew)
+        for n in line_nos:
+            sentence.append(seen[n])
+            seen[n] += 1
+
         def search(rows: list[int]) -> list[list[tuple[list[int], float, float]]]:
             sources = [ids[i] for i in rows]
             prefixes = [prefix_of.get(i, []) for i in rows]
             # (room for a prefix and </s>, as torch's route makes it)
             longest = [max(max_output_length(len(s) - 1, d.max_len_a, d.max_len_b, self.cap), len(p) + 1)
                        for s, p in zip(sources, prefixes)]
-            return self.model.search(sources, longest, d, self.fmt.shows_scores, prefixes if any(prefixes) else None)
+            seeds = [sample_seed(d.seed, line_nos[i], sentence[i], k) for i in rows for k in range(d.nbest)
+                     ] if d.sampling else None
+            return self.model.search(sources, longest, d, self.fmt.shows_scores, prefixes if any(prefixes) else None,
+                                     seeds)
 
         out = [Translation(n, [], []) for n in line_nos]
         for rows, found in zip(batches, pool.map(search, batches) if pool is not None else map(search, batches)):
@@ -613,7 +654,7 @@ def _load(spec) -> NativeSearch:
 
         require_splitter()  # (torch's route names what is missing)
     fmt = spec.output_format_for(decode.nbest, alignments=False)  # (alignments: torch's route)
-    if fmt.nbest and decode.beam == 1:
+    if fmt.nbest and decode.beam == 1 and not decode.sampling:
         raise _NotHere("n-best rows of a greedy search (its search score, log p / lp(m), is not computed here)")
     products = products_for(spec.precision, spec.quantize)[0]
     if library() is None or not has_products(library(), products):

@@ -450,7 +450,7 @@ def test_auto_picks_int8_where_torchs_auto_does():
 @pytest.mark.parametrize("model,decode,why", [
     ({}, {}, None), (dict(arch="decoder_only"), {}, "arch"), (dict(positions="t5_bias"), {}, "positions"),
     (dict(copy=True), {}, "copy"), (dict(d_model=48, heads=2), {}, "d_model"), (dict(d_ff=100), {}, "d_ff"),
-    ({}, dict(beam=5), None), ({}, dict(sampling=True), "sampling"), ({}, dict(coverage_penalty=0.2), "coverage"),
+    ({}, dict(beam=5), None), ({}, dict(sampling=True), None), ({}, dict(coverage_penalty=0.2), "coverage"),
     ({}, dict(beam=5, nbest=2), None),
     ({}, dict(no_repeat_ngram=3), "no_repeat_ngram"), ({}, dict(shortlist=True), None),
     ({}, dict(glossary="g.tsv"), "glossary"), ({}, dict(split_sentences=True), None),
@@ -596,6 +596,78 @@ def test_a_forced_prefix_is_torchs(prepared, tmp_path, search, products, shortli
     captured = emulated_translations(d, lines, decode, products, prefixes=prefixes)
     agree = scores_agree(rows, captured)
     assert agree == len(lines) if decode["beam"] == 1 else agree >= len(lines) - 2
+
+
+def first_step_q(d: Path, src: list[int], temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """q of a sampling step's first token for source ids ``src`` in torch, fp32: the model's log p
+    with the search's rules (s2s.search.constrain) through s2s.search.sampling_distribution."""
+    from s2s.config import DecodeConfig
+    from s2s.modeldir import load_model_dir
+    from s2s.search import SpecialIds, constrain, sampling_distribution
+
+    loaded = load_model_dir(d)
+    tok = loaded.tokenizer
+    with torch.no_grad():
+        z = loaded.model.eval()(torch.tensor([src]), torch.tensor([[tok.bos_id]]))[:, 0]  # (1, V)
+        ids = SpecialIds(bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id)
+        logp = constrain(torch.log_softmax(z.float(), -1), 0, torch.tensor([2]), DecodeConfig(), ids)
+        return sampling_distribution(logp, temperature, top_k, top_p).exp()[0]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.5, 0, 0.6), (1.0, 8, 0.8),
+                                                     (2.0, 1000, 0.95)])
+def test_samples_are_drawn_from_torchs_q(prepared, tmp_path, temperature, top_k, top_p):
+    """--sampling: 20,000 draws of a sentence's first token (each sample a row of its own) follow
+    q, s2s.search.sampling_distribution's temperature, top-k (ties at the k-th kept) and nucleus
+    (the mass before a token counted under q before top-k's cut): every token of q >= 0.01
+    within 5 standard errors (and 0.01 for the C search's arithmetic) of its probability,
+    under 1% of the draws outside torch's kept set."""
+    from s2s.tokenizer import encode_source_lines
+
+    needs(ROUTE)
+    d = model_dir(prepared, tmp_path / "m")
+    N = 20_000
+    decode = {"beam": 1, "sampling": True, "nbest": N, "temperature": temperature, "top_k": top_k, "top_p": top_p}
+    engine = native_search.engine_for(route_spec(d, decode))
+    src = encode_source_lines(engine.tok, engine.lang, dev_lines(prepared, 1), [1], 0, engine.max_input)[0]
+    q = first_step_q(d, src, temperature, top_k, top_p)
+    seeds = [native_search.sample_seed(0, 1, 0, k) for k in range(N)]
+    found = engine.model.search([src], [2], engine.decode, True, None, seeds)[0]
+    assert len(found) == N and all(score <= 0 for _, score, _ in found)
+    assert [score for _, score, _ in found] == sorted((score for _, score, _ in found), reverse=True)
+    first = torch.tensor([tokens[0] if tokens else engine.tok.eos_id for tokens, _, _ in found])
+    f = torch.bincount(first, minlength=q.numel()).double() / N
+    assert float(f[q == 0].sum()) < 0.01
+    big = q >= 0.01
+    assert int(big.sum()) >= 1
+    tolerance = 5 * (q * (1 - q) / N).sqrt() + 0.01
+    assert bool(((f - q).abs() <= tolerance)[big].all()), [(float(a), float(b)) for a, b in zip(f[big], q[big])]
+
+
+@pytest.mark.parametrize("products", ["bf16", "int8"])
+def test_sampling_draws_alike_in_any_batch_thread_or_order(prepared, tmp_path, products):
+    """--sampling --seed S: each line's draws come from S, its line number and its sample alone
+    (s2s.native_search.sample_seed), so a line is drawn alike in any batch, chunk or thread (torch's
+    route draws from one generator per batch); another seed draws other tokens; top_k 1 is the
+    greedy search; n samples a line are --nbest's rows, best score first."""
+    needs(products)
+    d = model_dir(prepared, tmp_path / "m")
+    lines = dev_lines(prepared, 20)
+    decode = {"beam": 1, "sampling": True, "seed": 3}
+    got = native(d, lines, decode=decode, products=products)
+    assert native(d, lines, threads=2, decode={**decode, "batch_size": 3}, products=products) == got
+    engine = native_search.engine_for(route_spec(d, decode, products))
+    back = engine.translate_lines(lines[::-1], range(len(lines), 0, -1), None)[0]
+    assert back[::-1] == got
+    other = native(d, lines, decode={**decode, "seed": 4}, products=products)
+    assert sum(a != b for a, b in zip(got, other)) >= len(lines) // 2
+    greedy = native(d, lines, decode={"beam": 1}, products=products)
+    assert native(d, lines, decode={**decode, "top_k": 1}, products=products) == greedy
+    shown = native(d, lines, decode={**decode, "nbest": 3}, products=products)  # (--nbest: rows)
+    for text, block in zip(got, shown):
+        samples = [row.split(" ||| ") for row in block.split("\n")]
+        assert len(samples) == 3 and text in [sample[1] for sample in samples]  # (sample 0 is the same draw)
+        assert [float(x[2]) for x in samples] == sorted((float(x[2]) for x in samples), reverse=True)
 
 
 @pytest.mark.parametrize("search", ["greedy", "beam 4"])

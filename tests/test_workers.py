@@ -428,7 +428,7 @@ ZEN4 = frozenset({"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx5
     (["translate", "-m", "M", "--quantize", "int8"], frozenset({"avx2", "fma"}), True),
     (["translate", "-m", "M"], ZEN4, False),  # fp32, the default: torch's
     (["translate", "-m", "M", "--precision", "auto"], frozenset({"avx", "sse4_2"}), False),  # no products
-    (["translate", "-m", "M", "--precision", "auto", "--sampling"], ZEN4, False),
+    (["translate", "-m", "M", "--precision", "auto", "--sampling"], ZEN4, True),
     (["translate", "-m", "M", "--precision", "auto", "--glossary=g.tsv"], ZEN4, False),
     (["translate", "-m", "M", "--precision", "auto", "--prefix-file", "p.txt"], ZEN4, True),  # (it forces them)
     (["translate", "-m", "M", "--precision", "auto", "--split-sentences"], ZEN4, True),

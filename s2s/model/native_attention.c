@@ -491,6 +491,30 @@ int s2s_argmax_rows_f32(const float *z, long z_row, long N, long V, float *best,
     return argmax_rows(0, z, z_row, N, V, best, index);
 }
 
+/* ---- a sampling step's weights: w[v] = e^((z[v] - top) / T) ---- */
+
+/* w[v] = e^((z[v] - top) s) of a row of V fp32 scores (-inf: 0), and their sum: softmax(z s)'s
+ * weights (s = 1 / T, a sampling temperature) times e^(-top s), top the row's maximum. */
+float s2s_exp_weights(const float *z, long V, float top, float s, float *w)
+{
+    float sum = 0.f;
+    long v = 0;
+#ifdef S2S_VECTORS
+    vN acc = (vN){0};
+    for (; v + VL <= V; v += VL) {
+        const vN e = expN((loadN(z + v) - top) * s);
+        storeN(w + v, e);
+        acc += e;
+    }
+    sum = sum_lanes(acc);
+#endif
+    for (; v < V; v++) {
+        w[v] = exp_poly((z[v] - top) * s);
+        sum += w[v];
+    }
+    return sum;
+}
+
 /* ---- a beam step's log-probabilities: log_softmax(z) = z - shift ---- */
 
 #define SHIFT_BLOCK 64

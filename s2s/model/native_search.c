@@ -51,6 +51,7 @@ void *s2s_thread_block(int which, size_t bytes);
 enum { S2S_BLOCK_SEARCH = 0 }; /* native_thread.c's blocks: this file's */
 int s2s_argmax_rows_f32(const float *z, long z_row, long N, long V, float *best, int64_t *index);
 float s2s_log_softmax_shift(const float *z, long V, float *tops);
+float s2s_exp_weights(const float *z, long V, float top, float s, float *w);
 
 #define SHIFT_BLOCK 64 /* native_attention.c's blocks of scores, each with its maximum */
 
@@ -551,6 +552,113 @@ static void block_specials(const s2s_model *m, float *z, long t, long min_len)
         z[m->eos_id] = -INFINITY;
 }
 
+/* ---- sampling (s2s.search.sampling_distribution): y ~ q ---- */
+
+/* the next of a row's random numbers, uniform in [0, 1): splitmix64 (Steele, Lea and Flood 2014)
+ * over the row's state, which s2s.native_search seeds from decode.seed, the line and the sample */
+static inline double next_uniform(uint64_t *state)
+{
+    uint64_t x = (*state += 0x9E3779B97F4A7C15ull);
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    x ^= x >> 31;
+    return (double)(x >> 11) * 0x1.0p-53;
+}
+
+/* the k-th largest of z's V values (1 <= k <= V), through a min-heap of k of them */
+static float kth_largest(const float *z, long V, long k, float *heap)
+{
+    for (long v = 0; v < V; v++) {
+        long i;
+        if (v < k) { /* sift up */
+            for (i = v; i > 0 && heap[(i - 1) / 2] > z[v]; i = (i - 1) / 2)
+                heap[i] = heap[(i - 1) / 2];
+        } else if (z[v] > heap[0]) { /* replace the least, sift down */
+            for (i = 0;;) {
+                long c = 2 * i + 1;
+                if (c >= k)
+                    break;
+                if (c + 1 < k && heap[c + 1] < heap[c])
+                    c++;
+                if (!(heap[c] < z[v]))
+                    break;
+                heap[i] = heap[c];
+                i = c;
+            }
+        } else {
+            continue;
+        }
+        heap[i] = z[v];
+    }
+    return heap[0];
+}
+
+typedef struct {
+    float w;
+    int32_t v;
+} weighted;
+
+static int heavier_first(const void *a, const void *b) /* w descending, then v ascending */
+{
+    const weighted *x = a, *y = b;
+    return x->w > y->w ? -1 : x->w < y->w ? 1 : (x->v > y->v) - (x->v < y->v);
+}
+
+/* A token drawn from q(v) = e^(z[v] / T) / sum, z a row's V scores with the search's rules applied
+ * (-inf: blocked) and top their maximum, restricted as s2s.search.sampling_distribution restricts
+ * it: to the top_k (> 0) most probable (ties at the k-th kept), then to those whose more probable
+ * tokens' mass under q (before top_k's cut) is below top_p (< 1; the most probable always kept).
+ * w (V floats) and by (V) are scratch, heap top_k floats; state the row's random numbers. */
+static int32_t sample_token(const float *z, long V, float top, float inv_t, long top_k, float top_p, float *w,
+                            weighted *by, float *heap, uint64_t *state)
+{
+    const double all = s2s_exp_weights(z, V, top, inv_t, w); /* q's mass, times e^(-top / T) */
+    double kept = all;
+    long n_kept = 0;
+    if (top_k > 0 && top_k < V) {
+        const float kth = kth_largest(z, V, top_k, heap);
+        kept = 0.0;
+        for (long v = 0; v < V; v++) {
+            if (z[v] < kth)
+                w[v] = 0.f;
+            kept += w[v];
+        }
+    }
+    for (long v = 0; v < V; v++)
+        n_kept += w[v] > 0.f;
+    if (top_p < 1.f && kept > top_p * all) {
+        /* a token is kept while the mass before it is below top_p: those of weight at most
+         * (kept - top_p all) / n_kept have at least top_p before them, so only the heavier are sorted */
+        const double need = top_p * all, light = (kept - need) / (double)n_kept;
+        long n = 0;
+        for (long v = 0; v < V; v++)
+            if (w[v] > light)
+                by[n++] = (weighted){w[v], (int32_t)v};
+        qsort(by, (size_t)n, sizeof *by, heavier_first);
+        double before = 0.0;
+        long chosen = 0;
+        while (chosen < n && (chosen == 0 || before < need))
+            before += by[chosen++].w;
+        const double u = next_uniform(state) * before;
+        double acc = 0.0;
+        for (long j = 0; j < chosen; j++)
+            if (u < (acc += by[j].w))
+                return by[j].v;
+        return by[chosen - 1].v;
+    }
+    const double u = next_uniform(state) * kept;
+    double acc = 0.0;
+    int32_t last = -1;
+    for (long v = 0; v < V; v++) {
+        if (w[v] <= 0.f)
+            continue;
+        last = (int32_t)v;
+        if (u < (acc += w[v]))
+            return last;
+    }
+    return last;
+}
+
 /* The token sentence b is forced to take at step t (s2s.search.forced_tokens), or -1: prefix (B,
  * prefix_stride), prefix_len[b] of them; prefix NULL: none */
 static inline int32_t forced_token(const int32_t *prefix, long prefix_stride, const long *prefix_len, long b, long t)
@@ -560,7 +668,9 @@ static inline int32_t forced_token(const int32_t *prefix, long prefix_stride, co
 
 /* Greedy search of B sources: src (B, src_stride) token ids, sentence b's src_len[b] of them (its
  * </s> included, at least 1); max_len[b] >= 1 its longest output (</s> included), more than
- * prefix_len[b]; prefix (NULL: none) each output's forced first tokens (forced_token).  out (B,
+ * prefix_len[b]; prefix (NULL: none) each output's forced first tokens (forced_token); seeds (NULL:
+ * the most probable token each step) each sentence's random state for drawing its tokens from q
+ * (sample_token: temperature, top_k, top_p).  out (B,
  * out_stride >= max_len[b]) gets each output's tokens, out_len[b] of them (</s> not included);
  * out_logp (NULL: not computed) each output's log p, </s> included, as s2s.search.greedy_search
  * sums it: each step's log_softmax over the whole vocabulary, taken before the rules block
@@ -570,7 +680,8 @@ static inline int32_t forced_token(const int32_t *prefix, long prefix_stride, co
  * NaN, -4 where a kernel failed (its scratch could not be allocated). */
 int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, const long *src_len,
                const long *max_len, long min_len, const int32_t *prefix, long prefix_stride, const long *prefix_len,
-               int32_t *out, long out_stride, long *out_len, float *out_logp)
+               const uint64_t *seeds, float temperature, long top_k, float top_p, int32_t *out, long out_stride,
+               long *out_len, float *out_logp)
 {
     if (!has_kernel(m))
         return -2;
@@ -579,14 +690,19 @@ int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, 
         T_max = max_len[b] > T_max ? max_len[b] : T_max;
     batch s;
     long *live, *slot;
-    float *best, *shift, *logp, *block_top, *forced_z;
+    float *best, *shift, *logp, *block_top, *forced_z, *w = NULL, *heap = NULL;
     int64_t *choice;
+    uint64_t *rng = NULL;
+    weighted *by = NULL;
+    const long V = m->vocab, k_heap = top_k > 0 && top_k < V ? top_k : 1;
     carver c = {NULL, 0};
     for (int pass = 0; pass < 2; pass++) { /* count, then carve the thread's block */
         lay_out_batch(m, &s, &c, B, src_len, B, B, T_max);
         CARVE(&c, live, B), CARVE(&c, slot, B), CARVE(&c, best, B), CARVE(&c, choice, B);
         CARVE(&c, shift, B), CARVE(&c, logp, B), CARVE(&c, block_top, m->vocab / SHIFT_BLOCK + 1);
         CARVE(&c, forced_z, B);
+        if (seeds)
+            CARVE(&c, rng, B), CARVE(&c, w, V), CARVE(&c, by, V), CARVE(&c, heap, k_heap);
         if (!pass && !(c.base = thread_block(c.used)))
             return -1;
         c.used = 0;
@@ -598,6 +714,8 @@ int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, 
         s.tok[b] = m->bos_id;
         out_len[b] = 0;
         logp[b] = 0.0f;
+        if (seeds)
+            rng[b] = seeds[b];
     }
     for (long t = 0; !rc && N > 0 && t < T_max; t++) {
         for (long i = 0; i < N; i++)
@@ -624,9 +742,12 @@ int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, 
         for (long i = 0; i < N; i++) {
             const long b = live[i];
             const int32_t f = forced_token(prefix, prefix_stride, prefix_len, b, t);
-            const int32_t y = f >= 0 ? f : max_len[b] <= t + 1 ? m->eos_id : (int32_t)choice[i];
+            const float *zi = s.z + i * V;
+            const int32_t y = f >= 0 ? f : max_len[b] <= t + 1 ? m->eos_id
+                : seeds ? sample_token(zi, V, best[i], 1.0f / temperature, top_k, top_p, w, by, heap, rng + b)
+                : (int32_t)choice[i];
             if (out_logp) { /* at max_len </s> alone, at its own log p (0 where it is blocked) */
-                const float z = f >= 0 ? forced_z[i] : y == choice[i] ? best[i] : s.z[i * m->vocab + m->eos_id];
+                const float z = f >= 0 ? forced_z[i] : zi[y];
                 logp[b] += isinf(z) ? 0.0f : z - shift[i];
             }
             if (y == m->eos_id) {
