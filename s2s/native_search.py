@@ -113,11 +113,12 @@ def library() -> Optional[ctypes.CDLL]:
     prefix = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]  # (prefix, its stride, prefix_len)
     sampling = [ctypes.c_void_p, ctypes.c_float, ctypes.c_long, ctypes.c_float]  # (seeds, temperature, top_k, top_p)
     lib.s2s_greedy.argtypes = [ctypes.POINTER(Model), ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
-                               ctypes.c_void_p, ctypes.c_long, *prefix, *sampling, ctypes.c_void_p, ctypes.c_long,
-                               ctypes.c_void_p, ctypes.c_void_p]
+                               ctypes.c_void_p, ctypes.c_long, *prefix, *sampling, ctypes.c_long, ctypes.c_void_p,
+                               ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
     lib.s2s_beam.restype = ctypes.c_int
     lib.s2s_beam.argtypes = [ctypes.POINTER(Model), ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
-                             ctypes.c_void_p, ctypes.c_long, *prefix, ctypes.c_long, ctypes.c_long, ctypes.c_double,
+                             ctypes.c_void_p, ctypes.c_long, *prefix, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+                             ctypes.c_double,
                              ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
                              ctypes.c_void_p, ctypes.c_void_p]
     lib.s2s_pack_f32.restype = ctypes.c_int
@@ -180,7 +181,7 @@ def model_why_not(model, decode, lang) -> Optional[str]:
         return "a coverage penalty"
     if decode.length_penalty not in LENGTH_PENALTIES or decode.stop not in ("exact", "early"):
         return f"decode.length_penalty {decode.length_penalty} or decode.stop {decode.stop}"
-    for key in ("no_repeat_ngram", "compile", "glossary", "markup"):
+    for key in ("compile", "glossary", "markup"):
         if getattr(decode, key):
             return f"decode.{key}"
     return None
@@ -388,10 +389,11 @@ class SearchModel:
         if decode.beam == 1:
             draws = (None, 1.0, 0, 1.0) if seeds is None else (
                 (ctypes.c_uint64 * B)(*seeds), decode.temperature, decode.top_k, decode.top_p)
-            rc = self.lib.s2s_greedy(model, B, src, S, src_len, longest, decode.min_len, *prefix, *draws, out, T,
-                                     out_len, logp if log_p else None)
+            rc = self.lib.s2s_greedy(model, B, src, S, src_len, longest, decode.min_len, *prefix, *draws,
+                                     decode.no_repeat_ngram, out, T, out_len, logp if log_p else None)
         else:
-            rc = self.lib.s2s_beam(model, B, src, S, src_len, longest, decode.min_len, *prefix, decode.beam, n,
+            rc = self.lib.s2s_beam(model, B, src, S, src_len, longest, decode.min_len, *prefix, decode.no_repeat_ngram,
+                                   decode.beam, n,
                                    decode.alpha, LENGTH_PENALTIES[decode.length_penalty], decode.stop == "exact", out,
                                    T, out_len, score, logp)
         if rc:

@@ -14,10 +14,12 @@
  *         z_t = (s_U Norm_dec(x)) W_U + b_U   (in fp32: the sums not rounded)
  *
  * (post-norm: x <- Norm(x + Sublayer(x)) and no final norms), searched greedily (y_t+1 = argmax_v
- * z_t[v]) or by beam search over log p = log_softmax(z_t) (s2s.search.beam_search), with the
- * search's rules (s2s.search.constrain): pad and <s> never chosen, </s> blocked while t < min_len
- * and the only choice at t = max_len - 1; a forced prefix's token (--prefix-file, a target
- * language's token) the only choice at its step, at the model's log p, before every rule.  Every product is s2s_bf16_linear's (W packed once into
+ * z_t[v]), by sampling (y_t+1 ~ q, s2s.search.sampling_distribution) or by beam search over log p =
+ * log_softmax(z_t) (s2s.search.beam_search), with the search's rules (s2s.search.constrain): pad
+ * and <s> never chosen, </s> blocked while t < min_len, no n-gram twice (decode.no_repeat_ngram),
+ * and </s> the only choice at t = max_len - 1; a forced prefix's token (--prefix-file, a target
+ * language's token) the only choice at its step, at the model's log p, before every rule.  Every
+ * product is s2s_bf16_linear's (W packed once into
  * AMX's tile layout, run on AMX or vdpbf16ps, x rounded to bf16, sums in fp32, y rounded to bf16)
  * or, for a model packed for int8, s2s_i8_linear's (W quantized once row by row, x row by row per
  * call, sums exact in int32, y rounded to bf16); with a shortlist, the output projection over the
@@ -552,6 +554,19 @@ static void block_specials(const s2s_model *m, float *z, long t, long min_len)
         z[m->eos_id] = -INFINITY;
 }
 
+/* The tokens v that would make (y_{t-n+2}, ..., y_t, v) an n-gram h (t tokens so far) already
+ * holds (s2s.search.block_repeated_ngrams: decode.no_repeat_ngram n; none before t >= n), each
+ * window's last token for every window whose first n - 1 are h's last n - 1, into banned (at
+ * most t of them); returns how many. */
+static long repeated_ngram_ends(const int32_t *h, long t, long n, int32_t *banned)
+{
+    long count = 0;
+    for (long j = 0; n > 0 && j + n <= t; j++)
+        if (!memcmp(h + j, h + t - n + 1, sizeof(int32_t) * (size_t)(n - 1)))
+            banned[count++] = h[j + n - 1];
+    return count;
+}
+
 /* ---- sampling (s2s.search.sampling_distribution): y ~ q ---- */
 
 /* the next of a row's random numbers, uniform in [0, 1): splitmix64 (Steele, Lea and Flood 2014)
@@ -680,8 +695,8 @@ static inline int32_t forced_token(const int32_t *prefix, long prefix_stride, co
  * NaN, -4 where a kernel failed (its scratch could not be allocated). */
 int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, const long *src_len,
                const long *max_len, long min_len, const int32_t *prefix, long prefix_stride, const long *prefix_len,
-               const uint64_t *seeds, float temperature, long top_k, float top_p, int32_t *out, long out_stride,
-               long *out_len, float *out_logp)
+               const uint64_t *seeds, float temperature, long top_k, float top_p, long no_repeat_ngram,
+               int32_t *out, long out_stride, long *out_len, float *out_logp)
 {
     if (!has_kernel(m))
         return -2;
@@ -692,6 +707,7 @@ int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, 
     long *live, *slot;
     float *best, *shift, *logp, *block_top, *forced_z, *w = NULL, *heap = NULL;
     int64_t *choice;
+    int32_t *banned = NULL;
     uint64_t *rng = NULL;
     weighted *by = NULL;
     const long V = m->vocab, k_heap = top_k > 0 && top_k < V ? top_k : 1;
@@ -703,6 +719,8 @@ int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, 
         CARVE(&c, forced_z, B);
         if (seeds)
             CARVE(&c, rng, B), CARVE(&c, w, V), CARVE(&c, by, V), CARVE(&c, heap, k_heap);
+        if (no_repeat_ngram > 0)
+            CARVE(&c, banned, T_max);
         if (!pass && !(c.base = thread_block(c.used)))
             return -1;
         c.used = 0;
@@ -733,6 +751,10 @@ int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, 
             const int32_t f = forced_token(prefix, prefix_stride, prefix_len, live[i], t);
             forced_z[i] = f >= 0 ? s.z[i * m->vocab + f] : 0.0f;
             block_specials(m, s.z + i * m->vocab, t, min_len);
+            const long n_banned = no_repeat_ngram > 0
+                ? repeated_ngram_ends(out + live[i] * out_stride, t, no_repeat_ngram, banned) : 0;
+            for (long j = 0; j < n_banned; j++)
+                s.z[i * m->vocab + banned[j]] = -INFINITY;
         }
         if (rc || s2s_argmax_rows_f32(s.z, m->vocab, N, m->vocab, best, choice)) {
             rc = -3;
@@ -805,8 +827,8 @@ static void keep_best(candidate *c, long n, long *have, float score, long index)
  * each beam's only continuation at its step.  Returns as s2s_greedy. */
 int s2s_beam(const s2s_model *m, long B, const int32_t *src, long src_stride, const long *src_len,
              const long *max_len, long min_len, const int32_t *prefix, long prefix_stride, const long *prefix_len,
-             long K, long nbest, double alpha, int lp_kind, int exact, int32_t *out, long out_stride, long *out_len,
-             float *out_score, float *out_logp)
+             long no_repeat_ngram, long K, long nbest, double alpha, int lp_kind, int exact, int32_t *out,
+             long out_stride, long *out_len, float *out_score, float *out_logp)
 {
     if (!has_kernel(m))
         return -2;
@@ -818,7 +840,7 @@ int s2s_beam(const s2s_model *m, long B, const int32_t *src, long src_stride, co
     batch s;
     long *sent, *slot, *row_of, *fin_len; /* row_of: the step's row i is beam row row_of[i] */
     int64_t *cols, *step_cols, *cols_next;
-    int32_t *hist, *hist_next, *fin_tok;
+    int32_t *hist, *hist_next, *fin_tok, *banned;
     float *score, *score_next, *fin_score, *fin_logp, *block_top;
     unsigned char *ended;
     candidate *cand;
@@ -830,6 +852,7 @@ int s2s_beam(const s2s_model *m, long B, const int32_t *src, long src_stride, co
         CARVE(&c, hist, R * T_max), CARVE(&c, hist_next, R * T_max), CARVE(&c, fin_tok, R * T_max);
         CARVE(&c, score, R), CARVE(&c, score_next, R), CARVE(&c, fin_score, R), CARVE(&c, fin_logp, R);
         CARVE(&c, block_top, V / SHIFT_BLOCK + 1), CARVE(&c, ended, B), CARVE(&c, cand, 2 * K);
+        CARVE(&c, banned, T_max);
         if (!pass && !(c.base = thread_block(c.used)))
             return -1;
         c.used = 0;
@@ -870,7 +893,7 @@ int s2s_beam(const s2s_model *m, long B, const int32_t *src, long src_stride, co
             long have = 0;
             for (long i = i0; i < i1; i++) {
                 const long r = row_of[i], k = r - b * K;
-                const float *zi = s.z + i * V;
+                float *zi = s.z + i * V;
                 /* log p = log_softmax(z), then the rules (s2s.search.constrain): pad and <s> never, </s>
                  * not while t < min_len, and at max_len </s> alone, at its log p (0 where blocked) */
                 const float shift = s2s_log_softmax_shift(zi, V, block_top);
@@ -883,6 +906,11 @@ int s2s_beam(const s2s_model *m, long B, const int32_t *src, long src_stride, co
                     keep_best(cand, 2 * K, &have, base + (zi[forced] - shift), k * V + forced);
                     continue;
                 }
+                /* no_repeat_ngram: the n-grams' ends blocked (after log p; the blocks' maxima stay bounds) */
+                const long n_banned = no_repeat_ngram > 0
+                    ? repeated_ngram_ends(hist + r * T_max, t, no_repeat_ngram, banned) : 0;
+                for (long j = 0; j < n_banned; j++)
+                    zi[banned[j]] = -INFINITY;
                 if (max_len[b] <= m_len) {
                     float eos = zi[m->eos_id] - shift;
                     if (t < min_len || isinf(eos))
