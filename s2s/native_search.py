@@ -164,9 +164,9 @@ def has_products(lib: ctypes.CDLL, products: str) -> bool:
 # When the route is taken
 # --------------------------------------------------------------------------- #
 
-def model_why_not(model, decode, lang) -> Optional[str]:
-    """Why a model (ModelConfig) with these decode settings (DecodeConfig) and language ids
-    (s2s.langs.LanguageIds) is not searched here, or None where it is."""
+def model_why_not(model, decode) -> Optional[str]:
+    """Why a model (ModelConfig) with these decode settings (DecodeConfig) is not searched here,
+    or None where it is."""
     if model.arch != "encoder_decoder":
         return f"model.arch {model.arch}"
     if model.positions not in ("sinusoidal", "learned"):
@@ -454,7 +454,8 @@ class SearchModel:
 def sample_seed(seed: int, line_no: int, sentence: int, k: int) -> int:
     """The random state that draws the tokens of sample k of a line's sentence (its first: 0; a
     --split-sentences line has more) with decode.seed ``seed``: splitmix64 over the four, so
-    that a line's draws are the same in any batch, chunk, worker or thread."""
+    that a line's draws are the same in any batch, chunk, worker or thread (but with
+    decode.shortlist, whose batch's union of lists is what q spans)."""
     x = 0
     for part in (seed, line_no, sentence, k):
         x = (x ^ part) + 0x9E3779B97F4A7C15 & MASK64
@@ -648,7 +649,7 @@ def _load(spec) -> NativeSearch:
     cfg, tok = load_spec(d)
     decode = model_decode_settings(d, cfg, spec.overrides, spec.defaults)
     lang = language_ids(tok.languages, tok.token_id, decode.tgt_lang)
-    why = model_why_not(cfg.model, decode, lang)
+    why = model_why_not(cfg.model, decode)
     if why is not None:
         raise _NotHere(why)
     if decode.split_sentences:

@@ -77,8 +77,10 @@ def encode_forced_starts(tok: "Tokenizer", lang: LanguageIds, prefixes: Optional
     starts = with_forced(lang.tgt_first, starts, len(line_nos))
     for n, start in zip(line_nos, starts or []):
         if len(start) >= cap:
-            raise S2SError(f"--prefix-file: line {n}: its prefix is {len(start)} target tokens, and the model's "
-                           f"outputs stop at {cap} (decode.max_output_tokens, or its position table)")
+            what = (f"--prefix-file: line {n}: its prefix is {len(start)} target tokens, and" if prefixes is not None
+                    else f"line {n}: the target language's token leaves no room for </s>:")
+            raise S2SError(f"{what} the model's outputs stop at {cap} "
+                           "(decode.max_output_tokens, or its position table)")
     return starts
 
 

@@ -890,6 +890,12 @@ def test_a_prefix_file_that_does_not_fit_names_its_line(env, tmp_path, capsys, m
     """--prefix-file: one line shorter than the input, or a prefix that leaves no room for </s>
     within decode.max_output_tokens, is an error naming the line, on either route; the lines
     before it are written."""
+    from s2s import native_search
+    from s2s.workers import TranslatorSpec
+
+    if "auto" in route and native_search.engine_for(TranslatorSpec((str(env["model"]),), precision="auto",
+                                                                    device="cpu")) is None:
+        pytest.skip("no torch-free search on this CPU (or for this model)")
     src = tmp_path / "in.txt"
     src.write_text("a\nb\nc\n")
     short = tmp_path / "short.txt"

@@ -627,27 +627,24 @@ static int heavier_first(const void *a, const void *b) /* w descending, then v a
 static int32_t sample_token(const float *z, long V, float top, float inv_t, long top_k, float top_p, float *w,
                             weighted *by, float *heap, uint64_t *state)
 {
-    const double all = s2s_exp_weights(z, V, top, inv_t, w); /* q's mass, times e^(-top / T) */
-    double kept = all;
+    s2s_exp_weights(z, V, top, inv_t, w);
+    const float kth = top_k > 0 && top_k < V ? kth_largest(z, V, top_k, heap) : -INFINITY;
+    double all = 0.0, kept = 0.0; /* q's mass (times e^(-top / T)), and top_k's share of it, summed as the draw sums */
     long n_kept = 0;
-    if (top_k > 0 && top_k < V) {
-        const float kth = kth_largest(z, V, top_k, heap);
-        kept = 0.0;
-        for (long v = 0; v < V; v++) {
-            if (z[v] < kth)
-                w[v] = 0.f;
-            kept += w[v];
-        }
-    }
-    for (long v = 0; v < V; v++)
+    for (long v = 0; v < V; v++) {
+        all += w[v];
+        if (z[v] < kth)
+            w[v] = 0.f;
+        kept += w[v];
         n_kept += w[v] > 0.f;
+    }
     if (top_p < 1.f && kept > top_p * all) {
         /* a token is kept while the mass before it is below top_p: those of weight at most
          * (kept - top_p all) / n_kept have at least top_p before them, so only the heavier are sorted */
         const double need = top_p * all, light = (kept - need) / (double)n_kept;
         long n = 0;
         for (long v = 0; v < V; v++)
-            if (w[v] > light)
+            if (w[v] > light || z[v] == top) /* (the most probable always: a top_p too small to hold it) */
                 by[n++] = (weighted){w[v], (int32_t)v};
         qsort(by, (size_t)n, sizeof *by, heavier_first);
         double before = 0.0;
@@ -766,7 +763,8 @@ int s2s_greedy(const s2s_model *m, long B, const int32_t *src, long src_stride, 
             const int32_t f = forced_token(prefix, prefix_stride, prefix_len, b, t);
             const float *zi = s.z + i * V;
             const int32_t y = f >= 0 ? f : max_len[b] <= t + 1 ? m->eos_id
-                : seeds ? sample_token(zi, V, best[i], 1.0f / temperature, top_k, top_p, w, by, heap, rng + b)
+                : seeds && !isinf(best[i]) /* (every token blocked: the argmax's 0, as greedy's) */
+                ? sample_token(zi, V, best[i], 1.0f / temperature, top_k, top_p, w, by, heap, rng + b)
                 : (int32_t)choice[i];
             if (out_logp) { /* at max_len </s> alone, at its own log p (0 where it is blocked) */
                 const float z = f >= 0 ? forced_z[i] : zi[y];
