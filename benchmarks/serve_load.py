@@ -19,6 +19,7 @@ The last line is one JSON object.
     python benchmarks/serve_load.py --model exp/qs
     python benchmarks/serve_load.py --model exp/qs --clients 32 --requests 500 --threads 2
     python benchmarks/serve_load.py --model exp/qs --min-len 20   # a barely trained model
+    python benchmarks/serve_load.py --model exp/qs --precision auto   # the torch-free search (both)
 """
 
 import argparse
@@ -163,6 +164,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the server and of translate.")
     ap.add_argument("--beam", type=int, default=None, help="Beam size (default: the model's).")
     ap.add_argument("--window-ms", type=float, default=5.0, help="The server's batching window.")
+    ap.add_argument("--precision", default="fp32", help="--precision of both (auto: the torch-free search "
+                                                        "where this CPU has its products).")
+    ap.add_argument("--quantize", default=None, help="--quantize of both (int8).")
     ap.add_argument("--min-len", type=int, default=None,
                     help="decode.min_len for both (an untrained model's outputs otherwise end at once).")
     args = ap.parse_args()
@@ -174,7 +178,8 @@ def main() -> None:
     sent = lines[:args.requests]  # the sentences the requests carry (repeated if more requests than lines)
     beam_args = [] if args.beam is None else ["--beam", str(args.beam)]
     beam_key = {} if args.beam is None else {"beam": args.beam}
-    serve_args = []
+    serve_args = ["--precision", args.precision] + ([] if args.quantize is None else ["--quantize", args.quantize])
+    beam_args += serve_args  # (translate takes the same two options)
     if args.min_len is not None:
         beam_args += ["--min-len", str(args.min_len)]
         serve_args += ["--set", f"decode.min_len={args.min_len}"]
@@ -191,7 +196,8 @@ def main() -> None:
     identical = sum(1 for i, text in run["answers"].items() if text == reference[i])
     result = {
         "model": args.model, "clients": args.clients, "requests": args.requests, "threads": args.threads,
-        "beam": args.beam, "min_len": args.min_len, "window_ms": args.window_ms,
+        "beam": args.beam, "min_len": args.min_len, "window_ms": args.window_ms, "precision": args.precision,
+        "quantize": args.quantize, "native_search": os.environ.get("S2S_NATIVE_SEARCH", "1") != "0",
         "server_req_s": round(req_s, 2), "p50_ms": round(p50, 1), "p99_ms": round(p99, 1),
         "batches": run["batches"], "texts_per_batch": round(run["texts"] / max(run["batches"], 1), 2),
         "failures": len(run["failures"]), "server_exit_code": run["exit_code"],

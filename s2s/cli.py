@@ -646,6 +646,10 @@ def serve(model: ModelOption,
           max_beam: int = typer.Option(16, help="The largest beam a request may ask for."),
           max_queue: int = typer.Option(16_384, help="Texts waiting to be translated; more: 503."),
           window_ms: float = typer.Option(5.0, help="How long a request waits for others to batch with."),
+          precision: str = typer.Option("fp32", help="fp32, bf16 or auto, as translate's: auto and bf16 search "
+                                                     "requests without alignments or a glossary without torch "
+                                                     "where this CPU has the products."),
+          quantize: Optional[str] = typer.Option(None, help="int8: as translate's --quantize."),
           set_: Optional[List[str]] = typer.Option(None, "--set", metavar="decode.KEY=VALUE",
                                                    help="A decode setting for every request, e.g. "
                                                         "--set decode.batch_tokens=2048 (repeatable).")):
@@ -662,7 +666,7 @@ def serve(model: ModelOption,
 
     limits = ServeLimits(max_texts=max_texts, max_chars=max_chars, max_beam=max_beam,
                          max_queued_texts=max_queue, window_ms=window_ms)
-    run_serve(model, host, port, limits, threads, decode_overrides(set_ or []))
+    run_serve(model, host, port, limits, threads, decode_overrides(set_ or []), precision, quantize)
 
 
 # --------------------------------------------------------------------------- #

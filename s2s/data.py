@@ -18,7 +18,6 @@ import hashlib
 import itertools
 import json
 import multiprocessing
-import os
 import signal
 from collections import Counter
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from s2s.errors import S2SError
 from s2s.langs import target_tag
 from s2s.textio import atomic_write, file_sha256, read_lines, resolve_corpus
 from s2s.tokenizer import BOS_ID, PAD_ID, Tokenizer, resolve_tokenizer_config, truncate  # noqa: F401 (truncate: importable from here too)
+from s2s.workerserver import usable_cores
 
 SPLITS = ("train", "dev", "test")
 DROP_REASONS = ("empty", "too_long", "length_ratio", "duplicate")
@@ -234,11 +234,6 @@ def _encode_in_worker(job: tuple[list[str], list[str], CleanRules]) -> EncodedCh
     return encode_chunk(_worker_tok, *job)
 
 
-def default_workers() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def encoded_chunks(pairs: Iterator[tuple[str, str]], rules: CleanRules, tok: Tokenizer,
                    pool=None, workers: int = 1
                    ) -> Iterator[tuple[list[str], list[str], EncodedChunk]]:
@@ -373,7 +368,7 @@ def prepare(cfg: ExperimentConfig, workers: int = 0) -> dict[str, CleanStats]:
     cfg = resolve_tokenizer_config(cfg)
     tok = Tokenizer.load(out, cfg.tokenizer, cfg.data)
     (out / "meta.json").unlink(missing_ok=True)  # written last: its presence means complete
-    workers = workers or default_workers()
+    workers = workers or usable_cores()
     all_stats: dict[str, CleanStats] = {}
     with contextlib.ExitStack() as pool_scope:
         pool = None

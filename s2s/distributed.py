@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from s2s.errors import S2SError
+from s2s.workerserver import usable_cores
 
 if TYPE_CHECKING:
     from s2s.config import ExperimentConfig
@@ -143,14 +144,6 @@ def under_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ or "RANK" in os.environ
 
 
-def cpu_cores() -> int:
-    """The cores this process may run on (its affinity mask, as taskset or a container sets it)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def memory_bytes() -> int:
     """Physical memory of this machine (0 when unknown)."""
     try:
@@ -216,7 +209,7 @@ def process_split(cfg: ExperimentConfig) -> tuple[int, int]:
     tc = cfg.train
     if under_torchrun() or tc.procs == 1:
         return 1, tc.threads
-    cores, gpus = cpu_cores(), torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cores, gpus = usable_cores(), torch.cuda.device_count() if torch.cuda.is_available() else 0
     if tc.procs == "auto":
         from s2s.trainer import check_prepared
 

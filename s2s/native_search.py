@@ -553,15 +553,21 @@ class NativeSearch:
 
         self.pool = pool
         try:
-            if self.decode.split_sentences:
-                from s2s.documents import translate_paragraphs
-
-                found = translate_paragraphs(self, lines, list(line_nos), prefixes)
-            else:
-                found = self.translate_sentences(lines, list(line_nos), prefixes)
+            found = self.translate_chunk(lines, list(line_nos), prefixes)
         finally:
             self.pool = None
         return [format_translation(t, self.fmt)[:-1] for t in found], sum(output_tokens(t) for t in found)
+
+    def translate_chunk(self, lines: Sequence[str], first_line_no: int | Sequence[int] = 1,
+                        prefixes: Optional[Sequence[str]] = None) -> list[Translation]:
+        """One Translation per line, as s2s.translate.Translator.translate_chunk gives it: each line
+        one input (:meth:`translate_sentences`), or with decode.split_sentences its sentences
+        searched and joined (s2s.documents.translate_paragraphs)."""
+        if self.decode.split_sentences:
+            from s2s.documents import translate_paragraphs
+
+            return translate_paragraphs(self, lines, first_line_no, prefixes)
+        return self.translate_sentences(lines, first_line_no, prefixes)
 
     def translate_stream(self, items: Iterator[Any], threads: int, chunk_lines: int, first_line_no: int,
                          write_chunk: Callable[[str, int, int], None], paired: bool = False) -> None:

@@ -5,7 +5,10 @@ only read, check and queue.  The worker takes the oldest queued request,
 waits out a short batching window from its arrival for company, then gathers
 every queued request with the same decode settings, up to
 ``decode.batch_tokens`` source tokens, runs one ``Translator.translate_chunk``
-over all their texts and hands each request its share.  Requests that arrive
+over all their texts and hands each request its share.  With ``--precision auto`` (or
+``bf16``, ``--quantize int8``) on a CPU the torch-free search takes, a request without
+alignments or a glossary is searched there instead (s2s.native_search), as ``s2s translate``
+searches plain lines.  Requests that arrive
 together are thus translated together, sorted by length into token-bounded
 batches as ``s2s translate`` does with a file; a request that waited while the
 worker was busy waits no longer.
@@ -37,7 +40,7 @@ import socket
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -50,6 +53,7 @@ from s2s.glossary import Glossary, check_entry
 from s2s.langs import Languages, language_ids
 from s2s.output import translation_json as output_json
 from s2s.translate import Translation, Translator
+from s2s.workerserver import usable_cores
 
 log = logging.getLogger("s2s")
 
@@ -247,8 +251,9 @@ class BatchingQueue:
     """
 
     def __init__(self, translator: Translator, window_s: float = 0.005, max_queued_texts: int = 16_384,
-                 batch_tokens: Optional[int] = None):
+                 batch_tokens: Optional[int] = None, engine: Any = None):
         self.translator = translator
+        self.engine = engine  # s2s.native_search.NativeSearch of the same model, or None
         self.base_decode, self.base_alignments = translator.decode, translator.alignments
         self.window_s = window_s
         self.max_queued_texts = max_queued_texts
@@ -334,16 +339,37 @@ class BatchingQueue:
         base = self.translator.glossary()
         return base.merged(dict(search.glossary), "request") if base else Glossary(dict(search.glossary), "request")
 
+    def _search_without_torch(self, decode: DecodeConfig, texts: list[str]) -> list[Translation]:
+        """``texts`` searched by the torch-free engine with a request's ``decode`` settings."""
+        engine = self.engine
+        base = engine.decode, engine.lang
+        engine.decode, engine.lang = decode, language_ids(engine.tok.languages, engine.tok.token_id, decode.tgt_lang)
+        try:
+            return engine.translate_chunk(texts)
+        finally:
+            engine.decode, engine.lang = base
+
+    def _search_with_torch(self, decode: DecodeConfig, search: SearchRequest, texts: list[str]) -> list[Translation]:
+        """``texts`` searched by torch's Translator with a request's ``decode`` settings, alignments
+        and glossary; its settings are the server's again before anyone hears of the result."""
+        self.translator.decode, self.translator.alignments = decode, search.alignments
+        try:
+            return self.translator.translate_chunk(texts, glossary=self._glossary(search))
+        finally:
+            self.translator.decode, self.translator.alignments = self.base_decode, self.base_alignments
+
     def _translate(self, group: list[_Job]) -> None:
         live = [job for job in group if job.future.set_running_or_notify_cancel()]  # not abandoned
         try:
             if live:
                 search = group[0].search
-                self.translator.decode = replace(self.base_decode, "decode.", beam=search.beam, nbest=search.nbest,
-                                                 tgt_lang=search.tgt_lang)
-                self.translator.alignments = search.alignments
-                found = self.translator.translate_chunk([t for job in live for t in job.texts],
-                                                        glossary=self._glossary(search))
+                decode = replace(self.base_decode, "decode.", beam=search.beam, nbest=search.nbest,
+                                 tgt_lang=search.tgt_lang)
+                texts = [t for job in live for t in job.texts]
+                if self.engine is not None and not search.alignments and not search.glossary:
+                    found = self._search_without_torch(decode, texts)
+                else:
+                    found = self._search_with_torch(decode, search, texts)
                 start = 0
                 for job in live:
                     job.future.set_result(found[start:start + len(job.texts)])
@@ -354,7 +380,6 @@ class BatchingQueue:
                 if not job.future.done():
                     job.future.set_exception(e)
         finally:
-            self.translator.decode, self.translator.alignments = self.base_decode, self.base_alignments
             with self._cond:
                 self._stats.requests += len(group)
                 self._stats.texts += sum(len(j.texts) for j in group)
@@ -397,15 +422,18 @@ async def _read_body(request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def build_app(translator: Translator, limits: ServeLimits = ServeLimits(), info: Optional[dict] = None):
+def build_app(translator: Translator, limits: ServeLimits = ServeLimits(), info: Optional[dict] = None,
+              engine: Any = None):
     """A FastAPI app serving ``translator`` through a BatchingQueue, started and drained by
-    the app's lifespan; ``info`` (e.g. :func:`model_info`) is what GET /info describes."""
+    the app's lifespan; ``info`` (e.g. :func:`model_info`) is what GET /info describes;
+    ``engine`` (s2s.native_search.engine_for of the same model and settings) searches the
+    requests it can take without torch."""
     _require_server_libraries()
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException
 
-    queue = BatchingQueue(translator, limits.window_ms / 1000, limits.max_queued_texts)
+    queue = BatchingQueue(translator, limits.window_ms / 1000, limits.max_queued_texts, engine=engine)
     can_align = translator.model.cfg.arch == "encoder_decoder"
 
     @contextlib.asynccontextmanager
@@ -491,15 +519,30 @@ def decode_overrides(items: Sequence[str]) -> dict:
 
 
 def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8080,
-          limits: ServeLimits = ServeLimits(), threads: int = 0, decode: Optional[dict] = None) -> None:
+          limits: ServeLimits = ServeLimits(), threads: int = 0, decode: Optional[dict] = None,
+          precision: str = "fp32", quantize: Optional[str] = None) -> None:
     """Load ``model_dir`` once and serve it until SIGTERM (drain, exit 143) or Ctrl-C (drain, 130).
     ``threads``: torch's intra-op threads for the worker (0: torch's default, one per core);
-    ``decode``: settings replacing the model's decode section (every request's defaults)."""
+    ``decode``: settings replacing the model's decode section (every request's defaults);
+    ``precision``, ``quantize``: as ``s2s translate``'s, the torch-free search taking the requests
+    it can where they give it products on this CPU (s2s.native_search)."""
     _require_server_libraries()
     import torch
 
-    translator = Translator.from_dirs([model_dir], decode=decode, threads=threads)
-    app = build_app(translator, limits, model_info(model_dir))
+    from s2s.native_search import engine_for
+    from s2s.workers import TranslatorSpec
+
+    translator = Translator.from_dirs([model_dir], decode=decode, threads=threads, precision=precision,
+                                      quantize=quantize)
+    engine = engine_for(TranslatorSpec((str(model_dir),), overrides=decode or {}, device="cpu", precision=precision,
+                                       quantize=quantize, scores=True))
+    if engine is not None:  # its threads search a batch's sorted batches at once, one core each
+        threads_searching = threads or usable_cores()
+        if threads_searching > 1:
+            engine.pool = ThreadPoolExecutor(threads_searching, thread_name_prefix="s2s-search")
+        log.info("requests without alignments or a glossary are searched without torch (%s products, %d threads)",
+                 "int8" if engine.model.int8 else "bf16", threads_searching)
+    app = build_app(translator, limits, model_info(model_dir), engine)
     sock = listen_socket(host, port)
     bound = sock.getsockname()
     shown = f"[{bound[0]}]" if sock.family == socket.AF_INET6 else bound[0]
@@ -515,3 +558,5 @@ def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8080,
     finally:
         signal.signal(signal.SIGTERM, previous)
         sock.close()
+        if engine is not None and engine.pool is not None:
+            engine.pool.shutdown(cancel_futures=True)

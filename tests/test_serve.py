@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -41,9 +42,9 @@ def dev_lines(corpus) -> list[str]:
 
 
 @contextlib.contextmanager
-def running(translator: Translator, limits: ServeLimits):
+def running(translator: Translator, limits: ServeLimits, engine=None):
     """The app on a free loopback port, served by uvicorn in a thread; yields (base URL, queue)."""
-    app = build_app(translator, limits, {"model": "test"})
+    app = build_app(translator, limits, {"model": "test"}, engine)
     sock = listen_socket("127.0.0.1", 0)
     server = uvicorn_server(app)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -152,6 +153,43 @@ def test_a_request_glossary_puts_its_terms_in_the_outputs(server, model_dir):
     assert [t["text"] for t in got] == [t.text for t in want]
     assert "Datei" in got[0]["text"] and "Hallo Welt" in got[1]["text"]
     assert [t["text"] for t in got[2:]] == Translator.from_dir(model_dir).translate(lines[2:])
+
+
+def test_plain_requests_are_searched_without_torch_where_the_cpu_takes_it(model_dir, dev_lines):
+    """s2s serve --precision auto: a request without alignments or a glossary is searched by the
+    torch-free engine (as `s2s translate --precision auto` would search its lines: texts, n-best
+    rows and scores alike), one with alignments by torch's Translator; the engine's settings are
+    the server's again after each batch; its threads search as one thread would."""
+    from s2s import native_search
+    from s2s.workers import TranslatorSpec
+
+    def engine(**decode):
+        return native_search.engine_for(TranslatorSpec((str(model_dir),), overrides=decode, device="cpu",
+                                                       precision="auto", scores=True))
+
+    served = engine()
+    if served is None:
+        pytest.skip("no torch-free search on this CPU")
+    served.pool = ThreadPoolExecutor(2)  # as s2s serve gives it: a batch's sorted batches searched at once
+    calls = []
+    search = served.translate_chunk
+    served.translate_chunk = lambda *args, **kw: calls.append(len(args[0])) or search(*args, **kw)
+    lines = dev_lines[:6] + [""]
+    limits = ServeLimits(max_texts=40, max_chars=3000, max_beam=4, window_ms=5)
+    with running(Translator.from_dirs([model_dir], precision="auto"), limits, served) as (url, queue):
+        got = translate(url, texts=lines, beam=3, nbest=2, scores=True)
+        want = engine(beam=3, nbest=2).translate_chunk(lines)
+        for t, g in zip(want, got):
+            hyps = [{"text": text, "score": round(confidence(h), 4)} for text, h in zip(t.texts, t.hypotheses)]
+            hyps = hyps or [{"text": "", "score": 0.0}]
+            assert g == {**hyps[0], "nbest": hyps}
+        greedy = translate(url, texts=lines, beam=1, scores=True)
+        assert [g["text"] for g in greedy] == [t.text for t in engine(beam=1).translate_chunk(lines)]
+        assert calls == [len(lines), len(lines)]
+        aligned = translate(url, texts=lines[:2], alignments=True)
+        assert calls == [len(lines), len(lines)] and all("alignment" in g for g in aligned)
+        assert served.decode == engine().decode and queue.translator.alignments is False
+    served.pool.shutdown()
 
 
 def test_info_describes_the_model(server):
