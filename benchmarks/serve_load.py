@@ -118,10 +118,13 @@ def load_server(model: str, lines: list[str], clients: int, total: int, threads:
                                         "--window-ms", window_ms, *serve_args),
                             stderr=subprocess.PIPE, text=True, env=environment())
     try:
-        line = proc.stderr.readline()
-        match = re.search(r"http://127\.0\.0\.1:(\d+)", line)
-        if not match:
-            raise SystemExit(f"serve_load: the server did not start: {line}{proc.stderr.read()}")
+        said = []  # the server's stderr up to the line with its address (its precision's lines before it)
+        while not (match := re.search(r"http://127\.0\.0\.1:(\d+)", said[-1] if said else "")):
+            line = proc.stderr.readline()
+            if not line:  # the server ended without serving
+                raise SystemExit(f"serve_load: the server did not start: {''.join(said)}")
+            said.append(line)
+        threading.Thread(target=proc.stderr.read, daemon=True).start()  # (drained, so that it never blocks)
         port = int(match.group(1))
         Client.next_index = 0
         Client(port, lines, 1, beam, {}).run()  # warm-up: one request before the clock starts
@@ -146,7 +149,8 @@ def load_server(model: str, lines: list[str], clients: int, total: int, threads:
     failures = [f for c in pool for f in c.failures]
     batches = after["batches"] - before["batches"]
     return {"seconds": seconds, "latencies": latencies, "failures": failures, "answers": answers,
-            "batches": batches, "texts": after["texts"] - before["texts"], "exit_code": code}
+            "batches": batches, "texts": after["texts"] - before["texts"], "exit_code": code,
+            "native_search": any("searched without torch" in line for line in said)}
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -197,7 +201,7 @@ def main() -> None:
     result = {
         "model": args.model, "clients": args.clients, "requests": args.requests, "threads": args.threads,
         "beam": args.beam, "min_len": args.min_len, "window_ms": args.window_ms, "precision": args.precision,
-        "quantize": args.quantize, "native_search": os.environ.get("S2S_NATIVE_SEARCH", "1") != "0",
+        "quantize": args.quantize, "native_search": run["native_search"],
         "server_req_s": round(req_s, 2), "p50_ms": round(p50, 1), "p99_ms": round(p99, 1),
         "batches": run["batches"], "texts_per_batch": round(run["texts"] / max(run["batches"], 1), 2),
         "failures": len(run["failures"]), "server_exit_code": run["exit_code"],

@@ -640,15 +640,16 @@ def info(path: Path = typer.Argument(..., help="A model directory or an experime
 def serve(model: ModelOption,
           host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface)."),
           port: int = typer.Option(8080, help="Port to listen on (0: a free one, printed on stderr)."),
-          threads: int = typer.Option(0, help="torch threads of the translating worker (0: torch's default)."),
+          threads: int = typer.Option(0, help="Threads of the translating worker: torch's, or the torch-free "
+                                              "search's (0: one per core)."),
           max_texts: int = typer.Option(1024, help="Texts per request; more are refused (413)."),
           max_chars: int = typer.Option(200_000, help="Characters per request; more are refused (413)."),
           max_beam: int = typer.Option(16, help="The largest beam a request may ask for."),
           max_queue: int = typer.Option(16_384, help="Texts waiting to be translated; more: 503."),
           window_ms: float = typer.Option(5.0, help="How long a request waits for others to batch with."),
-          precision: str = typer.Option("fp32", help="fp32, bf16 or auto, as translate's: auto and bf16 search "
-                                                     "requests without alignments or a glossary without torch "
-                                                     "where this CPU has the products."),
+          precision: str = typer.Option("fp32", help="fp32, bf16 or auto, as translate's: with auto, bf16 or "
+                                                     "--quantize int8 a request without alignments or a glossary "
+                                                     "is searched without torch where this CPU has the products."),
           quantize: Optional[str] = typer.Option(None, help="int8: as translate's --quantize."),
           set_: Optional[List[str]] = typer.Option(None, "--set", metavar="decode.KEY=VALUE",
                                                    help="A decode setting for every request, e.g. "

@@ -42,6 +42,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from dataclasses import replace as replace_field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -122,9 +123,11 @@ def _type_name(value: Any) -> str:
 
 
 def parse_request(body: bytes, decode: DecodeConfig, limits: ServeLimits,
-                  can_align: bool = True, languages: Optional[Languages] = None) -> TranslateRequest:
+                  can_align: bool = True, languages: Optional[Languages] = None,
+                  target_vocab: Optional[int] = None) -> TranslateRequest:
     """Check a POST /translate body; ``decode`` gives the defaults of beam, nbest and tgt_lang;
-    ``languages``: the model's (s2s.langs), which tgt_lang is checked against."""
+    ``languages``: the model's (s2s.langs), which tgt_lang is checked against; ``target_vocab``:
+    its V, the widest beam it can search."""
     try:
         data = json.loads(body)
     except ValueError as e:  # UnicodeDecodeError too
@@ -164,6 +167,8 @@ def parse_request(body: bytes, decode: DecodeConfig, limits: ServeLimits,
     nbest = decode.nbest if data.get("nbest") is None else data["nbest"]
     if beam > limits.max_beam:
         raise RequestError(422, f"beam: {beam} is over this server's limit of {limits.max_beam}")
+    if target_vocab is not None and beam > target_vocab:
+        raise RequestError(422, f"beam: {beam} is more than the {target_vocab} tokens of the target vocabulary")
     try:
         replace(decode, "", beam=beam, nbest=nbest)
     except ConfigError as e:
@@ -254,6 +259,10 @@ class BatchingQueue:
                  batch_tokens: Optional[int] = None, engine: Any = None):
         self.translator = translator
         self.engine = engine  # s2s.native_search.NativeSearch of the same model, or None
+        if engine is not None:
+            if engine.decode != translator.decode:  # (what it can take was judged by these settings)
+                raise ValueError("BatchingQueue: the torch-free engine's decode settings are not the translator's")
+            engine.fmt = replace_field(engine.fmt, scores=True)  # each hypothesis's log p: scores on request
         self.base_decode, self.base_alignments = translator.decode, translator.alignments
         self.window_s = window_s
         self.max_queued_texts = max_queued_texts
@@ -466,7 +475,8 @@ def build_app(translator: Translator, limits: ServeLimits = ServeLimits(), info:
     @app.post("/translate")
     async def translate(request: Request):
         body = await _read_body(request, limits.max_body_bytes)
-        req = parse_request(body, queue.base_decode, limits, can_align, translator.tok.languages)
+        req = parse_request(body, queue.base_decode, limits, can_align, translator.tok.languages,
+                            translator.target_vocab_size)
         found = await asyncio.wrap_future(queue.submit(req.texts, req.search))
         return {"translations": [translation_json(t, req) for t in found]}
 
@@ -559,4 +569,4 @@ def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8080,
         signal.signal(signal.SIGTERM, previous)
         sock.close()
         if engine is not None and engine.pool is not None:
-            engine.pool.shutdown(cancel_futures=True)
+            engine.pool.shutdown(wait=False, cancel_futures=True)  # (a forced exit may leave a batch searching)

@@ -183,13 +183,18 @@ class Translator:
     def decode(self) -> DecodeConfig:
         return self._decode
 
+    @property
+    def target_vocab_size(self) -> int:
+        """V, the output projection's rows: the widest beam a search can keep."""
+        return self.model.cfg.vocab_size or self.tok.tgt_vocab_size
+
     @decode.setter
     def decode(self, decode: DecodeConfig) -> None:
         """Decode settings, checked against the model: a beam wider than the target vocabulary V
         is an error (it would allocate K x V scores a step for nothing); output lengths are capped
         at decode.max_output_tokens and the learned position table, with a warning when
         max_len_b alone goes past them."""
-        V = self.model.cfg.vocab_size or self.tok.tgt_vocab_size
+        V = self.target_vocab_size
         if decode.beam > V:
             raise S2SError(f"decode.beam: {decode.beam} is more than the {V} tokens of the target vocabulary")
         warn_past_output_cap(self.model.cfg, decode)

@@ -167,9 +167,12 @@ def test_plain_requests_are_searched_without_torch_where_the_cpu_takes_it(model_
         return native_search.engine_for(TranslatorSpec((str(model_dir),), overrides=decode, device="cpu",
                                                        precision="auto", scores=True))
 
+    from s2s.output import OutputFormat
+
     served = engine()
     if served is None:
         pytest.skip("no torch-free search on this CPU")
+    served.fmt = OutputFormat()  # no scores asked for by translate's options: the queue asks for log p itself
     served.pool = ThreadPoolExecutor(2)  # as s2s serve gives it: a batch's sorted batches searched at once
     calls = []
     search = served.translate_chunk
@@ -179,17 +182,22 @@ def test_plain_requests_are_searched_without_torch_where_the_cpu_takes_it(model_
     with running(Translator.from_dirs([model_dir], precision="auto"), limits, served) as (url, queue):
         got = translate(url, texts=lines, beam=3, nbest=2, scores=True)
         want = engine(beam=3, nbest=2).translate_chunk(lines)
+        assert len(got) == len(want) == len(lines)
         for t, g in zip(want, got):
             hyps = [{"text": text, "score": round(confidence(h), 4)} for text, h in zip(t.texts, t.hypotheses)]
             hyps = hyps or [{"text": "", "score": 0.0}]
             assert g == {**hyps[0], "nbest": hyps}
         greedy = translate(url, texts=lines, beam=1, scores=True)
-        assert [g["text"] for g in greedy] == [t.text for t in engine(beam=1).translate_chunk(lines)]
+        assert greedy == [{"text": t.text, "score": round(confidence(t.hypotheses[0]), 4) if t.hypotheses else 0.0}
+                          for t in engine(beam=1).translate_chunk(lines)]
         assert calls == [len(lines), len(lines)]
         aligned = translate(url, texts=lines[:2], alignments=True)
         assert calls == [len(lines), len(lines)] and all("alignment" in g for g in aligned)
         assert served.decode == engine().decode and queue.translator.alignments is False
     served.pool.shutdown()
+    other = engine(alpha=0.37)
+    with pytest.raises(ValueError, match="the torch-free engine's decode settings are not the translator's"):
+        build_app(Translator.from_dirs([model_dir], precision="auto"), limits, engine=other)
 
 
 def test_info_describes_the_model(server):
@@ -241,6 +249,20 @@ def test_bad_requests_get_a_one_line_json_error(server, body, status, needle):
     error = json.loads(text)
     assert list(error) == ["error"] and needle in error["error"], error
     assert queue.stats().requests == before  # refused, never queued
+
+
+def test_a_beam_wider_than_the_target_vocabulary_is_refused(model_dir):
+    """Under a --max-beam above V, as on either route's search: 422, not a failed batch."""
+    from s2s.serve import RequestError, parse_request
+
+    translator = Translator.from_dir(model_dir)
+    V = translator.target_vocab_size
+    limits = ServeLimits(max_beam=V + 10)
+    assert parse_request(json.dumps({"texts": ["a"], "beam": V}).encode(), translator.decode, limits,
+                         target_vocab=V).search.beam == V
+    with pytest.raises(RequestError, match=f"beam: {V + 1} is more than the {V} tokens of the target vocabulary"):
+        parse_request(json.dumps({"texts": ["a"], "beam": V + 1}).encode(), translator.decode, limits,
+                      target_vocab=V)
 
 
 @pytest.mark.parametrize("path,method,status", [("/nope", "GET", 404), ("/translate", "GET", 405),
@@ -302,15 +324,26 @@ def test_a_full_queue_answers_503_and_the_queued_requests_still_complete(model_d
             Translator.from_dir(model_dir).translate(dev_lines[2:4])
 
 
-def test_sigterm_finishes_the_request_in_flight_then_exits(model_dir, dev_lines):
-    """The real command in a subprocess: SIGTERM while a long request is being translated."""
+@pytest.mark.parametrize("precision", ["fp32", "auto"])
+def test_sigterm_finishes_the_request_in_flight_then_exits(model_dir, dev_lines, precision):
+    """The real command in a subprocess: SIGTERM while a long request is being translated (with
+    --precision auto by the torch-free search where this CPU takes it, and said so before the
+    address, by two threads)."""
+    from s2s import native_search
+    from s2s.workers import TranslatorSpec
+
+    engine = native_search.engine_for(TranslatorSpec((str(model_dir),), overrides={"beam": 4}, device="cpu",
+                                                     precision=precision))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "s2s", "serve", "-m", str(model_dir), "--port", "0",
-                             "--threads", "1", "--set", "decode.beam=4"], stderr=subprocess.PIPE, text=True, env=env)
+                             "--threads", "2" if engine else "1", "--set", "decode.beam=4", "--precision", precision],
+                            stderr=subprocess.PIPE, text=True, env=env)
     try:
-        line = proc.stderr.readline()  # "s2s: serving DIR on http://127.0.0.1:PORT ..."
-        match = re.search(r"http://127\.0\.0\.1:(\d+)", line)
-        assert match, line
+        said = [proc.stderr.readline()]  # ... "s2s: serving DIR on http://127.0.0.1:PORT ..."
+        while said[-1] and not (match := re.search(r"http://127\.0\.0\.1:(\d+)", said[-1])):
+            said.append(proc.stderr.readline())
+        assert match, said
+        assert any("searched without torch (" in line and ", 2 threads)" in line for line in said) == bool(engine)
         url = f"http://127.0.0.1:{match.group(1)}"
         lines = (dev_lines * 2)[:32]
         answer: dict = {}
@@ -334,8 +367,9 @@ def test_sigterm_finishes_the_request_in_flight_then_exits(model_dir, dev_lines)
     status, text = answer["response"]
     assert status == 200, text
     assert answer["at"] > signalled  # the request was in flight when SIGTERM came, and was finished
-    assert [t["text"] for t in json.loads(text)["translations"]] == \
+    want = [t.text for t in engine.translate_chunk(lines)] if engine else \
         Translator.from_dir(model_dir, beam=4).translate(lines)
+    assert [t["text"] for t in json.loads(text)["translations"]] == want
     assert code == 143, err
     assert "Traceback" not in err and "stopped after 1 requests (32 texts in 1 batches)" in err, err
     assert err.strip().splitlines()[-1] == "s2s: terminated by SIGTERM", err
