@@ -431,6 +431,11 @@ async def _read_body(request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def products(engine) -> str:
+    """Which products a torch-free engine multiplies with: int8 or bf16."""
+    return "int8" if engine.model.int8 else "bf16"
+
+
 def build_app(translator: Translator, limits: ServeLimits = ServeLimits(), info: Optional[dict] = None,
               engine: Any = None):
     """A FastAPI app serving ``translator`` through a BatchingQueue, started and drained by
@@ -484,10 +489,13 @@ def build_app(translator: Translator, limits: ServeLimits = ServeLimits(), info:
     async def health():
         return {"status": "ok", **queue.stats().as_dict()}
 
+    arithmetic = {"torch": translator.precision + (" with int8 matrices" if translator.int8 else ""),
+                  "without_torch": None if engine is None else products(engine)}
+
     @app.get("/info")
     async def describe():
         return {**(info or {}), "s2s_version": __version__, "decode": asdict(queue.base_decode),
-                "limits": asdict(limits), "stats": queue.stats().as_dict()}
+                "arithmetic": arithmetic, "limits": asdict(limits), "stats": queue.stats().as_dict()}
 
     return app
 
@@ -551,7 +559,7 @@ def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8080,
         if threads_searching > 1:
             engine.pool = ThreadPoolExecutor(threads_searching, thread_name_prefix="s2s-search")
         log.info("requests without alignments or a glossary are searched without torch (%s products, %d threads)",
-                 "int8" if engine.model.int8 else "bf16", threads_searching)
+                 products(engine), threads_searching)
     app = build_app(translator, limits, model_info(model_dir), engine)
     sock = listen_socket(host, port)
     bound = sock.getsockname()

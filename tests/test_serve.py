@@ -194,6 +194,8 @@ def test_plain_requests_are_searched_without_torch_where_the_cpu_takes_it(model_
         aligned = translate(url, texts=lines[:2], alignments=True)
         assert calls == [len(lines), len(lines)] and all("alignment" in g for g in aligned)
         assert served.decode == engine().decode and queue.translator.alignments is False
+        arithmetic = json.loads(http(url + "/info")[1])["arithmetic"]
+        assert arithmetic["without_torch"] == ("int8" if served.model.int8 else "bf16")
     served.pool.shutdown()
     other = engine(alpha=0.37)
     with pytest.raises(ValueError, match="the torch-free engine's decode settings are not the translator's"):
@@ -206,6 +208,7 @@ def test_info_describes_the_model(server):
     info = json.loads(text)
     assert status == 200 and info["model"] == "test"
     assert info["decode"]["beam"] == 2 and info["limits"]["max_texts"] == 40
+    assert info["arithmetic"] == {"torch": "fp32", "without_torch": None}
     assert set(info["stats"]) == {"requests", "texts", "batches", "queued_texts", "in_flight"}
 
 
