@@ -124,7 +124,9 @@ def load_server(model: str, lines: list[str], clients: int, total: int, threads:
             if not line:  # the server ended without serving
                 raise SystemExit(f"serve_load: the server did not start: {''.join(said)}")
             said.append(line)
-        threading.Thread(target=proc.stderr.read, daemon=True).start()  # (drained, so that it never blocks)
+        tail: list[str] = []  # the rest, drained as it comes (so that the server never blocks on it)
+        drain = threading.Thread(target=lambda: tail.extend(proc.stderr), daemon=True)
+        drain.start()
         port = int(match.group(1))
         Client.next_index = 0
         Client(port, lines, 1, beam, {}).run()  # warm-up: one request before the clock starts
@@ -141,6 +143,7 @@ def load_server(model: str, lines: list[str], clients: int, total: int, threads:
         after = get(port, "/health")
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(120)
+        drain.join(10)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -150,7 +153,7 @@ def load_server(model: str, lines: list[str], clients: int, total: int, threads:
     batches = after["batches"] - before["batches"]
     return {"seconds": seconds, "latencies": latencies, "failures": failures, "answers": answers,
             "batches": batches, "texts": after["texts"] - before["texts"], "exit_code": code,
-            "native_search": any("searched without torch" in line for line in said)}
+            "native_search": any("searched without torch" in line for line in said), "server_said": tail}
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -212,6 +215,8 @@ def main() -> None:
     }
     for f in run["failures"][:5]:
         print(f"failure: {f}", file=sys.stderr)
+    if run["failures"] or run["exit_code"] != 143:  # what the server said after its address
+        print("".join(run["server_said"][-40:]), end="", file=sys.stderr)
     print(f"{'':24s}{'sentences/s':>12s}{'p50 ms':>9s}{'p99 ms':>9s}")
     print(f"{'s2s translate (file)':24s}{translate_lines_s:12.1f}{'':>9s}{'':>9s}")
     print(f"{f's2s serve ({args.clients} clients)':24s}{req_s:12.1f}{p50:9.1f}{p99:9.1f}")

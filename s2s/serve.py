@@ -577,4 +577,4 @@ def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8080,
         signal.signal(signal.SIGTERM, previous)
         sock.close()
         if engine is not None and engine.pool is not None:
-            engine.pool.shutdown(wait=False, cancel_futures=True)  # (a forced exit may leave a batch searching)
+            engine.pool.shutdown(wait=False, cancel_futures=True)  # (what has not started is dropped)

@@ -194,7 +194,9 @@ def test_plain_requests_are_searched_without_torch_where_the_cpu_takes_it(model_
         aligned = translate(url, texts=lines[:2], alignments=True)
         assert calls == [len(lines), len(lines)] and all("alignment" in g for g in aligned)
         assert served.decode == engine().decode and queue.translator.alignments is False
-        arithmetic = json.loads(http(url + "/info")[1])["arithmetic"]
+        arithmetic = json.loads(http(url + "/info")[1])["arithmetic"]  # (auto: the same products on both routes)
+        assert arithmetic in ({"torch": "fp32 with int8 matrices", "without_torch": "int8"},
+                              {"torch": "bf16", "without_torch": "bf16"})
         assert arithmetic["without_torch"] == ("int8" if served.model.int8 else "bf16")
     served.pool.shutdown()
     other = engine(alpha=0.37)
@@ -266,6 +268,9 @@ def test_a_beam_wider_than_the_target_vocabulary_is_refused(model_dir):
     with pytest.raises(RequestError, match=f"beam: {V + 1} is more than the {V} tokens of the target vocabulary"):
         parse_request(json.dumps({"texts": ["a"], "beam": V + 1}).encode(), translator.decode, limits,
                       target_vocab=V)
+    with running(translator, limits) as (url, _):  # the app passes V
+        status, text = http(url + "/translate", {"texts": ["a"], "beam": V + 1})
+        assert status == 422 and "is more than the" in json.loads(text)["error"], text
 
 
 @pytest.mark.parametrize("path,method,status", [("/nope", "GET", 404), ("/translate", "GET", 405),
@@ -342,13 +347,14 @@ def test_sigterm_finishes_the_request_in_flight_then_exits(model_dir, dev_lines,
                              "--threads", "2" if engine else "1", "--set", "decode.beam=4", "--precision", precision],
                             stderr=subprocess.PIPE, text=True, env=env)
     try:
-        said = [proc.stderr.readline()]  # ... "s2s: serving DIR on http://127.0.0.1:PORT ..."
+        said, match = [proc.stderr.readline()], None  # ... "s2s: serving DIR on http://127.0.0.1:PORT ..."
         while said[-1] and not (match := re.search(r"http://127\.0\.0\.1:(\d+)", said[-1])):
             said.append(proc.stderr.readline())
         assert match, said
         assert any("searched without torch (" in line and ", 2 threads)" in line for line in said) == bool(engine)
         url = f"http://127.0.0.1:{match.group(1)}"
-        lines = (dev_lines * 2)[:32]
+        n = 800 if engine else 32  # in flight long enough to be seen (the torch-free search is ~20x faster)
+        lines = (dev_lines * (n // len(dev_lines) + 1))[:n]
         answer: dict = {}
 
         def long_request() -> None:
@@ -371,10 +377,10 @@ def test_sigterm_finishes_the_request_in_flight_then_exits(model_dir, dev_lines,
     assert status == 200, text
     assert answer["at"] > signalled  # the request was in flight when SIGTERM came, and was finished
     want = [t.text for t in engine.translate_chunk(lines)] if engine else \
-        Translator.from_dir(model_dir, beam=4).translate(lines)
+        Translator.from_dirs([model_dir], decode={"beam": 4}, precision=precision).translate(lines)
     assert [t["text"] for t in json.loads(text)["translations"]] == want
     assert code == 143, err
-    assert "Traceback" not in err and "stopped after 1 requests (32 texts in 1 batches)" in err, err
+    assert "Traceback" not in err and f"stopped after 1 requests ({n} texts in 1 batches)" in err, err
     assert err.strip().splitlines()[-1] == "s2s: terminated by SIGTERM", err
     with pytest.raises(urllib.error.URLError):  # no longer listening
         urllib.request.urlopen(url + "/health", timeout=5)
