@@ -161,13 +161,12 @@ def test_plain_requests_are_searched_without_torch_where_the_cpu_takes_it(model_
     rows and scores alike), one with alignments by torch's Translator; the engine's settings are
     the server's again after each batch; its threads search as one thread would."""
     from s2s import native_search
+    from s2s.output import OutputFormat
     from s2s.workers import TranslatorSpec
 
     def engine(**decode):
         return native_search.engine_for(TranslatorSpec((str(model_dir),), overrides=decode, device="cpu",
                                                        precision="auto", scores=True))
-
-    from s2s.output import OutputFormat
 
     served = engine()
     if served is None:
