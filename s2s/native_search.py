@@ -255,7 +255,7 @@ class SearchModel:
                  shortlist: Optional[tuple[Any, int, Any, int]] = None, products: str = "bf16"):
         lib = library()
         m = cfg.model
-        self.lib, self.pad_id, self.int8 = lib, tok.pad_id, products == "int8"
+        self.lib, self.pad_id, self.products, self.int8 = lib, tok.pad_id, products, products == "int8"
         self._keep: list[Any] = []  # every buffer the struct points into
 
         def buffer(ctype, n: int):

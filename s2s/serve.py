@@ -53,7 +53,7 @@ from s2s.errors import ConfigError, S2SError
 from s2s.glossary import Glossary, check_entry
 from s2s.langs import Languages, language_ids
 from s2s.output import translation_json as output_json
-from s2s.translate import Translation, Translator
+from s2s.translate import Translation, Translator, check_beam_width
 from s2s.workerserver import usable_cores
 
 log = logging.getLogger("s2s")
@@ -167,10 +167,10 @@ def parse_request(body: bytes, decode: DecodeConfig, limits: ServeLimits,
     nbest = decode.nbest if data.get("nbest") is None else data["nbest"]
     if beam > limits.max_beam:
         raise RequestError(422, f"beam: {beam} is over this server's limit of {limits.max_beam}")
-    if target_vocab is not None and beam > target_vocab:
-        raise RequestError(422, f"beam: {beam} is more than the {target_vocab} tokens of the target vocabulary")
     try:
         replace(decode, "", beam=beam, nbest=nbest)
+        if target_vocab is not None:
+            check_beam_width(beam, target_vocab)
     except ConfigError as e:
         raise RequestError(422, str(e).removeprefix("decode.")) from None
     alignments = data.get("alignments", False)
@@ -431,11 +431,6 @@ async def _read_body(request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def products(engine) -> str:
-    """Which products a torch-free engine multiplies with: int8 or bf16."""
-    return "int8" if engine.model.int8 else "bf16"
-
-
 def build_app(translator: Translator, limits: ServeLimits = ServeLimits(), info: Optional[dict] = None,
               engine: Any = None):
     """A FastAPI app serving ``translator`` through a BatchingQueue, started and drained by
@@ -490,7 +485,7 @@ def build_app(translator: Translator, limits: ServeLimits = ServeLimits(), info:
         return {"status": "ok", **queue.stats().as_dict()}
 
     arithmetic = {"torch": translator.precision + (" with int8 matrices" if translator.int8 else ""),
-                  "without_torch": None if engine is None else products(engine)}
+                  "without_torch": None if engine is None else engine.model.products}
 
     @app.get("/info")
     async def describe():
@@ -559,7 +554,7 @@ def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8080,
         if threads_searching > 1:
             engine.pool = ThreadPoolExecutor(threads_searching, thread_name_prefix="s2s-search")
         log.info("requests without alignments or a glossary are searched without torch (%s products, %d threads)",
-                 products(engine), threads_searching)
+                 engine.model.products, threads_searching)
     app = build_app(translator, limits, model_info(model_dir), engine)
     sock = listen_socket(host, port)
     bound = sock.getsockname()

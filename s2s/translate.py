@@ -21,7 +21,7 @@ import torch
 from s2s.config import DecodeConfig, ExperimentConfig, check_arch_supports
 from s2s.constraints import pad_constraints, room_for_constraints, unmet_constraints
 from s2s.data import pad_sequences, teacher_forcing_input, tokenizer_fingerprint
-from s2s.errors import S2SError
+from s2s.errors import ConfigError, S2SError
 from s2s.glossary import Glossary, load_glossary
 from s2s.hypotheses import Hypothesis, Translation
 from s2s.langs import language_ids, with_forced
@@ -99,6 +99,13 @@ def attention_map(translator: "Translator", src: str, tgt: Optional[str] = None,
     A = cross_attention(model, torch.tensor([src_ids], device=on), torch.tensor([tgt_ids], device=on),
                         layer, tok.bos_id)[0].cpu()
     return AttentionMap(A, [tok.piece(i, "src") for i in src_ids], [tok.piece(i) for i in tgt_ids])
+
+
+def check_beam_width(K: int, V: int) -> None:
+    """A beam of K hypotheses over a target vocabulary of V tokens: K <= V, else an error (it would
+    allocate K x V scores a step for nothing)."""
+    if K > V:
+        raise ConfigError(f"decode.beam: {K} is more than the {V} tokens of the target vocabulary")
 
 
 def hard_alignment(A: torch.Tensor, src_len: int, tgt_len: int) -> list[tuple[int, int]]:
@@ -183,20 +190,13 @@ class Translator:
     def decode(self) -> DecodeConfig:
         return self._decode
 
-    @property
-    def target_vocab_size(self) -> int:
-        """V, the output projection's rows: the widest beam a search can keep."""
-        return self.model.cfg.vocab_size or self.tok.tgt_vocab_size
-
     @decode.setter
     def decode(self, decode: DecodeConfig) -> None:
         """Decode settings, checked against the model: a beam wider than the target vocabulary V
         is an error (it would allocate K x V scores a step for nothing); output lengths are capped
         at decode.max_output_tokens and the learned position table, with a warning when
         max_len_b alone goes past them."""
-        V = self.target_vocab_size
-        if decode.beam > V:
-            raise S2SError(f"decode.beam: {decode.beam} is more than the {V} tokens of the target vocabulary")
+        check_beam_width(decode.beam, self.target_vocab_size)
         warn_past_output_cap(self.model.cfg, decode)
         if decode.split_sentences:
             from s2s.documents import require_splitter
@@ -204,6 +204,11 @@ class Translator:
             require_splitter()
         self.lang = language_ids(self.tok.languages, self.tok.token_id, decode.tgt_lang)  # s2s.langs
         self._decode = decode
+
+    @property
+    def target_vocab_size(self) -> int:
+        """V, the output projection's rows: the widest beam a search can keep."""
+        return self.model.cfg.vocab_size or self.tok.tgt_vocab_size
 
     def output_cap(self, decode: DecodeConfig) -> int:
         """The longest output (s2s.modeldir.output_cap)."""
