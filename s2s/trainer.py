@@ -404,14 +404,16 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
 
     # ---- one update -------------------------------------------------- #
-    def train_step(self, batches: list[Batch]) -> tuple[Tensor, bool, tuple[int, int]]:
+    def train_step(self, batches: list[Batch]) -> tuple[Tensor, bool, tuple]:
         """Forward/backward over this rank's batches of the update, one AdamW update.
 
         Returns the summed label-smoothed loss, whether the update was applied
         (a non-finite loss or gradient skips it), and the update's (target,
         source + target) token counts; over all ranks when data-parallel.  Where the
         device skips non-finite updates itself (:func:`skips_on_device`) nothing is read
-        back: the update counts as applied here and :meth:`check_skipped` tells later.
+        back: the update counts as applied here and :meth:`check_skipped` tells later, its
+        loss is 0, and a third count, on the device, is its target tokens or 0 when skipped
+        (those of :meth:`LogWindow.mean_loss`).
         """
         if self.bf16 is not None:
             self.bf16.refresh()  # theta_16 = bf16(theta), once per update
@@ -419,11 +421,8 @@ class Trainer:
         self.work.train()
         n_tgt = sum(b.n_tgt_tokens for b in batches)
         n_all = n_tgt + sum(b.n_src_tokens for b in batches)
-        total = torch.zeros((), device=self.device)
         # one process: gradients of L / n_tokens; data-parallel: of L, divided after the all-reduce
-        scale = n_tgt if self.world.size == 1 else 1
-        for b in batches:
-            total += self.forward_backward(b.to(self.device, non_blocking=True), scale)
+        total = self.accumulate_gradients(batches, n_tgt if self.world.size == 1 else 1)
         if self.world.size > 1:
             summed = all_reduce_update(self.model.parameters(),
                                        torch.stack([total, total.new_tensor(float(n_tgt)),
@@ -445,7 +444,7 @@ class Trainer:
             self.skipped += bad
             self.skipped_in_a_row = (self.skipped_in_a_row + 1) * bad
             self.optimizer.zero_grad(set_to_none=True)
-            return torch.where(finite, total, 0.0), True, (n_tgt, n_all)
+            return torch.where(finite, total, 0.0), True, (n_tgt, n_all, finite * n_tgt)  # tokens of the mean loss
         ok = bool(finite)  # one host sync (free on a CPU, which computes synchronously)
         if ok:
             self.optimizer.step()
@@ -466,41 +465,70 @@ class Trainer:
                            f"then {restart_advice(self.run_dir)}")
         return skipped
 
-    def forward_backward(self, b: Batch, n_tokens: int) -> Tensor:
-        """Loss and gradients of one batch (gradients scaled by 1/n_tokens of the update).
+    def accumulate_gradients(self, batches: list[Batch], n_tokens: int) -> Tensor:
+        """The update's summed loss, and the gradients of its batches (scaled by 1/n_tokens) in .grad.
 
-        A batch that runs out of memory is split in two halves with a warning
-        naming its size (recursively; one sentence that does not fit is an error).
+        A batch that runs out of memory is split in two halves with a warning naming its size
+        (recursively; one sentence that does not fit is an error).  The gradients stay exactly
+        those of the whole batches: a bf16 pass writes the bf16 copy's own .grad, added to the
+        fp32 ones only when it ends, so a failed pass's are dropped; an fp32 pass writes the
+        model's .grad as its backward goes, so after a failed one the update's gradients are
+        dropped and its batches run again from the first, the failed one in halves.
         """
+        pending = list(batches)
+        total = torch.zeros((), device=self.device)
+        i = 0
+        while i < len(pending):
+            loss = self.forward_backward(pending[i].to(self.device, non_blocking=True), n_tokens)
+            if loss is not None:
+                total += loss
+                i += 1
+                continue
+            pending[i:i + 1] = self.halves_of_too_big(pending[i])
+            if self.bf16 is None:  # part of the failed pass's gradient may be in .grad
+                self.optimizer.zero_grad(set_to_none=True)
+                total, i = torch.zeros((), device=self.device), 0
+        return total
+
+    def forward_backward(self, b: Batch, n_tokens: int) -> Optional[Tensor]:
+        """The loss of one batch, its gradients (scaled by 1/n_tokens of the update) added to
+        .grad; None when it ran out of memory (the bf16 copy's partial gradients dropped, the
+        GPU's cached blocks freed)."""
         try:
-            pad, kd = self.tok.pad_id, self.tc.distill
-            teacher_scores = None
-            if self.teacher is not None:
-                with torch.no_grad(), self.autocast():
-                    teacher_scores = self.teacher(b.src, b.tgt_in, keep=b.tgt_out != pad)  # (n, V)
-            loss, objective = self.objective(self.work, b.src, b.tgt_in, b.tgt_out, pad, self.tc.label_smoothing,
-                                             self.tc.coverage_weight, teacher_scores, kd.lambda_, kd.temperature)
-            (objective / n_tokens).backward()
-            if self.bf16 is not None:
-                self.bf16.accumulate_grads()  # grad theta += fp32(grad theta_16)
-            return loss.detach()
+            return self._forward_backward(b, n_tokens)
         except RuntimeError as e:  # torch.OutOfMemoryError on a GPU; a failed allocation on the CPU
             if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
                 raise
-            teacher_scores = loss = objective = None  # drop the references before retrying
-            if self.bf16 is not None:
-                for p in self.work.parameters():
-                    p.grad = None  # the failed pass's partial gradients
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            shape = f"{len(b)} sentences x {b.src.size(1)} source / {b.tgt_in.size(1)} target tokens"
-            if len(b) == 1:
-                raise S2SError(f"step {self.state.step + 1}: out of memory on one sentence ({shape}); "
-                               "lower data.max_tokens_per_sentence") from None
-            log.warning("step %d: a batch of %s ran out of memory; splitting it in two",
-                        self.state.step + 1, shape)
-            first, second = b.halves()
-            return self.forward_backward(first, n_tokens) + self.forward_backward(second, n_tokens)
+        # past the except block: its traceback, which held every frame of the failed pass and
+        # their activations, is gone, so their memory is free before the halves run
+        if self.bf16 is not None:
+            for p in self.work.parameters():
+                p.grad = None  # the failed pass's partial gradients
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return None
+
+    def _forward_backward(self, b: Batch, n_tokens: int) -> Tensor:
+        pad, kd = self.tok.pad_id, self.tc.distill
+        teacher_scores = None
+        if self.teacher is not None:
+            with torch.no_grad(), self.autocast():
+                teacher_scores = self.teacher(b.src, b.tgt_in, keep=b.tgt_out != pad)  # (n, V)
+        loss, objective = self.objective(self.work, b.src, b.tgt_in, b.tgt_out, pad, self.tc.label_smoothing,
+                                         self.tc.coverage_weight, teacher_scores, kd.lambda_, kd.temperature)
+        (objective / n_tokens).backward()
+        if self.bf16 is not None:
+            self.bf16.accumulate_grads()  # grad theta += fp32(grad theta_16)
+        return loss.detach()
+
+    def halves_of_too_big(self, b: Batch) -> tuple[Batch, Batch]:
+        """A batch that ran out of memory, in two halves with a warning; one sentence: an error."""
+        shape = f"{len(b)} sentences x {b.src.size(1)} source / {b.tgt_in.size(1)} target tokens"
+        if len(b) == 1:
+            raise S2SError(f"step {self.state.step + 1}: out of memory on one sentence ({shape}); "
+                           "lower data.max_tokens_per_sentence")
+        log.warning("step %d: a batch of %s ran out of memory; splitting it in two", self.state.step + 1, shape)
+        return b.halves()
 
     # ---- validation -------------------------------------------------- #
     @torch.inference_mode()
@@ -689,7 +717,7 @@ class Trainer:
         """One metrics.jsonl line and a progress update: the mean loss since the last one."""
         st = self.state
         seconds = max(time.time() - window.started, 1e-9)
-        mean = float(window.loss) / max(window.tgt_tokens, 1)  # the only host sync of the window
+        mean = window.mean_loss()  # the window's host sync (its only one)
         rate = window.all_tokens / seconds
         lr = self.optimizer.param_groups[0]["lr"]
         elapsed = self.elapsed()

@@ -16,6 +16,7 @@ from s2s.model import make_model
 from s2s.model.attention import MultiHeadAttention
 from s2s.model.layers import FeedForward
 from s2s.precision import Bf16Copy, auto_precision
+from s2s.runlog import LogWindow
 from s2s.trainer import make_trainer, train
 from tests.test_train import nan_on
 
@@ -184,11 +185,17 @@ def test_device_side_skip_leaves_weights_and_moments(prepared, tmp_path, monkeyp
     t = make_trainer(load_config(prepared, NO_DROPOUT), tmp_path / "run", show_progress=False)
     assert t.optimizer.defaults["fused"]
     b = t.train_data.batch(t.epoch_batches(0)[0])
-    t.train_step([b])  # finite: applied
+    window = LogWindow()
+    loss, _, counts = t.train_step([b])  # finite: applied
+    window.add(loss, *counts)
     before = [p.detach().clone() for p in t.model.parameters()]
     moments = {k: v.clone() for k, v in t.optimizer.state[next(t.model.parameters())].items()}
-    loss, ok, _ = t.train_step([b])  # NaN: skipped on the device, nothing read back
+    loss, ok, counts = t.train_step([b])  # NaN: skipped on the device, nothing read back
     assert ok and float(loss) == 0.0 and int(t.skipped) == 1 and int(t.skipped_in_a_row) == 1
+    assert counts[:2] == (b.n_tgt_tokens, b.n_tgt_tokens + b.n_src_tokens) and int(counts[2]) == 0
+    applied = window.mean_loss()
+    window.add(loss, *counts)
+    assert window.mean_loss() == pytest.approx(applied)  # the skipped update's tokens are not in the mean
     assert all(torch.equal(p, q) for p, q in zip(t.model.parameters(), before))
     for k, v in t.optimizer.state[next(t.model.parameters())].items():
         assert torch.equal(v, moments[k]), k

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -324,36 +325,76 @@ def test_non_finite_weights_are_never_written(prepared, tmp_path):
     assert not [p for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith(".")]
 
 
-def test_a_batch_out_of_memory_is_split(prepared, tmp_path, monkeypatch, caplog):
-    """A batch that does not fit is split in halves with a warning; the gradient is the same."""
+class OutOfMemoryInBackward(torch.autograd.Function):
+    """Identity; its backward runs out of memory (simulated), after the decoder's parameters
+    have had their gradients added to .grad."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_batch_out_of_memory_is_split(prepared, tmp_path, monkeypatch, caplog, precision, where):
+    """A batch that does not fit is split in halves with a warning; the update's gradient is the
+    same, also when the failed pass was the update's second batch and ran out of memory in its
+    backward, part of its gradient already added to .grad."""
     from s2s.model import Seq2SeqTransformer
     from s2s.trainer import make_trainer
 
-    trainer = make_trainer(load_config(prepared, ["model.dropout=0"]), tmp_path / "run", show_progress=False)
-    batch = trainer.train_data.batch(trainer.epoch_batches(0)[0])
-    assert len(batch) > 3
+    cfg = load_config(prepared, ["model.dropout=0", f"train.precision={precision}"])
+    trainer = make_trainer(cfg, tmp_path / "run", show_progress=False)
+    idx = trainer.epoch_batches(0)[0]
+    assert len(idx) > 6
+    batches = [trainer.train_data.batch(idx[:3]), trainer.train_data.batch(idx[3:])]  # the second too big
+    n_tokens = sum(b.n_tgt_tokens for b in batches)
     trainer.model.train()
-    whole = trainer.forward_backward(batch, batch.n_tgt_tokens)
+    if trainer.bf16 is not None:
+        trainer.bf16.refresh()
+    whole = trainer.accumulate_gradients(batches, n_tokens)
     grads = [p.grad.clone() for p in trainer.model.parameters()]
-    trainer.optimizer.zero_grad()
-    real = Seq2SeqTransformer.forward
+    trainer.optimizer.zero_grad(set_to_none=True)
+    real_forward, real_encode = Seq2SeqTransformer.forward, Seq2SeqTransformer.encode
+
+    failed_activations, alive_at_a_retry = [], []
 
     def small_batches_only(self, src, tgt_in, return_attention=False, keep=None, head=True):
         if src.size(0) > 3:
+            activations = torch.ones(64, 64)  # what the failed pass's frames hold
+            failed_activations.append(weakref.ref(activations))
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(self, src, tgt_in, return_attention, keep, head)
+        alive_at_a_retry.append(any(r() is not None for r in failed_activations))
+        return real_forward(self, src, tgt_in, return_attention, keep, head)
 
-    monkeypatch.setattr(Seq2SeqTransformer, "forward", small_batches_only)
-    split = trainer.forward_backward(batch, batch.n_tgt_tokens)
-    assert "ran out of memory; splitting it in two" in caplog.text
+    def encode_failing_backward(self, src):
+        enc = real_encode(self, src)
+        if src.size(0) > 3:
+            enc.h_enc = OutOfMemoryInBackward.apply(enc.h_enc)
+        return enc
+
+    if where == "forward":
+        monkeypatch.setattr(Seq2SeqTransformer, "forward", small_batches_only)
+    else:
+        monkeypatch.setattr(Seq2SeqTransformer, "encode", encode_failing_backward)
+    split = trainer.accumulate_gradients(batches, n_tokens)
+    assert caplog.text.count("ran out of memory; splitting it in two") == 1 + (len(idx) - 3 > 6)
     assert float(split) == pytest.approx(float(whole), rel=1e-5)
-    for g, p in zip(grads, trainer.model.parameters()):
-        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
-    one = trainer.train_data.batch(trainer.epoch_batches(0)[0][:1])
+    assert not any(alive_at_a_retry)  # the halves ran after the failed pass's memory was freed
+    for (name, p), g in zip(trainer.model.named_parameters(), grads):
+        if precision == "fp32":
+            torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+        else:  # bf16 passes of other sizes round otherwise; a gradient counted twice is off by ~1
+            assert float((p.grad - g).norm() / g.norm()) < 0.02, name
+    one = trainer.train_data.batch(idx[:1])
     monkeypatch.setattr(Seq2SeqTransformer, "forward", lambda *a, **k: (_ for _ in ()).throw(
         torch.OutOfMemoryError("simulated")))
     with pytest.raises(S2SError, match="out of memory on one sentence"):
-        trainer.forward_backward(one, one.n_tgt_tokens)
+        trainer.accumulate_gradients([one], one.n_tgt_tokens)
 
 
 def test_metrics_go_to_tensorboard_when_installed(prepared, tmp_path, monkeypatch):
