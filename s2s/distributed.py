@@ -209,7 +209,11 @@ def process_split(cfg: ExperimentConfig) -> tuple[int, int]:
     tc = cfg.train
     if under_torchrun() or tc.procs == 1:
         return 1, tc.threads
-    cores, gpus = usable_cores(), torch.cuda.device_count() if torch.cuda.is_available() else 0
+    from s2s.device import resolve_device
+
+    cores = usable_cores()
+    # the GPUs the ranks would take (init_world): none where train.device is not CUDA
+    gpus = torch.cuda.device_count() if resolve_device(tc.device, "train.device").type == "cuda" else 0
     if tc.procs == "auto":
         from s2s.trainer import check_prepared
 

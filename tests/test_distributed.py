@@ -130,6 +130,26 @@ def test_auto_procs_one_process_per_core_while_memory_allows():
     assert auto_procs(cores=16, threads=0, per_process=small, memory=24 * GB, gpus=1) == 1  # one per GPU
 
 
+def test_train_procs_count_gpus_only_when_training_on_them(monkeypatch):
+    """On a machine with 2 GPUs: train.device cpu runs any number of CPU processes; cuda (or auto)
+    needs one GPU per process."""
+    from s2s.config import ExperimentConfig, TrainConfig
+    from s2s.distributed import process_split
+    from s2s.errors import S2SError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for name in ("WORLD_SIZE", "RANK"):  # not under torchrun
+        monkeypatch.delenv(name, raising=False)
+
+    def split(device):
+        return process_split(ExperimentConfig(train=TrainConfig(procs=4, threads=1, device=device)))
+    assert split("cpu") == (4, 1)
+    for device in ("cuda", "auto"):
+        with pytest.raises(S2SError, match="4 processes need one GPU each; this machine has 2"):
+            split(device)
+
+
 def test_two_processes_match_one_process_on_the_combined_batches(prepared, one_process, tmp_path):
     two = _train(prepared, tmp_path / "two", update_freq=1, nproc=2)
     _assert_rank_0_speaks(_train.proc, two)
