@@ -129,14 +129,24 @@ class Shortlist:
     top: Tensor  # (V_src, k) int32: each source piece's k target pieces, -1 padded
     frequent: Tensor  # (F,) int32: the most frequent target pieces
     settings: dict  # k, frequent, score, sentences: how it was built
+    _on: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # device -> (top, frequent)
+
+    def tables_on(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """(top, frequent) on ``device``, copied there once (not with every batch)."""
+        if device == self.top.device:
+            return self.top, self.frequent
+        if device not in self._on:
+            self._on[device] = (self.top.to(device), self.frequent.to(device))
+        return self._on[device]
 
     def subset(self, src: Tensor, always: Sequence[int] = ()) -> Tensor:
         """The batch's target ids: the union of its source pieces' lists, the frequent
         pieces and ``always`` (special ids, a forced prefix's ids) -> (V',) int64, ascending.
         src (B, S) source ids (padding included: the pad's list is the frequent pieces')."""
-        listed = self.top.to(src.device)[src.flatten()].flatten()  # (B * S * k,)
+        top, frequent = self.tables_on(src.device)
+        listed = top[src.flatten()].flatten()  # (B * S * k,)
         extra = torch.tensor(list(always), dtype=torch.long, device=src.device)
-        ids = torch.cat([listed[listed >= 0].long(), self.frequent.to(src.device).long(), extra])
+        ids = torch.cat([listed[listed >= 0].long(), frequent.long(), extra])
         return torch.unique(ids)  # sorted
 
 

@@ -113,6 +113,16 @@ def test_builder_counts_across_chunks():
     assert c_s.tolist() == [sum(x in set(p[0].tolist()) for p in pairs) for x in range(V)]
 
 
+def test_the_tables_move_to_another_device_once():
+    sl = Shortlist(torch.tensor([[1, -1], [2, 3]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32), {})
+    top, frequent = sl.tables_on(torch.device("cpu"))
+    assert top is sl.top and frequent is sl.frequent
+    top, frequent = sl.tables_on(torch.device("meta"))  # a GPU's place in a batch's subset()
+    assert top.device.type == frequent.device.type == "meta" and top.shape == (2, 2)
+    again = sl.tables_on(torch.device("meta"))
+    assert again[0] is top and again[1] is frequent
+
+
 def test_save_and_load_round_trip(tmp_path):
     sl = Shortlist(torch.tensor([[1, -1], [2, 3]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
                    {"k": 2, "frequent": 1, "score": "dice", "sentences": 1})
