@@ -39,6 +39,8 @@ def resolve_device(name: str = "auto", key: str = "--device"):
         index = int(name.split(":")[1]) if ":" in name else 0
         if index >= torch.cuda.device_count():
             raise S2SError(f"{key}: {name}: there are only {torch.cuda.device_count()} CUDA devices")
+        if ":" in name:  # the current device too: what torch does on "the" GPU (its cache of freed
+            torch.cuda.set_device(index)  # blocks, page-locked memory, the bf16 query) is on this one
         return torch.device(name)
     if name == "mps" and not torch.backends.mps.is_available():
         raise S2SError(f"{key}: mps: torch sees no Apple GPU (Metal Performance Shaders); use --device cpu or auto")

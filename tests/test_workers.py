@@ -364,6 +364,24 @@ def test_cli_device(model_dir, device):
         assert err.count("\n") == 1 and r.stdout == b""
 
 
+def test_cuda_n_becomes_the_current_device(monkeypatch):
+    """--device cuda:1 on a machine with two GPUs: torch's current device is GPU 1 as well (its
+    cache, page-locked memory and bf16 query act on the current one); plain cuda leaves it."""
+    import torch
+
+    from s2s.device import resolve_device
+
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1) and made_current == [1]
+    assert resolve_device("cuda") == torch.device("cuda") and made_current == [1]
+    with pytest.raises(S2SError, match="--device: cuda:2: there are only 2 CUDA devices"):
+        resolve_device("cuda:2")
+    assert made_current == [1]
+
+
 def test_train_device_is_checked():
     from s2s.config import TrainConfig
     from s2s.errors import ConfigError
