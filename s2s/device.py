@@ -39,9 +39,18 @@ def resolve_device(name: str = "auto", key: str = "--device"):
         index = int(name.split(":")[1]) if ":" in name else 0
         if index >= torch.cuda.device_count():
             raise S2SError(f"{key}: {name}: there are only {torch.cuda.device_count()} CUDA devices")
-        if ":" in name:  # the current device too: what torch does on "the" GPU (its cache of freed
-            torch.cuda.set_device(index)  # blocks, page-locked memory, the bf16 query) is on this one
         return torch.device(name)
     if name == "mps" and not torch.backends.mps.is_available():
         raise S2SError(f"{key}: mps: torch sees no Apple GPU (Metal Performance Shaders); use --device cpu or auto")
     return torch.device(name)
+
+
+def use_device(device) -> None:
+    """Make ``device`` torch's current one where it keeps one (``cuda:N``), so that what torch
+    does on "the" GPU (its cache of freed blocks, page-locked memory, the bf16 query) is on
+    GPU N.  Called by the process that computes there, not by one that only checks a name
+    (a launcher would hold a CUDA context on GPU N for the whole run)."""
+    if device.type == "cuda" and device.index is not None:
+        import torch
+
+        torch.cuda.set_device(device)

@@ -92,12 +92,13 @@ def init_world(device: str = "auto") -> tuple[World, torch.device]:
     LOCAL_RANK, MASTER_ADDR, MASTER_PORT), and this rank's device: gloo on CPUs,
     NCCL with one GPU per local rank.  Without torchrun: one process, rank 0.
     ``device`` (train.device): auto takes the GPU when there is one."""
-    from s2s.device import resolve_device
+    from s2s.device import resolve_device, use_device
 
     wanted = resolve_device(device, "train.device")
     cuda = wanted.type == "cuda"
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size <= 1:
+        use_device(wanted)
         return World(), wanted
     import torch.distributed as dist
 

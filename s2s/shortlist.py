@@ -129,7 +129,7 @@ class Shortlist:
     top: Tensor  # (V_src, k) int32: each source piece's k target pieces, -1 padded
     frequent: Tensor  # (F,) int32: the most frequent target pieces
     settings: dict  # k, frequent, score, sentences: how it was built
-    _on: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # device -> (top, frequent)
+    _on: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)  # device -> tables
 
     def tables_on(self, device: torch.device) -> tuple[Tensor, Tensor]:
         """(top, frequent) on ``device``, copied there once (not with every batch)."""

@@ -349,6 +349,7 @@ class Trainer:
         # updates skipped on the device (skip_on_device): in all, and in a row at the last one
         self.skipped = torch.zeros((), device=device)
         self.skipped_in_a_row = torch.zeros((), device=device)
+        self.adding_grads = False  # whether the last failed pass had begun adding to .grad (forward_backward)
         self.state = TrainState()
         self.metrics = MetricsLog(run_dir)
         self._signal: Optional[int] = None
@@ -408,12 +409,12 @@ class Trainer:
         """Forward/backward over this rank's batches of the update, one AdamW update.
 
         Returns the summed label-smoothed loss, whether the update was applied
-        (a non-finite loss or gradient skips it), and the update's (target,
-        source + target) token counts; over all ranks when data-parallel.  Where the
-        device skips non-finite updates itself (:func:`skips_on_device`) nothing is read
-        back: the update counts as applied here and :meth:`check_skipped` tells later, its
-        loss is 0, and a third count, on the device, is its target tokens or 0 when skipped
-        (those of :meth:`LogWindow.mean_loss`).
+        (a non-finite loss or gradient skips it), and the update's token counts (target,
+        source + target, target tokens in the loss); over all ranks when data-parallel.
+        Where the device skips non-finite updates itself (:func:`skips_on_device`) nothing
+        is read back: the update counts as applied here and :meth:`check_skipped` tells
+        later; a skipped one's loss is 0, and so is its third count (a tensor on the device:
+        the tokens of :meth:`LogWindow.mean_loss`).
         """
         if self.bf16 is not None:
             self.bf16.refresh()  # theta_16 = bf16(theta), once per update
@@ -449,7 +450,7 @@ class Trainer:
         if ok:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total, ok, (n_tgt, n_all)
+        return total, ok, (n_tgt, n_all, n_tgt)
 
     def check_skipped(self, reported: int) -> int:
         """Updates the device skipped (non-finite loss or gradient) since ``reported`` of them were
@@ -469,11 +470,12 @@ class Trainer:
         """The update's summed loss, and the gradients of its batches (scaled by 1/n_tokens) in .grad.
 
         A batch that runs out of memory is split in two halves with a warning naming its size
-        (recursively; one sentence that does not fit is an error).  The gradients stay exactly
-        those of the whole batches: a bf16 pass writes the bf16 copy's own .grad, added to the
-        fp32 ones only when it ends, so a failed pass's are dropped; an fp32 pass writes the
-        model's .grad as its backward goes, so after a failed one the update's gradients are
-        dropped and its batches run again from the first, the failed one in halves.
+        (recursively; one sentence that does not fit is an error), and the update's gradient
+        is the same (but for the dropout masks the halves draw): a pass that failed before it
+        began adding to the model's .grad (an fp32 backward; in bf16, adding the bf16 copy's
+        gradients when its backward is done) leaves nothing behind; one that failed after may
+        have added part of its gradient, so the update's gradients are dropped and its batches
+        run again from the first, the failed one in halves.
         """
         pending = list(batches)
         total = torch.zeros((), device=self.device)
@@ -485,7 +487,7 @@ class Trainer:
                 i += 1
                 continue
             pending[i:i + 1] = self.halves_of_too_big(pending[i])
-            if self.bf16 is None:  # part of the failed pass's gradient may be in .grad
+            if self.adding_grads:  # part of the failed pass's gradient may be in .grad
                 self.optimizer.zero_grad(set_to_none=True)
                 total, i = torch.zeros((), device=self.device), 0
         return total
@@ -493,7 +495,9 @@ class Trainer:
     def forward_backward(self, b: Batch, n_tokens: int) -> Optional[Tensor]:
         """The loss of one batch, its gradients (scaled by 1/n_tokens of the update) added to
         .grad; None when it ran out of memory (the bf16 copy's partial gradients dropped, the
-        GPU's cached blocks freed)."""
+        GPU's cached blocks freed; ``adding_grads`` says whether it had begun adding to the
+        model's .grad)."""
+        self.adding_grads = False
         try:
             return self._forward_backward(b, n_tokens)
         except RuntimeError as e:  # torch.OutOfMemoryError on a GPU; a failed allocation on the CPU
@@ -516,8 +520,10 @@ class Trainer:
                 teacher_scores = self.teacher(b.src, b.tgt_in, keep=b.tgt_out != pad)  # (n, V)
         loss, objective = self.objective(self.work, b.src, b.tgt_in, b.tgt_out, pad, self.tc.label_smoothing,
                                          self.tc.coverage_weight, teacher_scores, kd.lambda_, kd.temperature)
+        self.adding_grads = self.bf16 is None  # an fp32 backward adds to .grad as it goes
         (objective / n_tokens).backward()
         if self.bf16 is not None:
+            self.adding_grads = True
             self.bf16.accumulate_grads()  # grad theta += fp32(grad theta_16)
         return loss.detach()
 
@@ -678,7 +684,8 @@ class Trainer:
                     bad_steps = 0
                     st.step += 1
                     window.add(loss, *counts)
-                    progress.step(st.step, self.elapsed(), lambda loss=loss, n=counts[0]: float(loss) / max(n, 1))
+                    progress.step(st.step, self.elapsed(),
+                                  lambda loss=loss, n=counts[2]: float(loss) / max(float(n), 1))
                     if self.skip_on_device and (st.step % tc.log_every == 0 or st.step % tc.validate_every == 0):
                         skipped = self.check_skipped(skipped)
                     if st.step % tc.log_every == 0:

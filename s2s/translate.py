@@ -237,7 +237,7 @@ class Translator:
         ``precision``, ``quantize``: see :meth:`set_arithmetic`; ``alignments``: align each
         hypothesis to its source (encoder_decoder models only); ``threads``: torch's
         intra-op threads for this process (0: torch's default)."""
-        from s2s.device import resolve_device
+        from s2s.device import resolve_device, use_device
         from s2s.modeldir import load_model_dir
 
         check_translator_options(len(directories), device, weights, precision, quantize, threads)
@@ -245,6 +245,7 @@ class Translator:
             torch.set_num_threads(threads)
         if not isinstance(device, torch.device):
             device = resolve_device(device)
+        use_device(device)
         loaded = [load_model_dir(d, device) for d in directories]
         first = loaded[0]
         wanted = tokenizer_fingerprint(first.cfg, first.directory)  # sha256 of the SentencePiece files

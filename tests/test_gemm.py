@@ -134,7 +134,7 @@ def test_train_gemm_openblas_learns_like_torch(prepared, tmp_path):
             batches = [t.train_data.batch(idx) for idx in t.epoch_batches(0)[:10]]
             per_token = []
             for step in range(30):
-                loss, ok, (n_tgt, _) = t.train_step([batches[step % len(batches)]])
+                loss, ok, (n_tgt, *_) = t.train_step([batches[step % len(batches)]])
                 assert ok
                 t.state.step += 1
                 per_token.append(float(loss) / n_tgt)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.fx.experimental._config as fx_config
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
@@ -39,19 +40,37 @@ VARIANTS = {
 }
 
 
-class OneDevice(TorchFunctionMode):
-    """CUDA's rule for every torch function called: its tensors of one or more dimensions on one
-    device (a 0-dim CPU tensor is a scalar anywhere); copies, moves and indexing excepted."""
+def _tensors(tree) -> list[torch.Tensor]:
+    return [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
 
-    CROSSING = {torch.Tensor.copy_, torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.__getitem__,
-                torch.Tensor.__setitem__}
+
+class OneDevice(TorchFunctionMode):
+    """CUDA's rule, checked at every torch function called: its tensors on one device, but for
+    0-dim CPU tensors, which elementwise operators take as scalars (not the indexing ones), for
+    copies and moves between devices, and for indexing a tensor with CPU indices (``x[idx]``,
+    ``x[idx] = v``; a CPU tensor indexed by a device's is an error, as is a CPU value)."""
+
+    MOVES = {torch.Tensor.copy_, torch.Tensor.to, torch.Tensor.cpu}
+    INDEXING = {torch.index_select, torch.Tensor.index_select, torch.gather, torch.Tensor.gather,
+                torch.take_along_dim, torch.Tensor.take_along_dim, torch.embedding, F.embedding,
+                torch.Tensor.scatter, torch.Tensor.scatter_, torch.Tensor.scatter_add_, torch.Tensor.index_add_,
+                torch.Tensor.index_copy_, torch.Tensor.index_fill_, torch.Tensor.index_put_}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in self.CROSSING:
-            devices = {x.device for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim() > 0}
+        name = getattr(func, "__name__", str(func))
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):
+            x, index = args[0], args[1]
+            if x.device.type == "cpu" and any(i.device.type != "cpu" for i in _tensors(index)):
+                raise RuntimeError(f"{name}: a CPU tensor indexed by tensors on another device")
+            value = args[2] if len(args) > 2 else None
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != x.device:
+                raise RuntimeError(f"{name}: a value on {value.device} set into a tensor on {x.device}")
+        elif func not in self.MOVES:
+            scalars_too = func in self.INDEXING
+            devices = {x.device for x in _tensors((args, kwargs)) if scalars_too or x.dim() > 0}
             if len(devices) > 1:
-                raise RuntimeError(f"{getattr(func, '__name__', func)}: tensors on devices {sorted(map(str, devices))}")
+                raise RuntimeError(f"{name}: tensors on devices {sorted(map(str, devices))}")
         return func(*args, **kwargs)
 
 
@@ -84,9 +103,12 @@ def test_a_cpu_tensor_mixed_into_meta_fails():
     z = meta_model()(*batch())  # (3, 6, V)
     with pytest.raises(RuntimeError, match="device"):
         z + torch.ones(6, V)
-    with pytest.raises(RuntimeError, match="device"):
-        z.index_select(0, torch.tensor([0, 2]))  # meta allows it, CUDA does not
-    z.index_select(0, torch.tensor(1)) + torch.tensor(2.0)  # 0-dim CPU tensors are scalars
+    for meta_allows_it in (lambda: z.index_select(0, torch.tensor([0, 2])),
+                           lambda: z.index_select(0, torch.tensor(1)),  # not a scalar to indexing
+                           lambda: torch.ones(V, 4)[z.argmax(-1)]):  # a CPU table, device indices
+        with pytest.raises(RuntimeError, match="device"):
+            meta_allows_it()
+    z * torch.tensor(2.0) + z[torch.tensor([0, 2, 1])]  # a 0-dim CPU tensor as a scalar; CPU indices
 
 
 @pytest.mark.parametrize("coverage_weight", [0.0, 0.5])
@@ -115,14 +137,16 @@ def test_distillation_step_on_meta():
     assert loss.device == META
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("weights", ["none", "every layer's", "the last layer's"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_decoding_steps_on_meta(variant, weights):
+def test_decoding_steps_on_meta(variant, weights, dtype):
     """encode, start_decoding and three steps of incremental decoding, as a search calls them;
-    with the cross-attention weights (alignments, the coverage penalty) or without."""
+    with the cross-attention weights (alignments, the coverage penalty) or without; in fp32 and
+    with the weights in bf16 (--precision bf16 on a GPU)."""
     if weights != "none" and variant in ("prefix_lm", "decoder_only"):
         pytest.skip("one stack over [x; y] has no cross-attention")
-    model = meta_model(**VARIANTS[variant]).eval()
+    model = meta_model(**VARIANTS[variant]).to(dtype).eval()
     src, _ = batch()
     with torch.inference_mode():
         cache = model.start_decoding(model.encode(src))
@@ -130,7 +154,7 @@ def test_decoding_steps_on_meta(variant, weights):
         for _ in range(3):
             scores, A = model.decode_step(y, cache, need_weights=weights != "none",
                                           need_last=weights == "the last layer's")
-    assert scores.shape == (3, V) and scores.device == META
+    assert scores.shape == (3, V) and scores.device == META and scores.dtype in (dtype, torch.float32)
     if weights != "none":
         assert [a.shape for a in A if a is not None][-1] == (3, 2, 1, 7)
         assert all(a.device == META for a in A if a is not None)

@@ -144,7 +144,7 @@ def test_bf16_master_weights_train_like_fp32(prepared, tmp_path):
         per_token = []
         for step in range(30):
             b = batches[step % len(batches)]
-            loss, ok, (n_tgt, _) = t.train_step([b])
+            loss, ok, (n_tgt, *_) = t.train_step([b])
             assert ok
             t.state.step += 1
             per_token.append(float(loss) / n_tgt)

@@ -338,19 +338,30 @@ class OutOfMemoryInBackward(torch.autograd.Function):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("where", ["forward", "backward"])
+def splits_to_fit(n: int, fits: int) -> tuple[int, int]:
+    """(splits, pieces) of n sentences halved until each piece has at most ``fits``."""
+    if n <= fits:
+        return 0, 1
+    (s1, p1), (s2, p2) = splits_to_fit(n // 2, fits), splits_to_fit(n - n // 2, fits)
+    return 1 + s1 + s2, p1 + p2
+
+
+@pytest.mark.parametrize("precision,where", [("fp32", "forward"), ("fp32", "backward"), ("bf16", "forward"),
+                                             ("bf16", "backward"), ("bf16", "adding the bf16 gradients")])
 def test_a_batch_out_of_memory_is_split(prepared, tmp_path, monkeypatch, caplog, precision, where):
     """A batch that does not fit is split in halves with a warning; the update's gradient is the
-    same, also when the failed pass was the update's second batch and ran out of memory in its
-    backward, part of its gradient already added to .grad."""
+    same, also when the failed pass was the update's second batch and ran out of memory after
+    part of its gradient was added to .grad (an fp32 backward; in bf16, adding the bf16 copy's
+    gradients to the fp32 ones): then the update's batches run again from the first.  The
+    halves run after the failed pass's memory is freed."""
     from s2s.model import Seq2SeqTransformer
+    from s2s.precision import Bf16Copy
     from s2s.trainer import make_trainer
 
     cfg = load_config(prepared, ["model.dropout=0", f"train.precision={precision}"])
     trainer = make_trainer(cfg, tmp_path / "run", show_progress=False)
     idx = trainer.epoch_batches(0)[0]
-    assert len(idx) > 6
+    assert len(idx) > 5
     batches = [trainer.train_data.batch(idx[:3]), trainer.train_data.batch(idx[3:])]  # the second too big
     n_tokens = sum(b.n_tgt_tokens for b in batches)
     trainer.model.train()
@@ -359,32 +370,52 @@ def test_a_batch_out_of_memory_is_split(prepared, tmp_path, monkeypatch, caplog,
     whole = trainer.accumulate_gradients(batches, n_tokens)
     grads = [p.grad.clone() for p in trainer.model.parameters()]
     trainer.optimizer.zero_grad(set_to_none=True)
-    real_forward, real_encode = Seq2SeqTransformer.forward, Seq2SeqTransformer.encode
+    real_forward, real_encode, real_adding = Seq2SeqTransformer.forward, Seq2SeqTransformer.encode, \
+        Bf16Copy.accumulate_grads
+    rows, failed_passes, alive_at_a_retry = [0], [], []
 
-    failed_activations, alive_at_a_retry = [], []
-
-    def small_batches_only(self, src, tgt_in, return_attention=False, keep=None, head=True):
-        if src.size(0) > 3:
-            activations = torch.ones(64, 64)  # what the failed pass's frames hold
-            failed_activations.append(weakref.ref(activations))
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        alive_at_a_retry.append(any(r() is not None for r in failed_activations))
-        return real_forward(self, src, tgt_in, return_attention, keep, head)
-
-    def encode_failing_backward(self, src):
+    def encode(self, src):
+        rows[0] = src.size(0)
         enc = real_encode(self, src)
         if src.size(0) > 3:
-            enc.h_enc = OutOfMemoryInBackward.apply(enc.h_enc)
+            failed_passes.append(weakref.ref(enc.h_enc))  # what the failed pass's frames and graph hold
+            if where == "backward":
+                enc.h_enc = OutOfMemoryInBackward.apply(enc.h_enc)
+        else:
+            alive_at_a_retry.append(any(r() is not None for r in failed_passes))
         return enc
 
+    def forward_of_small_batches(self, src, tgt_in, return_attention=False, keep=None, head=True):
+        out = real_forward(self, src, tgt_in, return_attention, keep, head)
+        if src.size(0) > 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return out
+
+    def adding_half_then_failing(self):
+        if rows[0] <= 3:
+            return real_adding(self)
+        every = self.slots
+        self.slots = every[:len(every) // 2]
+        try:
+            real_adding(self)  # half of the gradients in the fp32 ones
+        finally:
+            self.slots = every
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(Seq2SeqTransformer, "encode", encode)
     if where == "forward":
-        monkeypatch.setattr(Seq2SeqTransformer, "forward", small_batches_only)
-    else:
-        monkeypatch.setattr(Seq2SeqTransformer, "encode", encode_failing_backward)
+        monkeypatch.setattr(Seq2SeqTransformer, "forward", forward_of_small_batches)
+    if where == "adding the bf16 gradients":
+        monkeypatch.setattr(Bf16Copy, "accumulate_grads", adding_half_then_failing)
     split = trainer.accumulate_gradients(batches, n_tokens)
-    assert caplog.text.count("ran out of memory; splitting it in two") == 1 + (len(idx) - 3 > 6)
+    splits, pieces = splits_to_fit(len(idx) - 3, 3)
+    assert caplog.text.count("ran out of memory; splitting it in two") == splits
+    if where == "forward" or (precision, where) == ("bf16", "backward"):  # nothing added: no batch runs again
+        assert len(alive_at_a_retry) == 1 + pieces
+    else:
+        assert len(alive_at_a_retry) > 1 + pieces  # the first batch again
+    assert failed_passes and not any(alive_at_a_retry)
     assert float(split) == pytest.approx(float(whole), rel=1e-5)
-    assert not any(alive_at_a_retry)  # the halves ran after the failed pass's memory was freed
     for (name, p), g in zip(trainer.model.named_parameters(), grads):
         if precision == "fp32":
             torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")

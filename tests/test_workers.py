@@ -365,21 +365,26 @@ def test_cli_device(model_dir, device):
 
 
 def test_cuda_n_becomes_the_current_device(monkeypatch):
-    """--device cuda:1 on a machine with two GPUs: torch's current device is GPU 1 as well (its
-    cache, page-locked memory and bf16 query act on the current one); plain cuda leaves it."""
+    """--device cuda:1 on a machine with two GPUs: the process that computes there makes GPU 1
+    torch's current device as well (its cache, page-locked memory and bf16 query act on the
+    current one); resolving the name alone (a launcher's check) and plain cuda leave it."""
     import torch
 
-    from s2s.device import resolve_device
+    from s2s.device import resolve_device, use_device
 
     made_current = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
-    assert resolve_device("cuda:1") == torch.device("cuda", 1) and made_current == [1]
-    assert resolve_device("cuda") == torch.device("cuda") and made_current == [1]
+    one = resolve_device("cuda:1")
+    assert one == torch.device("cuda", 1) and made_current == []
+    use_device(one)
+    assert made_current == [one]
+    use_device(resolve_device("cuda"))
+    use_device(torch.device("cpu"))
+    assert made_current == [one]
     with pytest.raises(S2SError, match="--device: cuda:2: there are only 2 CUDA devices"):
         resolve_device("cuda:2")
-    assert made_current == [1]
 
 
 def test_train_device_is_checked():
