@@ -471,11 +471,11 @@ class Trainer:
 
         A batch that runs out of memory is split in two halves with a warning naming its size
         (recursively; one sentence that does not fit is an error), and the update's gradient
-        is the same (but for the dropout masks the halves draw): a pass that failed before it
-        began adding to the model's .grad (an fp32 backward; in bf16, adding the bf16 copy's
-        gradients when its backward is done) leaves nothing behind; one that failed after may
-        have added part of its gradient, so the update's gradients are dropped and its batches
-        run again from the first, the failed one in halves.
+        is the same (but for the dropout masks the halves draw).  A pass that failed before it
+        began adding to the model's .grad leaves nothing behind; one that failed after (an fp32
+        backward adds as it goes; a bf16 pass adds the bf16 copy's gradients once its backward
+        is done) may have added part of its gradient, so the update's gradients are dropped and
+        its batches run again from the first, the failed one in halves.
         """
         pending = list(batches)
         total = torch.zeros((), device=self.device)
