@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 from torch import Tensor
 
+from s2s.device import resolve_device, use_device
 from s2s.errors import S2SError
 from s2s.workerserver import usable_cores
 
@@ -92,8 +93,6 @@ def init_world(device: str = "auto") -> tuple[World, torch.device]:
     LOCAL_RANK, MASTER_ADDR, MASTER_PORT), and this rank's device: gloo on CPUs,
     NCCL with one GPU per local rank.  Without torchrun: one process, rank 0.
     ``device`` (train.device): auto takes the GPU when there is one."""
-    from s2s.device import resolve_device, use_device
-
     wanted = resolve_device(device, "train.device")
     cuda = wanted.type == "cuda"
     size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -210,8 +209,6 @@ def process_split(cfg: ExperimentConfig) -> tuple[int, int]:
     tc = cfg.train
     if under_torchrun() or tc.procs == 1:
         return 1, tc.threads
-    from s2s.device import resolve_device
-
     cores = usable_cores()
     # the GPUs the ranks would take (init_world): none where train.device is not CUDA
     gpus = torch.cuda.device_count() if resolve_device(tc.device, "train.device").type == "cuda" else 0

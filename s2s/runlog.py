@@ -91,27 +91,25 @@ class LogWindow:
     """Loss and token counts accumulated between two log lines."""
 
     loss: Tensor | float = 0.0  # summed label-smoothed loss, kept on the device
-    tgt_tokens: int = 0
+    # the target tokens of that loss (not an update skipped on the device, which only it knows of)
+    tgt_tokens: Tensor | int = 0
     all_tokens: int = 0  # source + target, padding excluded
     steps: int = 0
     started: float = field(default_factory=time.time)
-    loss_tokens: Tensor | int = 0  # the target tokens whose loss is in ``loss`` (a skipped update's are not)
 
-    def add(self, loss: Tensor, tgt_tokens: int, all_tokens: int, loss_tokens: Tensor | int | None = None) -> None:
-        """One update's loss and tokens; ``loss_tokens`` its target tokens that count towards the
-        mean loss when that is known on the device only (0 for an update skipped there)."""
+    def add(self, loss: Tensor, all_tokens: int, tgt_tokens: Tensor | int) -> None:
+        """One update's loss, its tokens, and the target tokens of its loss (0 where skipped)."""
         self.loss = self.loss + loss
-        self.tgt_tokens += tgt_tokens
         self.all_tokens += all_tokens
-        self.loss_tokens = self.loss_tokens + (tgt_tokens if loss_tokens is None else loss_tokens)
+        self.tgt_tokens = self.tgt_tokens + tgt_tokens
         self.steps += 1
 
     def mean_loss(self) -> float:
         """The loss per target token over the window's applied updates (a host sync)."""
-        if isinstance(self.loss_tokens, Tensor):  # both on the device: read back together
-            loss, tokens = torch.stack([self.loss.float(), self.loss_tokens.float()]).tolist()
+        if isinstance(self.tgt_tokens, Tensor):  # both on the device: read back together
+            loss, tokens = torch.stack([self.loss.float(), self.tgt_tokens.float()]).tolist()
         else:
-            loss, tokens = float(self.loss), self.loss_tokens
+            loss, tokens = float(self.loss), self.tgt_tokens
         return loss / max(tokens, 1)
 
 

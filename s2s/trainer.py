@@ -671,7 +671,7 @@ class Trainer:
         try:
             with signals_caught(self._on_signal), contextlib.closing(updates):
                 for data in updates:
-                    loss, ok, counts = self.train_step(data)
+                    loss, ok, (_, n_all, n_in_loss) = self.train_step(data)
                     if not ok:
                         bad_steps += 1
                         log.warning("step %d: non-finite loss or gradient (batch %d of epoch %d), "
@@ -683,9 +683,9 @@ class Trainer:
                         continue
                     bad_steps = 0
                     st.step += 1
-                    window.add(loss, *counts)
+                    window.add(loss, n_all, n_in_loss)
                     progress.step(st.step, self.elapsed(),
-                                  lambda loss=loss, n=counts[2]: float(loss) / max(float(n), 1))
+                                  lambda loss=loss, n=n_in_loss: float(loss) / max(float(n), 1))
                     if self.skip_on_device and (st.step % tc.log_every == 0 or st.step % tc.validate_every == 0):
                         skipped = self.check_skipped(skipped)
                     if st.step % tc.log_every == 0:
