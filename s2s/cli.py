@@ -471,18 +471,16 @@ app.command("summarize", help=(
     _decode_command("summarize", SUMMARIZE_DEFAULTS))
 
 
-@app.command("shortlist")
+@app.command("shortlist", help=(
+    "Build MODEL/shortlist.safetensors: for each source piece the k target pieces that co-occur with it "
+    "best in the training pairs, plus the most frequent target pieces (`translate --shortlist`).\n\n"
+    "Example: `s2s shortlist recipes/quickstart.yaml -m exp/quickstart --k 50 --frequent 200`"))
 def shortlist_cmd(config: Path = typer.Argument(..., help="Experiment YAML: its prepared training data (data.dir)."),
                   model: Path = typer.Option(..., "-m", "--model", help="Model directory (same tokenizer)."),
                   k: int = typer.Option(50, "--k", help="Target pieces per source piece."),
                   frequent: int = typer.Option(200, "--frequent", help="The most frequent target pieces, always in."),
                   score: str = typer.Option("dice", "--score", help="dice: 2c(s,t)/(c(s)+c(t)); prob: c(s,t)/c(s)."),
                   set_: SetListOption = None):
-    """Build MODEL/shortlist.safetensors: for each source piece the k target pieces that co-occur
-    with it best in the training pairs, plus the most frequent target pieces (`translate --shortlist`).
-
-    Example: `s2s shortlist recipes/quickstart.yaml -m exp/quickstart --k 50 --frequent 200`
-    """
     from s2s.shortlist import shortlist_from_data
 
     typer.echo(str(shortlist_from_data(_load(config, set_), model, k, frequent, score)))
