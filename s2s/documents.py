@@ -424,9 +424,10 @@ def join_paragraph(translator: "Translator", p: Paragraph, sentences: Sequence["
 
     Hypothesis k of the line joins hypothesis k of each sentence (a sentence with fewer: its
     last), scored (when there are several) as one hypothesis of all their tokens, each </s>
-    counted: score = Σ log p / lp(Σ m); its alignment indexes the sentences' source and target tokens
-    one after another.  With markup, the tags are projected through that alignment
-    (:func:`project_markup`) into each hypothesis's text."""
+    counted: score = Σ log p / lp(Σ m), and the joined ones are ordered by that score; its
+    alignment indexes the sentences' source and target tokens one after another.  With markup,
+    the tags are projected through that alignment (:func:`project_markup`) into each
+    hypothesis's text."""
     if not sentences and not p.elements:
         return Translation(p.line_no, [], [])
     if len(sentences) == 1 and not p.elements:
@@ -459,4 +460,5 @@ def join_paragraph(translator: "Translator", p: Paragraph, sentences: Sequence["
         score = h.score if len(sentences) == 1 else log_prob / length_penalty(m, decode.alpha, decode.length_penalty)
         hyps.append(Hypothesis(tokens, score, log_prob, alignment if translator.alignments else None, m=m))
         texts.append(text)
-    return Translation(p.line_no, hyps, texts)
+    order = sorted(range(len(hyps)), key=lambda k: -hyps[k].score)  # rows best first, as a sentence's are
+    return Translation(p.line_no, [hyps[k] for k in order], [texts[k] for k in order])

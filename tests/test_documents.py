@@ -237,6 +237,24 @@ def test_language_codes_and_joining():
     assert joiner("de") == " " and joiner("zh") == "" and joiner("ja_XX") == "" and joiner("tgt") == " "
 
 
+def test_joined_nbest_rows_are_ordered_by_their_own_score():
+    """Row k joins each sentence's k-th hypothesis; its score Σ log p / lp(Σ m) can beat row k-1's."""
+    from types import SimpleNamespace
+
+    from s2s.config import DecodeConfig
+    from s2s.documents import Paragraph, join_paragraph
+    from s2s.hypotheses import Hypothesis, Translation, length_penalty
+
+    translator = SimpleNamespace(decode=DecodeConfig(beam=2, nbest=2), tok=None, languages=("en", "de"),
+                                 alignments=False)
+    first = Translation(1, [Hypothesis([5], -1.0, -1.0), Hypothesis([5, 6, 7, 8], -1.1, -1.2)], ["a", "a b c d"])
+    second = Translation(1, [Hypothesis([5], -3.0, -3.0), Hypothesis([5, 6], -2.5, -2.0)], ["x", "x y"])
+    joined = join_paragraph(translator, Paragraph(1, "A. B.", [(0, 2), (3, 5)]), [first, second], [2, 2])
+    assert joined.texts == ["a b c d x y", "a x"]
+    assert [h.score for h in joined.hypotheses] == pytest.approx(
+        [-3.2 / length_penalty(8, 0.6, "gnmt"), -4.0 / length_penalty(4, 0.6, "gnmt")])
+
+
 # --------------------------------------------------------------------------- #
 # through the Translator and the CLI
 # --------------------------------------------------------------------------- #
