@@ -23,6 +23,10 @@ $(BIN)/s2s: pyproject.toml
 install: $(BIN)/s2s
 
 demo: install
+	@# the previous demo run is replaced; a directory that is no s2s training run is not
+	@if [ -e "$(RUN)" ] && [ ! -f "$(RUN)/train.lock" ] && [ -n "$$(ls -A "$(RUN)" 2>&1)" ]; then \
+	  echo "make demo: $(RUN) exists and is not an s2s training run; not replaced (make demo RUN=another/dir)" >&2; \
+	  exit 1; fi
 	$(BIN)/s2s tokenizer train $(RECIPE)
 	$(BIN)/s2s prepare $(RECIPE)
 	rm -rf $(RUN)
@@ -41,5 +45,8 @@ test: install
 test-all: install
 	$(BIN)/python -m pytest -q -m ""
 
+# the virtualenv and what `make demo` wrote (the quickstart recipe's prepared data, its run); other
+# experiments in exp/ and prepared/ stay
 clean:
-	rm -rf $(VENV) prepared exp .pytest_cache
+	rm -rf $(VENV) .pytest_cache prepared/quickstart
+	@if [ -f "$(RUN)/train.lock" ]; then rm -rf "$(RUN)"; fi

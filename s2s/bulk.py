@@ -36,7 +36,16 @@ from typing import Any, Optional
 from s2s import __version__
 from s2s.errors import S2SError
 from s2s.outdir import pid_flock
-from s2s.textio import _fsync_dir, atomic_write, file_sha256, os_reason, read_lines
+from s2s.textio import (
+    _fsync_dir,
+    atomic_write,
+    destination,
+    file_sha256,
+    mode_of,
+    os_reason,
+    read_lines,
+    writes_in_place,
+)
 
 log = logging.getLogger("s2s")
 
@@ -57,8 +66,10 @@ SETTING_NAMES = {"overrides": "the decode settings",
 
 
 def partial_dir(output: Path) -> Path:
-    """Where the job writing ``output`` keeps its progress: a hidden directory beside it."""
-    return output.parent / f".{Path(os.path.abspath(output)).name}.s2s-partial"
+    """Where the job writing ``output`` keeps its progress: a hidden directory beside the file it
+    becomes (through a symlink, the file the link names)."""
+    final = destination(output, follow_links=True)
+    return final.parent / f".{Path(os.path.abspath(final)).name}.s2s-partial"
 
 
 def check_resumable(input: str, output: Optional[Path], unbuffered: bool = False) -> None:
@@ -75,6 +86,9 @@ def check_resumable(input: str, output: Optional[Path], unbuffered: bool = False
         raise S2SError(f"--resume: {input} is not a regular file (a pipe?); a resumed job reads its input again")
     if output.is_dir():
         raise S2SError(f"{output}: is a directory; -o names the output file")
+    if writes_in_place(output):
+        raise S2SError(f"--resume: {output} is not a regular file (a device, FIFO or descriptor); a resumable "
+                       "job saves its progress beside the file it writes")
 
 
 # --------------------------------------------------------------------------- #
@@ -237,11 +251,14 @@ class PartialOutput:
 
 
 def _publish(part: Path, output: Path, directory: Path) -> None:
+    final = destination(output, follow_links=True)
     try:
-        os.replace(part, output)
+        if (bits := mode_of(final)) is not None:
+            os.chmod(part, bits)
+        os.replace(part, final)
     except OSError as e:
         raise S2SError(f"{output}: write failed ({os_reason(e, output)})") from None
-    _fsync_dir(output.parent)
+    _fsync_dir(final.parent)
     shutil.rmtree(directory, ignore_errors=True)
 
 

@@ -7,8 +7,10 @@ a pipe.  A bad input is one line ``s2s: error: ...`` and a non-zero exit
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import errno
+import io
 import json
 import logging
 import math
@@ -65,9 +67,32 @@ class _Command(TyperCommand):
         return [self.options_metavar, *_usage_pieces(self.get_params(ctx))]
 
 
+class _PipeClosed(Exception):
+    """stdout's reader went away (``| head``): a BrokenPipeError carried past typer, which would
+    turn it into exit status 1, to ``run`` (status 141, as a tool killed by SIGPIPE)."""
+
+
+def print_table(table) -> None:
+    """A rich table on stdout; its reader gone is exit 141, as for any output (rich exits 1)."""
+    from rich.console import Console
+
+    class Stdout(Console):
+        def on_broken_pipe(self) -> None:  # rich's documented hook
+            self.quiet = True
+            raise _PipeClosed
+
+    Stdout().print(table)
+
+
 class _Group(TyperGroup):
     def get_params(self, ctx) -> list:
         return _readable(super().get_params(ctx), ctx)
+
+    def invoke(self, ctx):  # every command runs inside the top group's invoke
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:
+            raise _PipeClosed from None
 
 
 class _Typer(typer.Typer):
@@ -201,7 +226,6 @@ def prepare(config: Path = typer.Argument(..., help="Experiment YAML."),
 
     Example: `s2s prepare recipes/quickstart.yaml -j 4`
     """
-    from rich.console import Console
     from rich.table import Table
 
     from s2s.data import DROP_REASONS
@@ -214,7 +238,7 @@ def prepare(config: Path = typer.Argument(..., help="Experiment YAML."),
         table.add_column(col, justify="right")
     for split, st in stats.items():
         table.add_row(split, str(st.read), str(st.kept), *(str(st.dropped[r]) for r in DROP_REASONS))
-    Console().print(table)
+    print_table(table)
 
 
 @app.command()
@@ -328,8 +352,9 @@ def _decode_command(name: str, defaults: dict):
         ensemble_weights: Annotated[Optional[str], typer.Option(
             help="Ensemble: w_1,...,w_n, one per -m; p = sum_i w_i p_i with w normalized to sum 1.")] = None,
         input: Annotated[str, typer.Option("--input", "-i", help="Input file; - reads stdin.")] = "-",
-        output: Annotated[Optional[Path], typer.Option(
-            "--output", "-o", help="Write here (complete files only) instead of stdout.")] = None,
+        output: Annotated[Optional[str], typer.Option(
+            "--output", "-o", help="Write here (complete files only) instead of stdout (-: stdout; ./- a file).")
+        ] = None,
         resume: Annotated[bool, typer.Option(
             "--resume", help="Save the progress beside -o OUT chunk by chunk; the same command after a kill "
                              "continues where it stopped (needs -i FILE).")] = False,
@@ -365,7 +390,7 @@ def _decode_command(name: str, defaults: dict):
         compile: Annotated[bool, typer.Option(
             "--compile", help="torch.compile the decoder step (cached on disk; decode.compile).")] = False,
         shortlist: Annotated[bool, typer.Option(
-            "--shortlist", help="Score only each batch's vocabulary shortlist (MODEL/shortlist.safetensors "
+            "--shortlist", help="Score only each batch's vocabulary shortlist (the model's shortlist.safetensors, "
                                 "from `s2s shortlist`; decode.shortlist).")] = False,
         quantize: Annotated[Optional[str], typer.Option(
             help="int8: int8 copies of the linear layers and the output projection, used where "
@@ -411,7 +436,8 @@ def _decode_command(name: str, defaults: dict):
                               alignments, nbest_rows="nbest" in overrides, threads=threads,
                               weights=None if weights is None else tuple(weights),
                               scores=scores, output_format=output_format, lean_torch=True)
-        translate_file(spec, input, output, prefix_file, errors, unbuffered, workers, resume, chunk_lines, name)
+        out = None if output in (None, "-") else Path(output)  # -o - is stdout, as -i - is stdin
+        translate_file(spec, input, out, prefix_file, errors, unbuffered, workers, resume, chunk_lines, name)
 
     command.__name__ = name
     return command
@@ -428,6 +454,7 @@ def translate_file(spec, input: str, output: Optional[Path], prefix_file: Option
 
     if errors not in ("strict", "replace"):
         raise S2SError(f"--errors: {errors!r} is not strict or replace")
+    check_streams(input, output, {"--prefix-file": prefix_file, "--glossary": spec.overrides.get("glossary")})
     if chunk_lines is not None and not resume:
         raise S2SError("--chunk-lines: only with --resume")
     spec.check()
@@ -446,13 +473,29 @@ def translate_file(spec, input: str, output: Optional[Path], prefix_file: Option
             translate_resumable(spec, Path(input), output, prefix_file, errors, workers, progress, chunk_lines,
                                 command)
         elif output is not None:
-            with atomic_write(output) as f:
+            with atomic_write(output, follow_links=True) as f:
                 translate_stream(spec, lines, f, workers, interactive, prefixes, progress)
         else:
             translate_stream(spec, lines, sys.stdout, workers, interactive, prefixes, progress)
     finally:
         if progress is not None:
             progress.close()
+
+
+def check_streams(input: str, output: Optional[Path], others: dict[str, Optional[str | Path]]) -> None:
+    """The files a translation reads besides its input (``others``: option -> path) read stdin only
+    when the input does not, and ``output`` is none of them."""
+    reads = {"-i": input, **{option: str(path) for option, path in others.items() if path is not None}}
+    if input == "-":
+        for option, path in reads.items():
+            if option != "-i" and path == "-":
+                raise S2SError(f"{option}: - is stdin, which the input (-i -) reads; give it as a file")
+    if output is None or not output.is_file():
+        return
+    for option, path in reads.items():  # files only: -i /dev/stdin -o /dev/stdout is one terminal
+        if path != "-" and Path(path).is_file() and os.path.samefile(path, output):
+            raise S2SError(f"{output}: is the {'input' if option == '-i' else option} file; writing it would "
+                           "destroy what is read; choose another -o")
 
 
 # `s2s summarize`: translate with these for each decode key the model's training did not set
@@ -523,7 +566,9 @@ def score(hyp: str = typer.Argument(..., help="Hypotheses file; - reads stdin.")
     from s2s.metrics import METRICS, corpus_scores
     from s2s.textio import read_lines
 
-    names = [m.strip().lower() for m in metrics.split(",") if m.strip()]
+    names = list(dict.fromkeys(m.strip().lower() for m in metrics.split(",") if m.strip()))  # each once
+    if not names:
+        raise S2SError(f"--metrics: {metrics!r} names no metric; give some of {', '.join(METRICS)}")
     for name in names:
         if name not in METRICS:
             raise S2SError(f"--metrics: {name!r} is not one of {', '.join(METRICS)}")
@@ -623,7 +668,6 @@ def info(path: Path = typer.Argument(..., help="A model directory or an experime
 
     Example: `s2s info exp` or `s2s info recipes/ddtp-en-de.yaml`
     """
-    from rich.console import Console
     from rich.table import Table
 
     from s2s.modeldir import describe
@@ -631,7 +675,7 @@ def info(path: Path = typer.Argument(..., help="A model directory or an experime
     table = Table(title=f"{path}", show_header=False)
     for key, value in describe(path):
         table.add_row(key, value)
-    Console().print(table)
+    print_table(table)
 
 
 @app.command()
@@ -737,6 +781,11 @@ def run() -> None:
         sys.stdin = _ClosedStream("<stdin>")
     if sys.stdout is None:
         sys.stdout = _ClosedStream("<stdout>")
+    if sys.stderr is None:  # `2>&-`: messages go nowhere (print would send them to stdout)
+        sys.stderr = open(os.devnull, "w", encoding="utf-8")
+    for stream in (sys.stdout, sys.stderr):  # UTF-8 whatever the locale or PYTHONIOENCODING says
+        if isinstance(stream, io.TextIOWrapper) and codecs.lookup(stream.encoding).name != "utf-8":
+            stream.reconfigure(encoding="utf-8", errors=stream.errors)
     try:
         with _signals_raise_terminated():
             code = app(standalone_mode=False, prog_name="s2s")  # an exit code for Ctrl-C and typer.Exit
@@ -754,7 +803,7 @@ def run() -> None:
     except KeyboardInterrupt:
         print("s2s: interrupted", file=sys.stderr)
         sys.exit(130)
-    except BrokenPipeError:
+    except (BrokenPipeError, _PipeClosed):
         _detach_stdout()  # the reader went away (e.g. `| head`): not an error of ours
         sys.exit(141)
     except typer.Abort:  # older typer: click turns Ctrl-C into Abort

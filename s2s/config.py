@@ -624,7 +624,7 @@ def read_yaml(path: str | Path) -> dict:
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{p}: not valid UTF-8 (byte {e.start})") from None
+        raise ConfigError(f"{p}: not valid UTF-8 (byte {e.start + 1})") from None
     if "\x00" in text:
         raise ConfigError(f"{p}: contains NUL bytes, not a YAML file")
     try:

@@ -18,6 +18,7 @@ import hashlib
 import itertools
 import json
 import multiprocessing
+import os
 import signal
 from collections import Counter
 from dataclasses import dataclass, field
@@ -31,7 +32,8 @@ from torch import Tensor
 from s2s.config import ExperimentConfig
 from s2s.errors import S2SError
 from s2s.langs import target_tag
-from s2s.textio import atomic_write, file_sha256, read_lines, resolve_corpus
+from s2s.outdir import check_data_dir
+from s2s.textio import StagedFiles, file_sha256, read_lines, resolve_corpus, staged_files
 from s2s.tokenizer import BOS_ID, PAD_ID, Tokenizer, resolve_tokenizer_config, truncate  # noqa: F401 (truncate: importable from here too)
 from s2s.workerserver import usable_cores
 
@@ -226,6 +228,12 @@ def _init_worker(directory: Path, cfg: ExperimentConfig) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to report
     for s in _STOP_SIGNALS:
         signal.signal(s, signal.SIG_DFL)
+    # a process group of its own: a signal to s2s's group (Ctrl-C, `timeout`, a closed terminal)
+    # reaches the main process alone, which stops the pool with Pool.terminate(); a worker killed
+    # beside it would die holding a queue's lock or mid-message, and terminate() wait forever.
+    # Should the main process die outright, a worker reads EOF from the task queue and exits.
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # a warning to a terminal under `stty tostop` not stopped
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     _worker_tok = Tokenizer.load(directory, cfg.tokenizer, cfg.data)
 
@@ -301,19 +309,19 @@ class SplitWriter:
     """The six files of one binarized split, appended to chunk by chunk:
     ``{split}.{side}.ids.npy`` (flat ids), ``{split}.{side}.idx.npy`` (N+1 offsets)
     and ``{split}.{side}.txt`` for side in src, tgt.  Each is written under a
-    temporary name and renamed only when the split is complete."""
+    temporary name, renamed only when ``staged`` is published."""
 
-    def __init__(self, stack: contextlib.ExitStack, directory: Path, split: str,
+    def __init__(self, stack: contextlib.ExitStack, staged: StagedFiles, directory: Path, split: str,
                  src_vocab: int, tgt_vocab: int):
         self.ids, self.idx, self.txt, self.end = {}, {}, {}, {}
         for side, vocab in (("src", src_vocab), ("tgt", tgt_vocab)):
             name = f"{split}.{side}"
-            self.ids[side] = NpyAppender(stack.enter_context(atomic_write(directory / f"{name}.ids.npy", "wb")),
+            self.ids[side] = NpyAppender(stack.enter_context(staged.open(directory / f"{name}.ids.npy", "wb")),
                                          ids_dtype(vocab))
-            self.idx[side] = NpyAppender(stack.enter_context(atomic_write(directory / f"{name}.idx.npy", "wb")),
+            self.idx[side] = NpyAppender(stack.enter_context(staged.open(directory / f"{name}.idx.npy", "wb")),
                                          np.int64)
             self.idx[side].append(np.zeros(1, dtype=np.int64))
-            self.txt[side] = stack.enter_context(atomic_write(directory / f"{name}.txt"))
+            self.txt[side] = stack.enter_context(staged.open(directory / f"{name}.txt"))
             self.end[side] = 0
 
     def append(self, side: str, lines: list[str], flat: np.ndarray, lens: np.ndarray,
@@ -365,12 +373,14 @@ def prepare(cfg: ExperimentConfig, workers: int = 0) -> dict[str, CleanStats]:
     corpora = {split: [(resolve_corpus(prefix, src), resolve_corpus(prefix, tgt), tgt)
                        for prefix, src, tgt in cfg.data.split_corpora(split)]
                for split in SPLITS if cfg.data.split_corpora(split)}
+    check_data_dir(out)
     cfg = resolve_tokenizer_config(cfg)
     tok = Tokenizer.load(out, cfg.tokenizer, cfg.data)
-    (out / "meta.json").unlink(missing_ok=True)  # written last: its presence means complete
     workers = workers or usable_cores()
     all_stats: dict[str, CleanStats] = {}
-    with contextlib.ExitStack() as pool_scope:
+    # every file appears when all are written, meta.json (its presence means complete) last:
+    # a failure or a stop keeps the earlier prepared data whole
+    with staged_files() as staged, contextlib.ExitStack() as pool_scope:
         pool = None
         if workers > 1:
             pool = pool_scope.enter_context(_encoding_pool(workers, out, cfg))
@@ -384,12 +394,12 @@ def prepare(cfg: ExperimentConfig, workers: int = 0) -> dict[str, CleanStats]:
             tagged = bool(cfg.data.pairs)
             pairs = itertools.chain.from_iterable(split_pairs(src, tgt, lang if tagged else None)
                                                   for src, tgt, lang in files)
-            all_stats[split] = prepare_split(pairs, rules, tok, out, split, pool, workers, files[0][0])
-    meta = {"splits": {split: st.kept for split, st in all_stats.items()},
-            "src_vocab": tok.src_vocab_size, "tgt_vocab": tok.tgt_vocab_size,
-            "tokenizer": tokenizer_fingerprint(cfg, out), "data": data_signature(cfg)}
-    with atomic_write(out / "meta.json") as f:
-        json.dump(meta, f, indent=2)
+            all_stats[split] = prepare_split(pairs, rules, tok, staged, out, split, pool, workers, files[0][0])
+        meta = {"splits": {split: st.kept for split, st in all_stats.items()},
+                "src_vocab": tok.src_vocab_size, "tgt_vocab": tok.tgt_vocab_size,
+                "tokenizer": tokenizer_fingerprint(cfg, out), "data": data_signature(cfg)}
+        with staged.open(out / "meta.json") as f:
+            json.dump(meta, f, indent=2)
     return all_stats
 
 
@@ -402,13 +412,13 @@ def split_pairs(src_path: Path, tgt_path: Path, tgt_lang: Optional[str]) -> Iter
         yield (tag + s if s else s), t.strip()
 
 
-def prepare_split(pairs: Iterator[tuple[str, str]], rules: CleanRules, tok: Tokenizer, out: Path,
-                  split: str, pool, workers: int, src_path: Path) -> CleanStats:
-    """Clean, encode and write one split, chunk by chunk; its files appear only when complete."""
+def prepare_split(pairs: Iterator[tuple[str, str]], rules: CleanRules, tok: Tokenizer, staged: StagedFiles,
+                  out: Path, split: str, pool, workers: int, src_path: Path) -> CleanStats:
+    """Clean, encode and write one split, chunk by chunk, into ``staged`` files."""
     stats = CleanStats()
     seen = DigestSet()
     with contextlib.ExitStack() as stack:
-        writer = SplitWriter(stack, out, split, tok.src_vocab_size, tok.tgt_vocab_size)
+        writer = SplitWriter(stack, staged, out, split, tok.src_vocab_size, tok.tgt_vocab_size)
         for srcs, tgts, enc in encoded_chunks(pairs, rules, tok, pool, workers):
             codes = enc.codes
             if rules.dedupe:

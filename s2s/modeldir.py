@@ -349,7 +349,8 @@ def decode_settings(model: DecodeConfig, overrides: Mapping[str, Any],
     did not choose (``explicit``: the keys its training config set; None, for a model
     directory that does not record them: each key still at DecodeConfig's default),
     then ``overrides``.  ``sampling: true`` among the overrides also means beam 1, nbest 1
-    and no coverage penalty unless the overrides say otherwise.  Errors name the key."""
+    and no coverage penalty unless the overrides say otherwise; a sampling setting among them
+    without sampling is refused.  Errors name the key."""
     untouched = DecodeConfig()
     chosen = (lambda k: k in explicit) if explicit is not None else \
         (lambda k: getattr(model, k) != getattr(untouched, k))
@@ -357,9 +358,14 @@ def decode_settings(model: DecodeConfig, overrides: Mapping[str, Any],
     if overrides.get("sampling") is True:
         changes = {"beam": 1, "nbest": 1, "coverage_penalty": 0.0, **changes}
     try:
-        return replace(model, "decode.", **changes)
+        decode = replace(model, "decode.", **changes)
     except ConfigError as e:
         raise S2SError(f"translate options: {e}") from None
+    for key in ("temperature", "top_k", "top_p"):  # given for a search, they would do nothing
+        if key in overrides and not decode.sampling and getattr(decode, key) != getattr(untouched, key):
+            raise S2SError(f"translate options: decode.{key}: shapes the distribution sampling draws from; "
+                           "a search ignores it (add --sampling, decode.sampling)")
+    return decode
 
 
 def model_decode_settings(directory: str | Path, cfg: ExperimentConfig, overrides: Mapping[str, Any],

@@ -8,6 +8,8 @@
   output with ``--force``, and then only when OUT holds nothing but the files
   that output listed.  A training run directory and the command's inputs (or
   a directory holding them) are never replaced.
+* ``s2s tokenizer train`` and ``s2s prepare`` refuse a ``data.dir`` that is a
+  model directory or a training run (:func:`check_data_dir`).
 * ``s2s train`` and ``s2s pretrain`` accept only a new or empty directory or a
   run directory of their own (:func:`check_run_dir`), and hold an exclusive
   lock on ``RUN/train.lock`` while they run (:func:`lock_run_dir`): an OS file
@@ -76,6 +78,16 @@ def _read_marker(d: Path) -> dict | None:
 def _contains(outer: Path, inner: Path) -> bool:
     """``inner`` is ``outer`` or lies under it (both resolved)."""
     return inner == outer or outer in inner.parents
+
+
+def check_data_dir(d: Path) -> None:
+    """``data.dir``, which ``s2s tokenizer train`` and ``prepare`` write, is no model directory
+    or training run: the tokenizer there is the model's own, and replacing it breaks the model."""
+    from s2s.modeldir import META
+
+    if (d / META).is_file() or looks_like_run(d):
+        raise S2SError(f"data.dir: {d} is a model directory or a training run, whose tokenizer is the model's; "
+                       "choose another data.dir")
 
 
 # --------------------------------------------------------------------------- #

@@ -96,10 +96,20 @@ def translation_json(t: "Translation", nbest: bool, scores: bool, alignments: bo
     return out
 
 
+# line ends to some readers (Python's str.splitlines, older JavaScript) that JSON leaves raw (it
+# escapes those below U+0020 itself); escaped, so that a jsonl row is one line to every reader
+_LINE_ENDS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"})
+
+
+def json_line(obj: Any) -> str:
+    """``obj`` as one line of UTF-8 JSON (a jsonl row), its newline included."""
+    return json.dumps(obj, ensure_ascii=False).translate(_LINE_ENDS) + "\n"
+
+
 def format_translation(t: "Translation", fmt: OutputFormat = OutputFormat()) -> str:
     """The output of one input line, each row ending in a newline."""
     if fmt.format == "jsonl":
-        return json.dumps(translation_json(t, fmt.nbest, True, fmt.alignments), ensure_ascii=False) + "\n"
+        return json_line(translation_json(t, fmt.nbest, True, fmt.alignments))
 
     def aligned(h: Optional["Hypothesis"]) -> str:  # " ||| 0-0 1-2 ..." with --alignments
         if not fmt.alignments:

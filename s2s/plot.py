@@ -115,11 +115,7 @@ def plot_run(run_dir: str | Path, out: Optional[str | Path] = None) -> Path:
     ax_lr.set(title="learning rate", xlabel="update")
     fig.suptitle(str(run))
     fig.tight_layout()
-    target = Path(out) if out else run / "curves.png"
-    with atomic_write(target, "wb") as f:
-        fig.savefig(f, format="png", dpi=100)
-    plt.close(fig)
-    return target
+    return write_png(fig, Path(out) if out else run / "curves.png")
 
 
 def plot_attention(A, src_pieces: list[str], tgt_pieces: list[str], out: str | Path, title: str) -> Path:
@@ -145,8 +141,22 @@ def plot_attention(A, src_pieces: list[str], tgt_pieces: list[str], out: str | P
     ax.set(xlabel="source", ylabel="target", title=title)
     fig.colorbar(image, ax=ax, fraction=0.04)
     fig.tight_layout()
-    target = Path(out)
-    with atomic_write(target, "wb") as f:
+    return write_png(fig, Path(out))
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def write_png(fig, target: Path) -> Path:
+    """Save ``fig`` as ``target``, which may replace a PNG image but no other file (a run's
+    metrics.jsonl, a text the user named by mistake)."""
+    import matplotlib.pyplot as plt
+
+    if target.is_file() and target.stat().st_size:
+        with open(target, "rb") as f:
+            if f.read(len(PNG_SIGNATURE)) != PNG_SIGNATURE:
+                raise S2SError(f"{target}: exists and is not a PNG image; not replaced (choose another -o)")
+    with atomic_write(target, "wb", follow_links=True) as f:
         fig.savefig(f, format="png", dpi=100)
     plt.close(fig)
     return target

@@ -24,7 +24,8 @@ import sentencepiece as spm
 from s2s.config import DataConfig, ExperimentConfig, TokenizerConfig, config_from_dict, to_dict
 from s2s.errors import S2SError
 from s2s.langs import LanguageIds, Languages, target_tag
-from s2s.textio import atomic_write, read_lines, resolve_corpus
+from s2s.outdir import check_data_dir
+from s2s.textio import StagedFiles, atomic_write, read_lines, resolve_corpus, staged_files
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 SETTINGS = "tokenizer.json"
@@ -361,8 +362,8 @@ def status(text: str, console=None) -> Iterator[None]:
         yield
 
 
-def _train_one(sentences: list[str], out: Path, cfg: TokenizerConfig) -> int:
-    """Train one SentencePiece model into ``out``; return its number of pieces."""
+def _train_one(sentences: list[str], out: Path, cfg: TokenizerConfig, staged: StagedFiles) -> int:
+    """Train one SentencePiece model into ``out`` (a staged file); return its number of pieces."""
     model = io.BytesIO()
     try:
         with status(f"training SentencePiece {cfg.type} ({cfg.vocab_size:,} pieces) on "
@@ -381,7 +382,7 @@ def _train_one(sentences: list[str], out: Path, cfg: TokenizerConfig) -> int:
             )
     except RuntimeError as e:
         raise S2SError(f"{out}: SentencePiece training failed: {str(e).splitlines()[0]}") from None
-    with atomic_write(out, "wb") as f:
+    with staged.open(out, "wb") as f:
         f.write(model.getvalue())
     return spm.SentencePieceProcessor(model_proto=model.getvalue()).get_piece_size()
 
@@ -418,13 +419,16 @@ def train_tokenizer(tok: TokenizerConfig, data: DataConfig, out_dir: Optional[st
     if reserved != (PAD_ID, UNK_ID, BOS_ID, EOS_ID, "", -1) or tok.type == "byte_bpe":
         raise S2SError("tokenizer: s2s trains SentencePiece (unigram or bpe) with pad_id 0, unk_id 1, "
                        "bos_id 2, eos_id 3, no vocab_file and no prefix_id; leave those keys at their defaults")
-    if tok.joint:
-        sizes = {src_path: _train_one(src_lines + tgt_lines, src_path, tok)}
-    else:
-        sizes = {src_path: _train_one(src_lines, src_path, tok), tgt_path: _train_one(tgt_lines, tgt_path, tok)}
-    trained = actual_vocab_size(tok, sizes)
-    with atomic_write(out / SETTINGS) as f:  # what was trained, flags included
-        json.dump(dataclasses.asdict(trained), f, indent=2)
+    check_data_dir(out)
+    with staged_files() as staged:  # the models and tokenizer.json appear together, or none does
+        if tok.joint:
+            sizes = {src_path: _train_one(src_lines + tgt_lines, src_path, tok, staged)}
+        else:
+            sizes = {src_path: _train_one(src_lines, src_path, tok, staged),
+                     tgt_path: _train_one(tgt_lines, tgt_path, tok, staged)}
+        trained = actual_vocab_size(tok, sizes)
+        with staged.open(out / SETTINGS) as f:  # what was trained, flags included
+            json.dump(dataclasses.asdict(trained), f, indent=2)
     return list(sizes)
 
 

@@ -302,6 +302,10 @@ def open_run_dir(run_dir: Path, resume: bool, world: World) -> bool:
             run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise S2SError(f"{run_dir}: cannot create the run directory ({e.strerror})") from None
+    if resume and not ckpts and (run_dir / META).exists():
+        raise S2SError(f"{run_dir}: --resume: no checkpoint to resume from, and it holds a trained model "
+                       f"({META}) that a new run would replace; choose another -o to train again (or, to "
+                       f"start over here, remove {run_dir / META} yourself)")
     if resume and not ckpts:
         log.info("%s: no checkpoint to resume from; starting a new run", run_dir)
     return resume and bool(ckpts)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -562,16 +563,30 @@ def distill_corpus(teacher: str | Path, cfg: ExperimentConfig, out_prefix: str |
     """Sequence-level knowledge distillation (Kim and Rush 2016): the teacher translates the
     source side of ``data.train`` with beam search into ``OUT.{tgt_lang}``, beside a copy of
     the sources as ``OUT.{src_lang}``; a student recipe then trains on ``data.train: OUT``."""
-    from s2s.textio import atomic_write, read_lines, resolve_corpus
+    from s2s.textio import read_lines, resolve_corpus, staged_files
 
     if not cfg.data.train:
         raise S2SError("data.train: no training corpus configured")
     src_file = resolve_corpus(cfg.data.train, cfg.data.src_lang)
-    translator = Translator.from_dir(teacher, device, **decode_overrides)
     out_src = Path(f"{out_prefix}.{cfg.data.src_lang}")
     out_tgt = Path(f"{out_prefix}.{cfg.data.tgt_lang}")
-    with atomic_write(out_tgt) as f:
-        write_translations(translator, read_lines(src_file), f)
-    with atomic_write(out_src) as f:
-        f.writelines(line + "\n" for line in read_lines(src_file))
+    check_distill_output(cfg, out_prefix)
+    translator = Translator.from_dir(teacher, device, **decode_overrides)
+    with staged_files() as staged:  # the two sides appear together, or neither
+        with staged.open(out_tgt) as f:
+            write_translations(translator, read_lines(src_file), f)
+        with staged.open(out_src) as f:
+            f.writelines(line + "\n" for line in read_lines(src_file))
     return out_src, out_tgt
+
+
+def check_distill_output(cfg: ExperimentConfig, out_prefix: str | Path) -> None:
+    """``s2s distill -o OUT`` is no corpus prefix of the config (its files, OUT.{lang} or
+    OUT.{lang}.gz, are what the teacher and the recipe read; a plain OUT.de would also shadow an
+    OUT.de.gz)."""
+    out = os.path.realpath(out_prefix)
+    for split in ("train", "dev", "test"):
+        for prefix, _, _ in cfg.data.split_corpora(split):
+            if os.path.realpath(prefix) == out:
+                raise S2SError(f"{out_prefix}: is the prefix of data.{split} ({prefix}), whose corpus it would "
+                               "replace; choose another -o")

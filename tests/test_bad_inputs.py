@@ -170,7 +170,7 @@ def test_config_file(tmp_path, capsys, monkeypatch, command, kind):
     expected = {
         "missing": [f"{f}: no such file"],
         "directory": [f"{f}: is a directory"],
-        "invalid-utf8": [f"{f}", "UTF-8"],
+        "invalid-utf8": [f"{f}: not valid UTF-8 (byte 6)"],  # its first bad byte, counting from 1
         "nul-bytes": [f"{f}", "NUL"],
         "no-parse": [f"{f}: line 3: YAML does not parse"],
         "unknown-key": [f"{f}", "model.d_modle", "unknown key"],

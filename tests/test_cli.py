@@ -185,6 +185,78 @@ def test_closed_pipe_is_not_an_error(model_dir, corpus):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("command", ["translate", "translate -o /dev/stdout", "score", "info"])
+def test_a_reader_that_left_is_exit_141_without_a_word(model_dir, corpus, command):
+    """As a tool killed by SIGPIPE: `set -o pipefail` tells `| head` from a failure (typer, rich: 1)."""
+    args = {"translate": f"translate -m {model_dir} --beam 1 < {corpus / 'dev.en'}",
+            "translate -o /dev/stdout": f"translate -m {model_dir} --beam 1 -o /dev/stdout < {corpus / 'dev.en'}",
+            "score": f"score {corpus / 'dev.de'} {corpus / 'dev.de'}", "info": f"info {model_dir}"}[command]
+    r = subprocess.run(f"set -o pipefail; {sys.executable} -m s2s {args} | (exec 0<&-; sleep 0.5)",
+                       shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=300)
+    assert r.returncode == 141 and r.stderr == "", r.stderr
+
+
+def test_stdout_is_utf8_whatever_the_locale_says(model_dir):
+    env = {**os.environ, "PYTHONIOENCODING": "ascii", "LC_ALL": "C", "PYTHONUTF8": "0"}
+    r = subprocess.run([sys.executable, "-m", "s2s", "translate", "-m", str(model_dir), "--format", "jsonl"],
+                       input="Grüße aus München — café\n".encode(), capture_output=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    json.loads(r.stdout.decode("utf-8"))
+    r = subprocess.run([sys.executable, "-m", "s2s", "translate", "--help"], capture_output=True, env=env)
+    assert r.returncode == 0 and "…".encode() in r.stdout
+
+
+def test_an_undecodable_file_name_in_a_message_is_one_line(tmp_path):
+    """stderr made UTF-8 keeps its error handler: a file name's stray byte is escaped, no traceback."""
+    env = {**os.environ, "PYTHONIOENCODING": "latin-1"}
+    r = subprocess.run([sys.executable, "-m", "s2s", "score", os.fsencode(tmp_path) + b"/\xff.txt", "x.txt"],
+                       capture_output=True, env=env, timeout=300)
+    assert r.returncode == 1 and r.stderr.startswith(b"s2s: error: ") and b"Traceback" not in r.stderr
+
+
+def test_a_closed_stderr_keeps_errors_out_of_stdout(model_dir, tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"Clipboard management\n\xff\n")
+    r = subprocess.run(f"{sys.executable} -m s2s translate -m {model_dir} -i {bad} --unbuffered 2>&-",
+                       shell=True, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and len(r.stdout.splitlines()) == 1 and "error" not in r.stdout
+
+
+def test_a_corrupt_gzip_input_is_one_line(corpus, tmp_path):
+    import gzip
+
+    data = bytearray(gzip.compress((corpus / "dev.en").read_bytes()))
+    data[60:100] = bytes(b ^ 0x5A for b in data[60:100])
+    (tmp_path / "c.en.gz").write_bytes(bytes(data))
+    r = s2s("score", tmp_path / "c.en.gz", corpus / "dev.en")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.startswith(f"s2s: error: {tmp_path / 'c.en.gz'}: read error:"), r.stderr
+
+
+def test_score_reads_past_a_byte_order_mark(corpus, tmp_path):
+    bom = tmp_path / "bom.de"
+    bom.write_bytes(b"\xef\xbb\xbf" + (corpus / "dev.de").read_bytes())
+    r = s2s("score", corpus / "dev.de", bom, "--metrics", "bleu,chrf,bleu", "--json")
+    assert r.returncode == 0, r.stderr
+    scores = json.loads(r.stdout)
+    assert list(scores) == ["bleu", "chrf"] and scores["bleu"]["score"] == scores["chrf"]["score"] == 100.0
+
+
+@pytest.mark.parametrize("metrics", ["", ",", " , "])
+def test_score_without_a_metric_is_an_error(corpus, metrics):
+    r = s2s("score", corpus / "dev.de", corpus / "dev.de", "--metrics", metrics)
+    assert r.returncode == 1 and r.stderr.startswith("s2s: error: --metrics:") and "names no metric" in r.stderr
+
+
+@pytest.mark.parametrize("key", ["temperature=0.5", "top_k=5", "top_p=0.9"])
+def test_sampling_settings_without_sampling_are_refused(model_dir, key):
+    r = s2s("translate", "-m", model_dir, "--set", f"decode.{key}", input="Clipboard\n")
+    assert r.returncode == 1 and f"decode.{key.split('=')[0]}: shapes the distribution" in r.stderr
+    r = s2s("translate", "-m", model_dir, "--sampling", "--beam", "1", "--set", f"decode.{key}",
+            input="Clipboard\n")
+    assert r.returncode == 0, r.stderr
+
+
 def test_separate_flag_is_followed_downstream(corpus, tmp_path):
     """`tokenizer train --separate` on a joint YAML: prepare and train follow what was trained."""
     from s2s.config import load_config

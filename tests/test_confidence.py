@@ -220,6 +220,15 @@ def test_jsonl_keeps_utf8_and_rows_keep_their_fields():
     assert format_translation(t, OutputFormat(nbest=True, scores=True)) == "2 ||| é 🙂 ||| -1.5000\t-0.5000\n"
 
 
+def test_a_jsonl_row_is_one_line_to_every_line_reader():
+    """U+2028, U+2029 and U+0085 (from a --markup attribute, say) end lines for str.splitlines."""
+    from s2s.translate import Translation
+
+    text = "a\u2028b\u2029c\x85d\x0be"
+    row = format_translation(Translation(1, [Hypothesis([5], -1.0, -1.0)], [text]), OutputFormat(format="jsonl"))
+    assert len(row.splitlines()) == 1 and json.loads(row)["text"] == text
+
+
 def test_benchmark_ranks_spearman_and_tenths(monkeypatch):
     """benchmarks/confidence.py's statistics, from their formulas."""
     from tests.conftest import load_benchmark
