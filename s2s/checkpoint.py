@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import re
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -194,10 +195,14 @@ def check_resumable(run_dir: Path, cfg: ExperimentConfig, data_dir: Path) -> Non
     """A run resumes only with the model config it started with and the tokenizer it copied."""
     old = run_dir / CONFIG
     if old.is_file():
-        before, now = to_dict(load_config(old))["model"], to_dict(cfg)["model"]
+        started = load_config(old)
+        before, now = to_dict(started)["model"], to_dict(cfg)["model"]
         for key in now:
             if before[key] != now[key]:
                 raise S2SError(f"{old}: model.{key} differs from the run being resumed")
+        if started.train.best_metric != cfg.train.best_metric:
+            raise S2SError(f"{old}: train.best_metric: {cfg.train.best_metric} differs from the run being resumed "
+                           f"({started.train.best_metric}), by which its best model so far was chosen")
     for p in Tokenizer.all_files(data_dir, cfg.tokenizer, cfg.data):
         mine = run_dir / p.name
         if mine.is_file() and file_sha256(mine) != file_sha256(p):
@@ -205,10 +210,37 @@ def check_resumable(run_dir: Path, cfg: ExperimentConfig, data_dir: Path) -> Non
                            "resume with the original tokenizer or start a new run")
 
 
+# what a checkpoint that does not record a batching setting was saved with (runs of one process
+# recorded no world_size before it was recorded always)
+BATCHING_DEFAULTS = {"world_size": 1}
+
+
 def check_batching(saved: dict, now: dict) -> None:
     """The data position (epoch, batch) of a checkpoint means the same batches only under the
     settings it was saved with (seed, train.max_tokens, train.update_freq, data.dir, world size)."""
-    for key, value in saved.items():
-        if now[key] != value:
-            raise S2SError(f"{key}: {now[key]} differs from the run being resumed "
-                           f"({value}); the data position would not match")
+    for key, value in now.items():
+        before = saved.get(key, BATCHING_DEFAULTS.get(key))
+        if before is not None and before != value:
+            what = "processes (train.procs)" if key == "world_size" else key
+            raise S2SError(f"{what}: {value} differs from the run being resumed "
+                           f"({before}); the data position would not match")
+
+
+def remove_stale_temporaries(run_dir: Path) -> None:
+    """A checkpoint write killed midway (SIGKILL, a power cut) leaves ``.step-N.tmp-PID`` (a
+    partial copy) or, between its two renames, ``.step-N.old-PID`` without ``step-N`` (the
+    complete earlier one).  With the run's lock held no other writer is at work: the partial
+    ones go, a complete one goes back under its name."""
+    d = run_dir / CHECKPOINTS
+    if not d.is_dir():
+        return
+    for p in d.iterdir():
+        m = re.fullmatch(r"\.(step-\d+)\.(tmp|old)-\d+", p.name)
+        if m is None:
+            continue
+        if m[2] == "old" and not (d / m[1]).exists():
+            os.replace(p, d / m[1])
+            log.warning("%s: restored from %s (a checkpoint write was killed between its renames)", d / m[1], p.name)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+            log.info("%s: removed (a checkpoint write that never finished)", p)

@@ -317,7 +317,8 @@ class TrainConfig:
         _check(self.clip_norm >= 0, "train.clip_norm", "must be >= 0")
         _check(is_device_name(self.device), "train.device",
                f"{self.device!r} is not one of {', '.join(DEVICES)} (or cuda:N)")
-        parse_duration(self.max_time, "train.max_time")
+        _check(parse_duration(self.max_time, "train.max_time") > 0, "train.max_time",
+               "must be more than 0 (leave it empty for no time limit)")
         _check(bool(self.max_steps or self.max_epochs or self.max_time), "train.max_steps",
                "set at least one of train.max_steps, train.max_epochs, train.max_time")
         _check(self.best_metric == "loss" or self.dev_bleu_sentences > 0, "train.best_metric",
@@ -541,6 +542,8 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
                               f"{', '.join(valid)})")
         name = names[key]
         tp = hints[name]
+        if isinstance(value, FlowText):  # --set KEY=[...]
+            value = value.parsed if typing.get_origin(tp) is tuple else str(value)
         if dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, value, f"{full}.")
         elif typing.get_origin(tp) is tuple:  # tuple[X, ...]: a YAML list
@@ -597,8 +600,18 @@ def parse_override(text: str) -> tuple[str, Any]:
     except (yaml.YAMLError, UnicodeError):  # libyaml encodes the text: a lone surrogate (bytes not UTF-8) fails there
         parsed = value
     if isinstance(parsed, (dict, list)):
-        parsed = value  # keep flow-looking strings as they are
+        parsed = FlowText(value, parsed)
     return key, parsed
+
+
+class FlowText(str):
+    """An override's value that YAML reads as a list or mapping ('[<2de>, <2fr>]'): the list for a
+    key that takes one, else the text as it was typed (a path '[draft].txt' stays a path)."""
+
+    def __new__(cls, text: str, parsed: Any):
+        self = super().__new__(cls, text)
+        self.parsed = parsed
+        return self
 
 
 def decode_overrides(items: Optional[list[str]], command: str) -> dict:

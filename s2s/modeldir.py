@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from s2s import __version__
-from s2s.config import DecodeConfig, ExperimentConfig, ModelConfig, load_config, replace, to_yaml
+from s2s.config import DecodeConfig, ExperimentConfig, ModelConfig, load_config, replace, to_dict, to_yaml
 from s2s.errors import ConfigError, S2SError
 from s2s.outdir import check_output_dir, output_dir
 from s2s.textio import atomic_write, file_sha256, os_reason
@@ -462,8 +462,10 @@ def describe(path: str | Path) -> list[tuple[str, str]]:
     if not p.exists():
         raise S2SError(f"{p}: no such model directory or config file")
     if p.is_dir():
-        meta = read_meta(p)
-        cfg, tok = load_spec(p)
+        home = run_dir_of(p)  # a checkpoint RUN/checkpoints/step-N: its run's config and tokenizer
+        step = re.fullmatch(r"step-(\d+)", p.name)
+        meta = read_meta(p) if home == p else {"step": int(step[1])} if step else {}
+        cfg, tok = load_spec(home)
         src_v, tgt_v = vocab_sizes(cfg, tok)
     else:
         cfg = load_config(p)
@@ -529,6 +531,15 @@ def average_checkpoints(paths: list[str | Path], out: str | Path, force: bool = 
         return _average_checkpoints(paths, out, force)
 
 
+def check_same_architecture(d: Path, model: ModelConfig, first: Path, first_model: ModelConfig) -> None:
+    """Weights average only between models of one architecture (dropout, a training setting, aside)."""
+    mine, theirs = to_dict(model), to_dict(first_model)
+    for key in mine:
+        if not key.endswith("dropout") and mine[key] != theirs[key]:
+            raise S2SError(f"{d}: model.{key} is {mine[key]!r} there but {theirs[key]!r} in {first}; "
+                           "s2s average takes checkpoints of one architecture")
+
+
 def _average_checkpoints(paths: list[str | Path], out: str | Path, force: bool) -> Path:
     from s2s.checkpoint import recorded_sha256
 
@@ -543,8 +554,8 @@ def _average_checkpoints(paths: list[str | Path], out: str | Path, force: bool) 
     model = build_model(cfg, tok)
     total: dict[str, torch.Tensor] = {}
     for d, digest in zip(dirs, digests):
-        if run_dir_of(d) != run and load_config(run_dir_of(d) / CONFIG).model != cfg.model:
-            raise S2SError(f"{d}: a different architecture than {dirs[0]}; cannot average")
+        if run_dir_of(d) != run:
+            check_same_architecture(d, load_config(run_dir_of(d) / CONFIG).model, dirs[0], cfg.model)
         load_weights(model, d / WEIGHTS, digest)
         for name, tensor in model.state_dict().items():
             total[name] = total.get(name, 0) + tensor.double()

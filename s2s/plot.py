@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from s2s.errors import S2SError
+from s2s.outdir import looks_like_run
 from s2s.textio import atomic_write, read_lines
 
 ALIGN_MAX_PIECES = 100  # `s2s align` draws at most this many pieces per axis (<= 4,700 x 4,150 pixels)
@@ -22,6 +24,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
         raise S2SError(f"{run_dir}: is a file; plot takes a training run directory "
                        "(the one holding metrics.jsonl)")
     if not path.is_file():
+        if looks_like_run(run_dir):  # stopped before its first log line
+            raise S2SError(f"{path}: no logged steps yet")
         raise S2SError(f"{path}: not found; is {run_dir} a training run?")
     rows = []
     for n, line in enumerate(read_lines(path), 1):
@@ -56,7 +60,10 @@ def read_curves(run: Path) -> Curves:
         raise S2SError(f"{run / 'metrics.jsonl'}: no logged steps yet")
     last = max(r["step"] for r in rows)
     lr_steps, lr = list(range(1, last + 1)), schedule(run, last)
-    if lr is None:  # no readable config: the logged values
+    if lr is not None and any(not math.isclose(r["lr"], lr[r["step"] - 1], rel_tol=1e-3)
+                              for r in train if "lr" in r and 1 <= r["step"] <= last):
+        lr = None  # the config is not the one those steps ran with (train.lr changed on --resume)
+    if lr is None:  # no readable config, or not the run's: the logged values
         lr_steps, lr = [r["step"] for r in train if "lr" in r], [r["lr"] for r in train if "lr" in r]
     return Curves(train, dev, lr_steps, lr, kept_step(run, dev))
 

@@ -59,6 +59,15 @@ def open_tensorboard(run_dir: Path):
     return SummaryWriter(str(run_dir / "tensorboard"))
 
 
+def _logged_step(line: str) -> int:
+    """A metrics.jsonl line's step (one that is not a step's record: 0, kept)."""
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return 0
+    return step if isinstance(step, int) else 0
+
+
 class MetricsLog:
     """Appends records to RUN/metrics.jsonl; while open, also to TensorBoard when it is installed."""
 
@@ -68,6 +77,18 @@ class MetricsLog:
 
     def open(self) -> None:
         self.tensorboard = open_tensorboard(self.run_dir)
+
+    def keep_until(self, step: int) -> None:
+        """Drop the lines past ``step``: a run resumed from its checkpoint at ``step`` logs the
+        steps after it again (a killed run had logged some of them; a new run, none is kept)."""
+        path = self.run_dir / METRICS
+        if not path.is_file():
+            return
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+        kept = [line for line in lines if _logged_step(line) <= step]
+        if len(kept) < len(lines):
+            with atomic_write(path) as f:
+                f.writelines(kept)
 
     def write(self, record: dict) -> None:
         """One line of metrics.jsonl; the numbers also go to TensorBoard (train/KEY, dev/KEY)."""

@@ -46,6 +46,7 @@ from s2s.checkpoint import (
     check_resumable,
     list_checkpoints,
     load_newest_intact,
+    remove_stale_temporaries,
     restart_advice,
     save_checkpoint,
 )
@@ -359,11 +360,9 @@ class Trainer:
         self._signal: Optional[int] = None
 
     def batching(self) -> dict:
-        batching = {"seed": self.cfg.seed, "train.max_tokens": self.tc.max_tokens,
-                    "train.update_freq": self.tc.update_freq, "data.dir": str(self.data_dir)}
-        if self.world.size > 1:
-            batching["world_size"] = self.world.size
-        return batching
+        return {"seed": self.cfg.seed, "train.max_tokens": self.tc.max_tokens,
+                "train.update_freq": self.tc.update_freq, "data.dir": str(self.data_dir),
+                "world_size": self.world.size}
 
     def seed_rank(self) -> None:
         """Ranks other than 0 draw their own dropout masks: a seed of (seed, rank, step).
@@ -605,10 +604,14 @@ class Trainer:
     def start(self, resume: bool) -> None:
         """A new run in the run directory, or (``resume``) the newest intact checkpoint of the
         same model, tokenizer and batching; then config, tokenizer and env.json are written."""
+        if self.world.is_main:
+            remove_stale_temporaries(self.run_dir)
         if open_run_dir(self.run_dir, resume, self.world):
             check_resumable(self.run_dir, self.cfg, self.data_dir)
             self.state = load_newest_intact(self.run_dir, self.model, self.optimizer)
             check_batching(self.state.batching, self.batching())
+        if self.world.is_main:  # what a killed run logged after its last checkpoint (or before any) goes
+            self.metrics.keep_until(self.state.step)
         self.state.batching = self.batching()
         self.seed_rank()
         if self.world.is_main:

@@ -341,7 +341,7 @@ def test_resume_with_every_checkpoint_damaged_is_an_error(env, tmp_path, capsys,
     cli_ok(capsys, monkeypatch, "train", env["cfg"], "-o", run, *_resume_cfg(env, tmp_path))
     for ckpt in list_checkpoints(run):
         (ckpt / "optimizer.safetensors").write_bytes(b"junk")
-    assert_error(cli(capsys, monkeypatch, "train", env["cfg"], "-o", run, "--resume"),
+    assert_error(cli(capsys, monkeypatch, "train", env["cfg"], "-o", run, "--resume", *_resume_cfg(env, tmp_path)),
                  f"{run / 'checkpoints'}: no undamaged checkpoint")
 
 
