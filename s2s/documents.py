@@ -382,11 +382,12 @@ def source_spans(translator: "Translator", ids: Sequence[int], text: str) -> lis
 
 
 def translate_paragraphs(translator: "Translator", lines: Sequence[str], first_line_no: int | Sequence[int] = 1,
-                         prefixes: Optional[Sequence[str]] = None) -> list["Translation"]:
+                         prefixes: Optional[Sequence[str]] = None, glossary=None) -> list["Translation"]:
     """``Translator.translate_chunk`` with decode.split_sentences or decode.markup: every sentence
     of every line in one ``translate_sentences`` call (sorted into batches as usual), then one
     Translation per line (see :func:`join_paragraph`).  A prefix (``--prefix-file``) forces the
-    start of its line's first sentence.  ``first_line_no``: the first line's number, or each line's."""
+    start of its line's first sentence; ``glossary`` (default: decode.glossary's) holds for each
+    sentence.  ``first_line_no``: the first line's number, or each line's."""
     decode = translator.decode
     src_lang = language_code(translator.languages[0])
     paragraphs = [read_paragraph(line, no, decode.split_sentences, decode.markup, src_lang)
@@ -399,7 +400,8 @@ def translate_paragraphs(translator: "Translator", lines: Sequence[str], first_l
             firsts.append(prefixes[i] if prefixes is not None and k == 0 else "")
     tagged = any(p.elements and p.sentences for p in paragraphs)
     with aligning(translator, tagged):
-        found = translator.translate_sentences(texts, line_nos, None if prefixes is None else firsts)
+        given = {} if glossary is None else {"glossary": glossary}  # the torch-free search takes none
+        found = translator.translate_sentences(texts, line_nos, None if prefixes is None else firsts, **given)
     need_ids = tagged or translator.alignments
     ids = translator.encode_lines(texts, line_nos) if need_ids else [None] * len(texts)
     out, pos = [], 0

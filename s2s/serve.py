@@ -132,6 +132,8 @@ def parse_request(body: bytes, decode: DecodeConfig, limits: ServeLimits,
         data = json.loads(body)
     except ValueError as e:  # UnicodeDecodeError too
         raise RequestError(400, f"request body: not valid JSON ({e})") from None
+    except RecursionError:
+        raise RequestError(400, "request body: JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise RequestError(422, f"request body: expected a JSON object with a key texts, got {_type_name(data)}")
     for key in data:
@@ -145,6 +147,7 @@ def parse_request(body: bytes, decode: DecodeConfig, limits: ServeLimits,
     for i, text in enumerate(texts):
         if not isinstance(text, str):
             raise RequestError(422, f"texts[{i}]: expected a string, got {_type_name(text)}")
+        check_unicode(text, f"texts[{i}]")
     if not texts:
         raise RequestError(422, "texts: empty list, nothing to translate")
     if len(texts) > limits.max_texts:
@@ -164,7 +167,9 @@ def parse_request(body: bytes, decode: DecodeConfig, limits: ServeLimits,
         if not isinstance(data.get(key, False), bool):
             raise RequestError(422, f"{key}: expected true or false, got {_type_name(data[key])}")
     beam = decode.beam if data.get("beam") is None else data["beam"]
-    nbest = decode.nbest if data.get("nbest") is None else data["nbest"]
+    # the server's n-best, within a narrower beam the request asks for
+    nbest = (min(decode.nbest, beam) if isinstance(beam, int) and beam >= 1 else decode.nbest) \
+        if data.get("nbest") is None else data["nbest"]
     if beam > limits.max_beam:
         raise RequestError(422, f"beam: {beam} is over this server's limit of {limits.max_beam}")
     try:
@@ -181,6 +186,15 @@ def parse_request(body: bytes, decode: DecodeConfig, limits: ServeLimits,
     return TranslateRequest(texts, search, data.get("scores", False))
 
 
+def check_unicode(text: str, key: str) -> None:
+    """JSON's \\ud800 escapes give strings no UTF-8 can hold (lone surrogates): a 422 naming ``key``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(422, f"{key}: not valid Unicode (a lone surrogate, U+{ord(text[e.start]):04X}, "
+                                f"at character {e.start + 1})") from None
+
+
 def parse_glossary(value: Any, decode: DecodeConfig) -> tuple[tuple[str, str], ...]:
     """A request's ``glossary``: an object {source term: target term} (s2s.glossary's entries,
     whole-word source terms) -> its (source, target) pairs, stripped."""
@@ -192,6 +206,8 @@ def parse_glossary(value: Any, decode: DecodeConfig) -> tuple[tuple[str, str], .
     for source, target in value.items():
         if not isinstance(target, str):
             raise RequestError(422, f"glossary[{source!r}]: expected a string, got {_type_name(target)}")
+        check_unicode(source, "glossary: a source term")
+        check_unicode(target, f"glossary[{source!r}]")
         try:
             pairs.append(check_entry(source, target, f"glossary[{source!r}]"))
         except S2SError as e:
@@ -304,8 +320,25 @@ class BatchingQueue:
 
     # -- the worker ------------------------------------------------------- #
     def _run(self) -> None:
-        while (group := self._next_group()) is not None:
+        while True:
+            try:
+                group = self._next_group()
+            except Exception as e:  # a bug, not a bad request: the queued requests hear of it, and the worker goes on
+                log.exception("batching the queued requests failed")
+                self._fail_pending(e)
+                continue
+            if group is None:
+                return
             self._translate(group)
+
+    def _fail_pending(self, e: Exception) -> None:
+        with self._cond:
+            failed, self._pending = list(self._pending), deque()
+            self._stats.queued_texts -= sum(len(j.texts) for j in failed)
+            self._stats.in_flight -= len(failed)
+        for job in failed:
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(e)
 
     def _tokens(self, job: _Job) -> int:
         if job.n_tokens is None:
@@ -417,13 +450,23 @@ def model_info(directory: str | Path) -> dict:
             "description": dict(describe(d)), "model_json": read_meta(d)}
 
 
+BODY_STALL_S = 30.0  # a client that sends nothing of its body for this long is answered 408
+
+
 async def _read_body(request, limit: int) -> bytes:
-    """The request body, refused (413) as soon as it is known to exceed ``limit`` bytes."""
+    """The request body, refused (413) as soon as it is known to exceed ``limit`` bytes, and (408)
+    when the client stops sending it: such a request would also hold a shutdown forever."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise RequestError(413, f"request body: {int(declared)} bytes, over this server's limit of {limit}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
+    chunks, size, stream = [], 0, request.stream()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(anext(stream), BODY_STALL_S)
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise RequestError(408, f"request body: nothing received for {BODY_STALL_S:.0f} s") from None
         size += len(chunk)
         if size > limit:
             raise RequestError(413, f"request body: over this server's limit of {limit} bytes")
@@ -497,6 +540,8 @@ def build_app(translator: Translator, limits: ServeLimits = ServeLimits(), info:
 
 def listen_socket(host: str, port: int) -> socket.socket:
     """A socket bound to host:port and listening (port 0: a free one, read it from getsockname)."""
+    if not 0 <= port <= 65535:
+        raise S2SError(f"--port: {port} is not a port number (0 to 65535; 0: a free one)")
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
@@ -547,6 +592,9 @@ def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8080,
 
     translator = Translator.from_dirs([model_dir], decode=decode, threads=threads, precision=precision,
                                       quantize=quantize)
+    if translator.decode.beam > limits.max_beam:  # every request without a beam would be refused
+        raise S2SError(f"decode.beam: {translator.decode.beam} (every request's default) is over --max-beam "
+                       f"{limits.max_beam}")
     engine = engine_for(TranslatorSpec((str(model_dir),), overrides=decode or {}, device="cpu", precision=precision,
                                        quantize=quantize, scores=True))
     if engine is not None:  # its threads search a batch's sorted batches at once, one core each
@@ -566,10 +614,23 @@ def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8080,
     previous = signal.getsignal(signal.SIGTERM)
     if previous == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _exit_143)
+    server, hung_up = uvicorn_server(app), []
+
+    def drain_on_hangup(signum, frame) -> None:  # SIGHUP, which uvicorn leaves alone: as SIGTERM, then 129
+        hung_up.append(signum)
+        server.handle_exit(signum, frame)
+
+    previous_hup = signal.getsignal(signal.SIGHUP)
+    if previous_hup != signal.SIG_IGN:  # ignored at start (nohup): stays ignored
+        signal.signal(signal.SIGHUP, drain_on_hangup)
     try:
-        uvicorn_server(app).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGHUP, previous_hup)
         sock.close()
         if engine is not None and engine.pool is not None:
             engine.pool.shutdown(wait=False, cancel_futures=True)  # (what has not started is dropped)
+    if hung_up:
+        log.info("stopped by SIGHUP")
+        raise SystemExit(128 + signal.SIGHUP)

@@ -487,7 +487,7 @@ class Translator:
         if self.decode.split_sentences or self.decode.markup:
             from s2s.documents import translate_paragraphs
 
-            return translate_paragraphs(self, lines, first_line_no, prefixes)
+            return translate_paragraphs(self, lines, first_line_no, prefixes, glossary)
         return self.translate_sentences(lines, first_line_no, prefixes, glossary)
 
     def translate_sentences(self, lines: Sequence[str], first_line_no: int | Sequence[int] = 1,

@@ -287,6 +287,19 @@ def test_split_sentences_translates_each_sentence_and_rejoins_them(model_dir):
     assert h.tokens == a.tokens + b.tokens and h.log_prob == pytest.approx(a.log_prob + b.log_prob)
 
 
+def test_a_glossary_given_with_the_call_holds_for_split_sentences(model_dir):
+    """`s2s serve`'s request glossary reaches each sentence of a --split-sentences paragraph."""
+    pytest.importorskip("sentencex")
+    from s2s.glossary import Glossary
+    from s2s.translate import Translator
+
+    split = Translator.from_dirs([model_dir], "cpu", decode={"beam": 2, "split_sentences": True})
+    line = "Clipboard management. Port scanner for discovering services."
+    plain = split.translate_chunk([line])[0].text
+    kept = split.translate_chunk([line], glossary=Glossary({"Port scanner": "Portscanner"}, "request"))[0].text
+    assert "Portscanner" in kept and "Portscanner" not in plain
+
+
 def test_markup_keeps_every_tag_in_order_through_the_translator(model_dir):
     pytest.importorskip("sentencex")
     from s2s.translate import Translator

@@ -5,6 +5,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -240,6 +241,9 @@ BAD = [
     ({"texts": ["a"] * 41}, 413, "texts: 41 texts, over this server's limit of 40"),
     ({"texts": ["x" * 2000, "y" * 1001]}, 413, "texts: 3001 characters, over this server's limit of 3000"),
     (b" " * 200_000 + b'{"texts": ["a"]}', 413, "request body: 200016 bytes, over this server's limit"),
+    ({"texts": ["ok", "a\ud800"]}, 422, "texts[1]: not valid Unicode (a lone surrogate, U+D800, at character 2)"),
+    ({"texts": ["a"], "glossary": {"a": "\udc00"}}, 422, "glossary['a']: not valid Unicode (a lone surrogate"),
+    (b"{\"texts\": " + b"[" * 40_000 + b"]" * 40_000 + b"}", 400, "request body: JSON nested too deeply"),
 ]
 
 
@@ -331,11 +335,12 @@ def test_a_full_queue_answers_503_and_the_queued_requests_still_complete(model_d
             Translator.from_dir(model_dir).translate(dev_lines[2:4])
 
 
-@pytest.mark.parametrize("precision", ["fp32", "auto"])
-def test_sigterm_finishes_the_request_in_flight_then_exits(model_dir, dev_lines, precision):
-    """The real command in a subprocess: SIGTERM while a long request is being translated (with
-    --precision auto by the torch-free search where this CPU takes it, and said so before the
-    address, by two threads)."""
+@pytest.mark.parametrize("precision,signum", [("fp32", signal.SIGTERM), ("auto", signal.SIGTERM),
+                                              ("fp32", signal.SIGHUP)], ids=["fp32", "auto", "sighup"])
+def test_sigterm_finishes_the_request_in_flight_then_exits(model_dir, dev_lines, precision, signum):
+    """The real command in a subprocess: SIGTERM (or SIGHUP, which uvicorn leaves to s2s) while a
+    long request is being translated (with --precision auto by the torch-free search where this
+    CPU takes it, and said so before the address, by two threads)."""
     from s2s import native_search
     from s2s.workers import TranslatorSpec
 
@@ -363,7 +368,7 @@ def test_sigterm_finishes_the_request_in_flight_then_exits(model_dir, dev_lines,
         client = threading.Thread(target=long_request)
         client.start()
         wait_for(lambda: json.loads(http(url + "/health")[1])["in_flight"] == 1, "the request to arrive")
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         signalled = time.time()
         client.join(120)
         code = proc.wait(60)
@@ -378,11 +383,52 @@ def test_sigterm_finishes_the_request_in_flight_then_exits(model_dir, dev_lines,
     want = [t.text for t in engine.translate_chunk(lines)] if engine else \
         Translator.from_dirs([model_dir], decode={"beam": 4}, precision=precision).translate(lines)
     assert [t["text"] for t in json.loads(text)["translations"]] == want
-    assert code == 143, err
+    assert code == 128 + signum, err
     assert "Traceback" not in err and f"stopped after 1 requests ({n} texts in 1 batches)" in err, err
-    assert err.strip().splitlines()[-1] == "s2s: terminated by SIGTERM", err
+    assert err.strip().splitlines()[-1] == {signal.SIGTERM: "s2s: terminated by SIGTERM",
+                                            signal.SIGHUP: "s2s: stopped by SIGHUP"}[signum], err
     with pytest.raises(urllib.error.URLError):  # no longer listening
         urllib.request.urlopen(url + "/health", timeout=5)
+
+
+def test_a_client_that_stops_sending_its_body_is_answered_408(server, monkeypatch):
+    """...rather than holding its connection, and a shutdown, forever."""
+    import s2s.serve
+
+    monkeypatch.setattr(s2s.serve, "BODY_STALL_S", 0.5)
+    host, port = server[0].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b'POST /translate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"texts":')
+        answer = s.recv(4096).decode()
+    assert answer.startswith("HTTP/1.1 408") and "nothing received for 0 s" in answer, answer
+
+
+def test_a_failure_while_batching_fails_the_queued_requests_and_the_worker_goes_on(model_dir, monkeypatch):
+    from s2s.serve import BatchingQueue, SearchRequest
+
+    translator = Translator.from_dir(model_dir)
+    queue = BatchingQueue(translator, window_s=0.001)
+    real = translator.tok.encode_src
+    monkeypatch.setattr(translator.tok, "encode_src",
+                        lambda texts: (_ for _ in ()).throw(RuntimeError("bug")) if "boom" in texts else real(texts))
+    queue.start()
+    try:
+        search = SearchRequest(1, 1, False, (), "")
+        with pytest.raises(RuntimeError, match="bug"):
+            queue.submit(["boom"], search).result(60)
+        assert len(queue.submit(["hello"], search).result(60)) == 1
+        assert queue.stats().in_flight == 0 and queue.stats().queued_texts == 0
+    finally:
+        queue.close()
+
+
+def test_port_and_default_beam_are_checked_at_start(model_dir):
+    from s2s.serve import serve
+
+    with pytest.raises(S2SError, match=r"--port: 70000 is not a port number"):
+        listen_socket("127.0.0.1", 70000)
+    with pytest.raises(S2SError, match=r"decode.beam: 8 \(every request's default\) is over --max-beam 4"):
+        serve(model_dir, port=0, limits=ServeLimits(max_beam=4), decode={"beam": 8})
 
 
 def test_a_port_in_use_is_one_error_naming_it():
