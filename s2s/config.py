@@ -613,6 +613,9 @@ class FlowText(str):
         self.parsed = parsed
         return self
 
+    def __getnewargs__(self) -> tuple[str, Any]:  # pickled to a --workers process, copied
+        return str(self), self.parsed
+
 
 def decode_overrides(items: Optional[list[str]], command: str) -> dict:
     """``--set decode.KEY=VALUE`` items of ``s2s COMMAND`` -> {KEY: VALUE} (checked when

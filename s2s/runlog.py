@@ -84,9 +84,12 @@ class MetricsLog:
         path = self.run_dir / METRICS
         if not path.is_file():
             return
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+        text = path.read_text(encoding="utf-8", errors="replace")
+        lines = text.splitlines(keepends=True)
+        if lines and not lines[-1].endswith("\n"):
+            lines.pop()  # torn by the kill: the next line would be glued to it
         kept = [line for line in lines if _logged_step(line) <= step]
-        if len(kept) < len(lines):
+        if "".join(kept) != text:
             with atomic_write(path) as f:
                 f.writelines(kept)
 

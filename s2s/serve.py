@@ -167,9 +167,9 @@ def parse_request(body: bytes, decode: DecodeConfig, limits: ServeLimits,
         if not isinstance(data.get(key, False), bool):
             raise RequestError(422, f"{key}: expected true or false, got {_type_name(data[key])}")
     beam = decode.beam if data.get("beam") is None else data["beam"]
-    # the server's n-best, within a narrower beam the request asks for
-    nbest = (min(decode.nbest, beam) if isinstance(beam, int) and beam >= 1 else decode.nbest) \
-        if data.get("nbest") is None else data["nbest"]
+    # the server's n-best, within a narrower beam the request asks for (a sampling server's: samples)
+    nbest = data["nbest"] if data.get("nbest") is not None else \
+        decode.nbest if decode.sampling or beam < 1 else min(decode.nbest, beam)
     if beam > limits.max_beam:
         raise RequestError(422, f"beam: {beam} is over this server's limit of {limits.max_beam}")
     try:

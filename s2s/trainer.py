@@ -606,6 +606,7 @@ class Trainer:
         same model, tokenizer and batching; then config, tokenizer and env.json are written."""
         if self.world.is_main:
             remove_stale_temporaries(self.run_dir)
+        self.world.barrier()  # every rank lists the checkpoints as rank 0 left them
         if open_run_dir(self.run_dir, resume, self.world):
             check_resumable(self.run_dir, self.cfg, self.data_dir)
             self.state = load_newest_intact(self.run_dir, self.model, self.optimizer)

@@ -63,6 +63,10 @@ def test_log_lines_past_the_checkpoint_resumed_from_go(tmp_path):
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     MetricsLog(tmp_path).keep_until(0)
     assert (tmp_path / "metrics.jsonl").read_text() == ""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "lo')  # torn by a kill
+    MetricsLog(tmp_path).keep_until(2)
+    MetricsLog(tmp_path).write({"step": 2, "loss": 4.0})
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
 def test_resume_after_a_kill_logs_each_step_once(prepared, run, tmp_path):
@@ -108,9 +112,16 @@ def test_average_names_the_architecture_key_that_differs(prepared, run, tmp_path
 
 
 def test_set_takes_lists_for_list_keys_and_text_elsewhere(prepared):
+    import copy
+    import pickle
+
+    from s2s.config import decode_overrides
+
     cfg = load_config(prepared, ["data.pairs=[]", "tokenizer.lang_tokens=[<2de>, <2fr>]", "data.dir=[x]"])
     assert cfg.data.pairs == () and cfg.tokenizer.lang_tokens == ("<2de>", "<2fr>")
     assert cfg.data.dir == "[x]" and type(cfg.data.dir) is str
+    given = decode_overrides(["decode.glossary=[terms]"], "translate")  # sent to --workers processes
+    assert pickle.loads(pickle.dumps(given)) == copy.deepcopy(given) == {"glossary": "[terms]"}
 
 
 def test_a_time_budget_of_zero_is_refused(prepared):

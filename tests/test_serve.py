@@ -422,6 +422,16 @@ def test_a_failure_while_batching_fails_the_queued_requests_and_the_worker_goes_
         queue.close()
 
 
+def test_a_request_without_nbest_gets_the_servers_within_its_beam():
+    from s2s.config import DecodeConfig
+    from s2s.serve import parse_request
+
+    searching, sampling = DecodeConfig(beam=4, nbest=3), DecodeConfig(beam=1, nbest=4, sampling=True)
+    assert parse_request(b'{"texts": ["a"], "beam": 2}', searching, ServeLimits()).search.nbest == 2
+    assert parse_request(b'{"texts": ["a"]}', searching, ServeLimits()).search.nbest == 3
+    assert parse_request(b'{"texts": ["a"]}', sampling, ServeLimits()).search.nbest == 4  # samples
+
+
 def test_port_and_default_beam_are_checked_at_start(model_dir):
     from s2s.serve import serve
 
