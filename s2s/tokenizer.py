@@ -391,6 +391,7 @@ def train_tokenizer(tok: TokenizerConfig, data: DataConfig, out_dir: Optional[st
                     seed: int = 1) -> list[Path]:
     """Train SentencePiece on the training corpus; return the model files written."""
     out = Path(out_dir or data.dir)
+    check_data_dir(out)  # before reading the corpora: a refusal costs nothing
     corpora = data.split_corpora("train")
     if not corpora:
         raise S2SError("data.train: no training corpus configured")
@@ -419,7 +420,6 @@ def train_tokenizer(tok: TokenizerConfig, data: DataConfig, out_dir: Optional[st
     if reserved != (PAD_ID, UNK_ID, BOS_ID, EOS_ID, "", -1) or tok.type == "byte_bpe":
         raise S2SError("tokenizer: s2s trains SentencePiece (unigram or bpe) with pad_id 0, unk_id 1, "
                        "bos_id 2, eos_id 3, no vocab_file and no prefix_id; leave those keys at their defaults")
-    check_data_dir(out)
     with staged_files() as staged:  # the models and tokenizer.json appear together, or none does
         if tok.joint:
             sizes = {src_path: _train_one(src_lines + tgt_lines, src_path, tok, staged)}
